@@ -1,0 +1,41 @@
+"""pf-trl: padding-free fine-tuning for Hugging Face TRL.
+
+Public API (imported lazily so that ``import pf_trl`` stays cheap and the sampler works without torch):
+
+- data: :func:`pretokenize`, :class:`PretokenizeConfig`, :func:`load_shards`, :func:`load_tokenizer`
+- batching: :class:`TokenBudgetBatchSampler`, :class:`PaddingFreeCollator`
+- attention: :func:`enable_padding_free`, :func:`varlen_attention`
+- training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pf_trl._version import __version__
+
+_EXPORTS = {
+    "pretokenize": "pf_trl.data.pretokenize",
+    "PretokenizeConfig": "pf_trl.data.pretokenize",
+    "load_shards": "pf_trl.data.shards",
+    "ShardsError": "pf_trl.data.shards",
+    "load_tokenizer": "pf_trl.data.tokenizer",
+    "TokenBudgetBatchSampler": "pf_trl.sampler",
+    "PaddingFreeCollator": "pf_trl.collator",
+    "enable_padding_free": "pf_trl.attention",
+    "varlen_attention": "pf_trl.attention",
+    "PaddingFreeConfig": "pf_trl.trainer",
+    "PaddingFreeSFTTrainer": "pf_trl.trainer",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pf_trl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
