@@ -1,0 +1,45 @@
+"""`pf-trl` entry point: dispatches to the subcommand modules (imported lazily: `serve` needs FastAPI,
+`train` needs TRL; neither is imported for `pf-trl pretokenize`)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from pf_trl._version import __version__
+
+COMMANDS = {
+    "train": ("pf_trl.cli.train", "fine-tune with TRL's SFTTrainer, padding-free"),
+    "pretokenize": ("pf_trl.cli.pretokenize", "tokenize a dataset into a shards directory"),
+    "inspect": ("pf_trl.cli.inspect", "print the manifest and packing statistics of a shards directory"),
+    "serve": ("pf_trl.cli.serve", "run the preprocessing service (FastAPI)"),
+    "bench": ("pf_trl.cli.bench", "padded vs TRL padding-free vs pf-trl, side by side"),
+    "demo": ("pf_trl.cli.demo", "pretokenize the shipped sample and train the tiny default a few steps"),
+}
+
+
+def usage() -> str:
+    lines = [f"pf-trl {__version__}: padding-free fine-tuning for TRL", "", "usage: pf-trl COMMAND [options]", ""]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`pf-trl COMMAND --help` shows the options of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"pf-trl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""pretokenize(): the only tokenization code in pf-trl. The CLI and the service both call it.
+
+Source (JSON / JSONL / Parquet / CSV file, or a ``load_from_disk`` directory) -> format rendering ->
+tokenization (batched ``datasets.map``, fast tokenizer, optional worker processes) -> truncation
+policy -> a shards directory (see ``shards.py``) written atomically: everything goes to a temporary
+sibling directory that is renamed into place at the end, so a failed run leaves nothing behind and an
+existing output is never touched unless ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pf_trl._version import __version__
+from pf_trl.data import formats
+from pf_trl.data.formats import FieldNames, FormatError
+from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
+from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_POLICIES = ("truncate", "drop", "error")
+SOURCE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+# Why a row is not kept (the `_drop` column during processing).
+_KEEP, _TOO_LONG, _NO_LOSS = 0, 1, 2
+
+ProgressCallback = Callable[[int, int, int], None]
+"""Called as ``progress(rows_done, rows_total, tokens_done)`` after each chunk."""
+
+
+class PretokenizeError(ValueError):
+    """Bad input to pretokenize. The message names the problem and the fix; nothing was written."""
+
+
+@dataclass
+class PretokenizeConfig:
+    """What to tokenize and how. Every field is part of the output's content address.
+
+    Attributes:
+        input_format: ``auto`` | ``pretokenized`` | ``text`` | ``prompt_completion`` | ``messages``.
+        text_field / prompt_field / completion_field / messages_field / input_ids_field / labels_field:
+            column names read by the formats.
+        response_template: for ``text``: loss starts after its last occurrence.
+        max_seq_len: longest example kept, in tokens.
+        truncation: ``truncate`` (keep the first max_seq_len tokens) | ``drop`` | ``error``.
+        add_eos: append EOS (supervised) to ``text`` and ``prompt_completion`` rows.
+        drop_no_loss: drop rows left with no supervised token (they cost compute and teach nothing).
+        shard_size: ``save_to_disk(max_shard_size=...)``, e.g. ``"500MB"``.
+    """
+
+    input_format: str = "auto"
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    input_ids_field: str = "input_ids"
+    labels_field: str = "labels"
+    response_template: str | None = None
+    max_seq_len: int = 1024
+    truncation: str = "truncate"
+    add_eos: bool = True
+    drop_no_loss: bool = True
+    shard_size: str = "500MB"
+
+    def __post_init__(self) -> None:
+        if self.input_format not in ("auto", *formats.FORMATS):
+            raise PretokenizeError(
+                f"input_format {self.input_format!r} is unknown; use one of auto, {', '.join(formats.FORMATS)}"
+            )
+        if not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len <= 0:
+            raise PretokenizeError(f"max_seq_len must be a positive integer, got {self.max_seq_len!r}")
+        if self.truncation not in TRUNCATION_POLICIES:
+            raise PretokenizeError(f"truncation {self.truncation!r} is unknown; use one of {', '.join(TRUNCATION_POLICIES)}")
+        if self.input_format == "text" and not self.response_template:
+            raise PretokenizeError("input_format 'text' needs a response_template (e.g. '### Response:')")
+
+    @property
+    def fields(self) -> FieldNames:
+        return FieldNames(
+            text=self.text_field,
+            prompt=self.prompt_field,
+            completion=self.completion_field,
+            messages=self.messages_field,
+            input_ids=self.input_ids_field,
+            labels=self.labels_field,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------- source
+
+
+def source_fingerprint(source: str | Path) -> str:
+    """sha256 of the source bytes (a directory: every file under it, by relative path)."""
+    path = Path(source)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        digest.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _locate_json_error(path: Path) -> str | None:
+    """Find the first malformed line of a JSONL file (the Arrow JSON reader does not say which)."""
+    with open(path, "rb") as f:
+        head = f.read(1).lstrip()
+        if head == b"[":
+            return None  # a JSON array: not line-oriented
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"line {lineno}: {exc.msg} (column {exc.colno})"
+            if not isinstance(value, dict):
+                return f"line {lineno}: expected a JSON object, got {type(value).__name__}"
+    return None
+
+
+def load_source(source: str | Path, work_dir: Path):
+    """Open a local source as a ``datasets.Dataset``; the datasets cache goes to ``work_dir``."""
+    import datasets
+
+    path = Path(source)
+    if not path.exists():
+        raise PretokenizeError(f"source {path} does not exist")
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as exc:
+            raise PretokenizeError(
+                f"source directory {path} is not a `datasets.save_to_disk` directory ({exc}); pass a JSON, "
+                "JSONL, Parquet or CSV file, or such a directory"
+            ) from exc
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise PretokenizeError(f"source {path} is a DatasetDict without a 'train' split: {list(ds)}")
+            ds = ds["train"]
+        return ds
+    builder = SOURCE_SUFFIXES.get(path.suffix.lower())
+    if builder is None:
+        raise PretokenizeError(
+            f"source {path} has suffix {path.suffix!r}; supported: {', '.join(sorted(SOURCE_SUFFIXES))} or a directory"
+        )
+    if path.stat().st_size == 0:
+        raise PretokenizeError(f"source {path} is empty (0 bytes)")
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(work_dir / "hf-cache"))
+    except Exception as exc:
+        where = _locate_json_error(path) if builder == "json" else None
+        detail = where or (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise PretokenizeError(f"cannot read {path} as {builder}: {detail}") from exc
+    if ds.num_rows == 0:
+        raise PretokenizeError(f"source {path} has no rows")
+    return ds
+
+
+# ------------------------------------------------------------------------------------- tokenizing
+
+
+def _tokenize_batch(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer,
+    input_format: str,
+    config: PretokenizeConfig,
+    index_offset: int,
+) -> dict[str, list]:
+    """datasets.map function: one batch of source rows -> token rows plus bookkeeping columns."""
+    indices = [i + index_offset for i in indices]  # row numbers of the source, for error messages
+    fields = config.fields
+    if input_format == "pretokenized":
+        ids_list, labels_list = formats.read_pretokenized(batch, indices, fields, len(tokenizer))
+    else:
+        if input_format == "text":
+            texts, spans = formats.render_text(batch, indices, fields, config.response_template)
+        elif input_format == "prompt_completion":
+            texts, spans = formats.render_prompt_completion(batch, indices, fields)
+        else:
+            texts, spans = formats.render_messages(tokenizer, batch, indices, fields)
+        # Chat templates write their own special tokens; the other formats get the tokenizer's BOS.
+        ids_list, labels_list = formats.encode_spans(
+            tokenizer, texts, spans, add_special_tokens=input_format != "messages"
+        )
+        if config.add_eos and input_format != "messages" and tokenizer.eos_token_id is not None:
+            eos = tokenizer.eos_token_id
+            for ids, labels in zip(ids_list, labels_list):
+                ids.append(eos)
+                labels.append(eos)
+
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": []}
+    for ids, labels, index in zip(ids_list, labels_list, indices):
+        drop, truncated = _KEEP, False
+        if len(ids) > config.max_seq_len:
+            if config.truncation == "error":
+                raise PretokenizeError(
+                    f"row {index} has {len(ids)} tokens > max_seq_len {config.max_seq_len} and truncation='error'; "
+                    "raise max_seq_len or use truncation 'truncate' or 'drop'"
+                )
+            if config.truncation == "drop":
+                drop = _TOO_LONG
+            else:
+                ids, labels, truncated = ids[: config.max_seq_len], labels[: config.max_seq_len], True
+        loss = sum(1 for t in labels if t != formats.IGNORE_INDEX)
+        if drop == _KEEP and loss == 0 and config.drop_no_loss:
+            drop = _NO_LOSS
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["length"].append(len(ids))
+        out["_drop"].append(drop)
+        out["_truncated"].append(truncated)
+        out["_loss"].append(loss)
+    return out
+
+
+def _resolve_format(ds, config: PretokenizeConfig) -> str:
+    fields = config.fields
+    input_format = config.input_format
+    if input_format == "auto":
+        input_format = formats.detect_format(ds.column_names, fields, config.response_template)
+    missing = [c for c in formats.required_columns(input_format, fields) if c not in ds.column_names]
+    if missing:
+        raise PretokenizeError(
+            f"format {input_format!r} needs column(s) {missing}, but the source has {ds.column_names}; "
+            "set the matching field option (e.g. --dataset_text_field) or --input_format"
+        )
+    return input_format
+
+
+def _chunk_bounds(rows: int, num_chunks: int) -> list[tuple[int, int]]:
+    step = -(-rows // num_chunks)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def pretokenize(
+    source: str | Path,
+    output_dir: str | Path,
+    config: PretokenizeConfig | None = None,
+    *,
+    tokenizer: Any = DEFAULT_TOKENIZER,
+    num_proc: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+    progress_callback: ProgressCallback | None = None,
+    source_fingerprint_value: str | None = None,
+) -> dict[str, Any]:
+    """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
+
+    Args:
+        source: JSON / JSONL / Parquet / CSV file, or a ``datasets.save_to_disk`` directory.
+        output_dir: the shards directory to create (must not exist unless ``overwrite``).
+        config: formats, lengths and truncation (:class:`PretokenizeConfig`).
+        tokenizer: an embedded name, a local folder, or a loaded fast tokenizer.
+        num_proc: tokenizer worker processes for ``datasets.map``.
+        overwrite: replace an existing output (still atomically: the old one stays until the new is complete).
+        progress: show a tqdm progress bar.
+        progress_callback: ``f(rows_done, rows_total, tokens_done)`` after each chunk (the service uses it).
+        source_fingerprint_value: precomputed sha256 of the source (avoids hashing it twice).
+
+    Raises:
+        PretokenizeError: bad source, format, options or rows; the message names the row and the fix.
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    config = config or PretokenizeConfig()
+    out = Path(output_dir)
+    if out.exists() and not overwrite:
+        raise PretokenizeError(f"output {out} already exists; choose a new directory or pass overwrite=True (--overwrite)")
+    if num_proc < 1:
+        raise PretokenizeError(f"num_proc must be >= 1, got {num_proc}")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(str(tokenizer))
+    started = time.time()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # one bar of our own instead of datasets' per-step bars
+    try:
+        ds = load_source(source, work)
+        input_format = _resolve_format(ds, config)
+        rows_total = ds.num_rows
+        # Chunks give progress reports (and a live bar across processes); few enough to keep overhead low.
+        bounds = _chunk_bounds(rows_total, max(1, min(50, rows_total // 2000)))
+        parts, tokens_done = [], 0
+        bar = tqdm(total=rows_total, desc="pretokenize", unit="rows", disable=not progress)
+        features = _processing_features()
+        try:
+            for start, stop in bounds:
+                chunk = ds.select(range(start, stop))
+                mapped = chunk.map(
+                    _tokenize_batch,
+                    with_indices=True,
+                    batched=True,
+                    batch_size=256,
+                    remove_columns=chunk.column_names,
+                    fn_kwargs={
+                        "tokenizer": tokenizer,
+                        "input_format": input_format,
+                        "config": config,
+                        "index_offset": start,
+                    },
+                    num_proc=num_proc if stop - start >= 4 * num_proc and num_proc > 1 else None,
+                    features=features,
+                    load_from_cache_file=False,
+                    cache_file_name=str(work / f"chunk-{start:012d}.arrow"),
+                    new_fingerprint=f"pf-{start}",
+                )
+                parts.append(mapped)
+                tokens_done += int(np.asarray(mapped.data.column("length")).sum())
+                bar.update(stop - start)
+                if progress_callback is not None:
+                    progress_callback(stop, rows_total, tokens_done)
+        finally:
+            bar.close()
+        full = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+        drop = np.asarray(full.data.column("_drop"))
+        truncated = np.asarray(full.data.column("_truncated"))
+        loss = np.asarray(full.data.column("_loss"))
+        keep = drop == _KEEP
+        kept = full.filter(lambda d: [x == _KEEP for x in d], input_columns="_drop", batched=True,
+                           cache_file_name=str(work / "kept.arrow"))
+        kept = kept.remove_columns(["_drop", "_truncated", "_loss"])
+        if kept.num_rows == 0:
+            raise PretokenizeError(
+                f"no example left after tokenization ({int((drop == _TOO_LONG).sum())} too long, "
+                f"{int((drop == _NO_LOSS).sum())} without supervised tokens); check max_seq_len and the loss masking options"
+            )
+        # `.data` is the table before the filter's index mapping: select the kept rows ourselves.
+        lengths = np.asarray(full.data.column("length"))[keep]
+        shards_tmp = work / "shards"
+        kept.save_to_disk(str(shards_tmp), max_shard_size=config.shard_size)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "pf_trl_version": __version__,
+            "created_unix": round(started, 3),
+            "tokenize_seconds": round(time.time() - started, 3),
+            "source": {
+                "path": str(Path(source).resolve()),
+                "sha256": source_fingerprint_value or source_fingerprint(source),
+                "rows": rows_total,
+                "input_format": input_format,
+            },
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "options": config.to_dict(),
+            "max_seq_len": config.max_seq_len,
+            "truncation": config.truncation,
+            "counts": {
+                "source_rows": rows_total,
+                "examples": int(kept.num_rows),
+                "tokens": int(lengths.sum()),
+                "loss_tokens": int(loss[keep].sum()),
+                "truncated": int(truncated[keep].sum()),
+                "dropped": int((~keep).sum()),
+                "dropped_too_long": int((drop == _TOO_LONG).sum()),
+                "dropped_no_loss": int((drop == _NO_LOSS).sum()),
+            },
+            "lengths": length_stats(lengths, config.max_seq_len),
+            "columns": {"input_ids": "list<int32>", "labels": "list<int32>", "length": "int32"},
+        }
+        write_manifest(shards_tmp, manifest)
+        _publish(shards_tmp, out, overwrite=overwrite)
+        logger.info("pretokenize: %d examples, %d tokens -> %s", kept.num_rows, int(lengths.sum()), out)
+        return manifest
+    except FormatError as exc:
+        raise PretokenizeError(str(exc)) from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+def _processing_features():
+    """Shard columns plus the bookkeeping columns that exist only while processing."""
+    from datasets import Value
+
+    features = shard_features()
+    features["_drop"] = Value("int8")
+    features["_truncated"] = Value("bool")
+    features["_loss"] = Value("int32")
+    return features
+
+
+def _publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
+    """Move a complete shards directory into place; an old output is replaced only after the new is whole."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if not overwrite:
+        raise PretokenizeError(f"output {out} appeared while pretokenizing; it was left untouched")
+    backup = out.with_name(f".{out.name}.old-{os.getpid()}-{int(time.time())}")
+    os.rename(out, backup)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        os.rename(backup, out)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)

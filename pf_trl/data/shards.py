@@ -1,0 +1,155 @@
+"""The on-disk contract between pretokenize and the trainer: a shards directory.
+
+A shards directory is what ``datasets.Dataset.save_to_disk`` writes (Arrow shards, ``state.json``,
+``dataset_info.json``), so ``datasets.load_from_disk`` opens it memory-mapped, plus ``pf_manifest.json``
+(schema below, the one place it is defined). Columns:
+
+- ``input_ids``: ``list<int32>``
+- ``labels``: ``list<int32>``, -100 where no loss
+- ``length``: ``int32``, ``len(input_ids)`` (the sampler reads only this column)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST_FILE = "pf_manifest.json"
+FORMAT_VERSION = 1
+COLUMNS = ("input_ids", "labels", "length")
+
+
+class ShardsError(ValueError):
+    """A shards directory is missing, corrupt or incompatible. The message says which and what to do."""
+
+
+def shard_features():
+    """The Arrow schema of a shards directory, as ``datasets.Features``."""
+    from datasets import Features, Sequence, Value
+
+    return Features(
+        {
+            "input_ids": Sequence(Value("int32")),
+            "labels": Sequence(Value("int32")),
+            "length": Value("int32"),
+        }
+    )
+
+
+def length_stats(lengths: np.ndarray, max_seq_len: int | None, bins: int = 32) -> dict[str, Any]:
+    """min/mean/percentiles/max and a fixed-width histogram of example lengths."""
+    if lengths.size == 0:
+        return {"min": 0, "mean": 0.0, "p50": 0, "p90": 0, "p99": 0, "max": 0, "histogram": {"edges": [], "counts": []}}
+    top = max(int(lengths.max()), int(max_seq_len or 0), 1)
+    width = max(1, math.ceil(top / bins))
+    edges = [i * width for i in range(bins + 1)]
+    # Right-closed last bin so that an example of exactly max_seq_len lands in it.
+    counts, _ = np.histogram(lengths, bins=np.array(edges, dtype=np.float64))
+    return {
+        "min": int(lengths.min()),
+        "mean": round(float(lengths.mean()), 3),
+        "p50": int(np.percentile(lengths, 50, method="lower")),
+        "p90": int(np.percentile(lengths, 90, method="lower")),
+        "p99": int(np.percentile(lengths, 99, method="lower")),
+        "max": int(lengths.max()),
+        "histogram": {"edges": edges, "counts": [int(c) for c in counts]},
+    }
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest file (the caller makes the whole directory appear atomically)."""
+    with open(Path(directory) / MANIFEST_FILE, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """Read and check ``pf_manifest.json`` of a shards directory."""
+    directory = Path(path)
+    if not directory.exists():
+        raise ShardsError(f"shards directory {directory} does not exist; run `pf-trl pretokenize` to create it")
+    if not directory.is_dir():
+        raise ShardsError(f"{directory} is a file, not a shards directory; pass the directory pretokenize wrote")
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ShardsError(
+            f"{directory} has no {MANIFEST_FILE}: it is not a pf-trl shards directory (or an interrupted "
+            "write); re-run `pf-trl pretokenize` into a fresh directory"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ShardsError(f"{manifest_path} is corrupt ({exc}); re-run `pf-trl pretokenize`") from exc
+    if not isinstance(manifest, dict):
+        raise ShardsError(f"{manifest_path} is not a JSON object; re-run `pf-trl pretokenize`")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ShardsError(
+            f"{directory} has shards format version {version!r}; this pf-trl reads version {FORMAT_VERSION}: "
+            "re-run `pf-trl pretokenize` with this version"
+        )
+    for key in ("tokenizer", "counts", "max_seq_len"):
+        if key not in manifest:
+            raise ShardsError(f"{manifest_path} lacks the {key!r} field; re-run `pf-trl pretokenize`")
+    return manifest
+
+
+def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None = None):
+    """Open a shards directory memory-mapped and validate it against its manifest.
+
+    Args:
+        path: the directory written by :func:`pf_trl.pretokenize`.
+        expected_tokenizer: a :func:`~pf_trl.data.tokenizer.tokenizer_fingerprint`; when given, shards made
+            with another tokenizer are refused (their token ids would mean other tokens).
+
+    Returns:
+        ``datasets.Dataset`` with columns ``input_ids``, ``labels``, ``length``; its ``pf_manifest``
+        attribute holds the manifest.
+    """
+    import datasets
+
+    manifest = read_manifest(path)
+    directory = Path(path)
+    try:
+        dataset = datasets.load_from_disk(str(directory))
+    except Exception as exc:
+        raise ShardsError(f"{directory} has a manifest but its Arrow data cannot be opened ({exc}); re-run pretokenize") from exc
+    if isinstance(dataset, datasets.DatasetDict):
+        raise ShardsError(f"{directory} holds a DatasetDict; pf-trl shards are a single Dataset")
+    missing = [c for c in COLUMNS if c not in dataset.column_names]
+    if missing:
+        raise ShardsError(f"{directory} lacks columns {missing} (has {dataset.column_names}); re-run pretokenize")
+    expected = shard_features()
+    for column in COLUMNS:
+        if dataset.features[column] != expected[column]:
+            raise ShardsError(
+                f"{directory}: column {column!r} has type {dataset.features[column]}, expected {expected[column]}"
+            )
+    rows = manifest["counts"].get("examples")
+    if rows != dataset.num_rows:
+        raise ShardsError(
+            f"{directory}: manifest counts {rows} examples but the Arrow data has {dataset.num_rows}; the "
+            "directory was modified after it was written: re-run pretokenize"
+        )
+    if expected_tokenizer is not None:
+        have = manifest["tokenizer"]
+        if have.get("sha256") != expected_tokenizer.get("sha256") or have.get("vocab_size") != expected_tokenizer.get(
+            "vocab_size"
+        ):
+            raise ShardsError(
+                f"{directory} was tokenized with {have.get('name')!r} (sha256 {str(have.get('sha256'))[:12]}, vocab "
+                f"{have.get('vocab_size')}) but the model uses {expected_tokenizer.get('name')!r} (sha256 "
+                f"{str(expected_tokenizer.get('sha256'))[:12]}, vocab {expected_tokenizer.get('vocab_size')}); "
+                "re-run pretokenize with the model's tokenizer"
+            )
+    dataset.pf_manifest = manifest
+    return dataset
+
+
+def is_shards_dir(path: str | Path) -> bool:
+    """True when ``path`` is a directory with a pf-trl manifest (no validation)."""
+    return (Path(path) / MANIFEST_FILE).is_file()

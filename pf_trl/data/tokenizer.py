@@ -1,0 +1,184 @@
+"""Tokenizer loading without any hub access, and the tokenizer identity recorded in manifests.
+
+The embedded default is the Mistral-7B v0.1 sentencepiece model shipped inside the ``mistral-common``
+package (``mistral_common/data/tokenizer.model.v1``). Pitfall on transformers 5.x:
+``LlamaTokenizer(vocab_file=...)`` silently ignores the file; ``from_pretrained(folder)`` on a folder
+holding ``tokenizer.model`` converts it correctly, so that is what we do, once, into a local cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TOKENIZER = "pf-trl/mistral-7b-v0.1"
+_EMBEDDED_ALIASES = {DEFAULT_TOKENIZER, "default", "mistral-7b-v0.1"}
+
+# Mistral-instruct v0.1 style template: the loss mask for chat data is derived from the rendered
+# text (see formats.py), so the template needs no `{% generation %}` markers.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+)
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer could not be loaded from local files."""
+
+
+def cache_root() -> Path:
+    """Local cache of pf-trl (converted tokenizers, pretokenized data): ``$PF_TRL_CACHE`` or ``~/.cache/pf-trl``."""
+    return Path(os.environ.get("PF_TRL_CACHE", Path.home() / ".cache" / "pf-trl")).expanduser()
+
+
+def embedded_tokenizer_file() -> Path:
+    """Path of the Mistral-7B v0.1 sentencepiece model shipped inside ``mistral-common``."""
+    try:
+        import mistral_common
+    except ImportError as exc:  # pragma: no cover - a hard dependency
+        raise TokenizerLoadError(
+            "the embedded default tokenizer needs the 'mistral-common' package: pip install mistral-common"
+        ) from exc
+    path = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    if not path.is_file():
+        raise TokenizerLoadError(f"mistral-common is installed but {path} is missing; reinstall mistral-common")
+    return path
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _embedded_tokenizer_dir() -> Path:
+    """Convert the embedded sentencepiece model once into a cached HF tokenizer folder (atomic)."""
+    from transformers import LlamaTokenizer
+
+    source = embedded_tokenizer_file()
+    key = _sha256_file(source)[:16]
+    target = cache_root() / "tokenizers" / f"mistral-7b-v0.1-{key}"
+    if (target / "tokenizer_config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        shutil.copyfile(source, work / "tokenizer.model")
+        tok = LlamaTokenizer.from_pretrained(str(work), add_bos_token=True, add_eos_token=False)
+        if len(tok) != 32000:
+            raise TokenizerLoadError(f"converted embedded tokenizer has {len(tok)} tokens, expected 32000")
+        tok.chat_template = MISTRAL_CHAT_TEMPLATE
+        out = work / "out"
+        tok.save_pretrained(str(out))
+        shutil.copyfile(source, out / "tokenizer.model")
+        try:
+            os.replace(out, target)
+        except OSError:
+            if not (target / "tokenizer_config.json").is_file():  # lost a race to another process: fine
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def resolve_tokenizer_path(name_or_path: str) -> tuple[str, Path]:
+    """Map a tokenizer name to ``(display name, local folder)``; never touches a hub."""
+    if name_or_path in _EMBEDDED_ALIASES:
+        return DEFAULT_TOKENIZER, _embedded_tokenizer_dir()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise TokenizerLoadError(
+            f"tokenizer {name_or_path!r} is neither a local folder nor an embedded name "
+            f"({DEFAULT_TOKENIZER!r}); pf-trl never downloads from a hub: pass a folder that holds "
+            "tokenizer.json / tokenizer.model"
+        )
+    if path.is_file():
+        raise TokenizerLoadError(f"tokenizer path {path} is a file; pass the folder that contains it")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise TokenizerLoadError(f"folder {path} holds no tokenizer files (expected tokenizer.json or tokenizer.model)")
+    return str(path), path
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, **kwargs: Any):
+    """Load a Hugging Face tokenizer from local files only.
+
+    Args:
+        name_or_path: ``"pf-trl/mistral-7b-v0.1"`` (the embedded default) or a local folder.
+        kwargs: forwarded to ``AutoTokenizer.from_pretrained``.
+
+    Remote code is never executed and no hub is contacted. The returned tokenizer carries
+    ``pf_trl_name`` and ``pf_trl_path`` attributes used for its manifest identity.
+    """
+    from transformers import AutoTokenizer
+
+    name, path = resolve_tokenizer_path(name_or_path)
+    kwargs.setdefault("local_files_only", True)
+    kwargs["trust_remote_code"] = False
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    except Exception as exc:
+        raise TokenizerLoadError(f"could not load tokenizer from {path}: {exc}") from exc
+    if not getattr(tok, "is_fast", False):
+        raise TokenizerLoadError(
+            f"tokenizer at {path} loaded as a slow tokenizer; pf-trl needs a fast one (offsets for loss "
+            "masks): provide tokenizer.json"
+        )
+    tok.pf_trl_name = name
+    tok.pf_trl_path = str(path)
+    return tok
+
+
+def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
+    """Identity of a tokenizer for manifests and cache keys: name, hash of its files, ids.
+
+    The hash covers the tokenizer files on disk when known, else the serialized vocabulary, so two
+    tokenizers that would tokenize differently never share a fingerprint.
+    """
+    digest = hashlib.sha256()
+    path = getattr(tokenizer, "pf_trl_path", None) or getattr(tokenizer, "name_or_path", None)
+    hashed_files: list[str] = []
+    if path and Path(path).is_dir():
+        for fname in _TOKENIZER_FILES:
+            f = Path(path) / fname
+            if f.is_file():
+                digest.update(fname.encode())
+                digest.update(_sha256_file(f).encode())
+                hashed_files.append(fname)
+    if not hashed_files:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    # The chat template may be set in memory after loading; it changes the rendering of chat data.
+    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return {
+        "name": getattr(tokenizer, "pf_trl_name", None) or getattr(tokenizer, "name_or_path", None),
+        "path": str(path) if path else None,
+        "class": type(tokenizer).__name__,
+        "sha256": digest.hexdigest(),
+        "hashed_files": hashed_files,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }

@@ -1,0 +1,69 @@
+"""Embedded tiny model defaults: random init from a config, never a hub download.
+
+``--model_name_or_path pf-trl/tiny-llama`` (or any name below) builds the model from these configs; a
+local folder path loads as usual with ``from_pretrained(local_files_only=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EMBEDDED_MODELS: dict[str, dict[str, Any]] = {
+    # 4 layers x 256 like the shared baseline; vocab of the embedded Mistral tokenizer.
+    "pf-trl/tiny-llama": dict(
+        model_type="llama", vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "pf-trl/tiny-mistral": dict(
+        model_type="mistral", vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096, sliding_window=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "pf-trl/tiny-qwen2": dict(
+        model_type="qwen2", vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    # ~1.1B Llama (TinyLlama shape) for GPU benchmarks: random init in bf16.
+    "pf-trl/llama-1b": dict(
+        model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def is_embedded_model(name: str) -> bool:
+    return name in EMBEDDED_MODELS
+
+
+def embedded_config(name: str, **overrides: Any):
+    """The ``transformers`` config of an embedded model, with overrides (e.g. ``num_hidden_layers=2``)."""
+    from transformers import AutoConfig
+
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+    spec = {**EMBEDDED_MODELS[name], **overrides}
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(model_type, **spec)
+
+
+def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementation: str | None = None, seed: int = 0, **overrides: Any):
+    """An embedded model (random init, seeded) or a local checkpoint folder. Never contacts a hub."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if is_embedded_model(name_or_path):
+        config = embedded_config(name_or_path, **overrides)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        if torch_dtype is not None:
+            model = model.to(torch_dtype)
+        return model
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    return AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False, **kwargs)
