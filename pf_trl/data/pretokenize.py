@@ -223,7 +223,7 @@ def _tokenize_batch(
                 drop = _TOO_LONG
             else:
                 ids, labels, truncated = ids[: config.max_seq_len], labels[: config.max_seq_len], True
-        loss = sum(1 for t in labels if t != formats.IGNORE_INDEX)
+        loss = len(labels) - labels.count(formats.IGNORE_INDEX)
         if drop == _KEEP and loss == 0 and config.drop_no_loss:
             drop = _NO_LOSS
         out["input_ids"].append(ids)
