@@ -1,0 +1,96 @@
+"""flash-attn kernels: FA3 (``flash_attn_interface``) on Hopper when installed, else FA2 (``flash_attn``).
+
+``flash_attn_varlen_func`` takes q/k/v as ``(total_tokens, heads, head_dim)`` with int32 ``cu_seqlens``,
+supports GQA natively, ``window_size=(left, right)`` and (FA2 >= 2.6, FA3) ``softcap``. FA3 has no dropout:
+a call with dropout falls back to FA2 when that is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+NAME = "flash_attn"
+INSTALL_HINT = "pip install flash-attn --no-build-isolation (FA2; FA3 for Hopper: build hopper/ from the flash-attention repo)"
+
+
+@functools.lru_cache(maxsize=1)
+def _fa2():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as exc:
+        return None, f"flash-attn is not importable ({type(exc).__name__}: {exc})"
+    return flash_attn_varlen_func, frozenset(inspect.signature(flash_attn_varlen_func).parameters)
+
+
+@functools.lru_cache(maxsize=1)
+def _fa3():
+    try:
+        from flash_attn_interface import flash_attn_varlen_func
+    except Exception as exc:
+        return None, f"flash_attn_interface (FA3) is not importable ({type(exc).__name__})"
+    return flash_attn_varlen_func, frozenset(inspect.signature(flash_attn_varlen_func).parameters)
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def kernel_for(device: torch.device, dropout_p: float = 0.0):
+    """(name, fn, params) of the kernel this device would use, or (None, reason, None)."""
+    fa3, p3 = _fa3()
+    if fa3 is not None and _is_hopper(device) and not dropout_p:
+        return "fa3", fa3, p3
+    fa2, p2 = _fa2()
+    if fa2 is not None:
+        return "fa2", fa2, p2
+    if fa3 is not None and _is_hopper(device):
+        return None, "FA3 has no attention dropout and FA2 (flash-attn) is not installed", None
+    return None, p2, None
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cuda":
+        fa2, _ = _fa2()
+        fa3, _ = _fa3()
+        if fa2 is None and fa3 is None:
+            return "flash-attn is not installed (and it runs on CUDA only)"
+        return f"flash-attn runs on CUDA only (got device {device.type})"
+    name, reason, _ = kernel_for(device)
+    if name is None:
+        return reason
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs float16/bfloat16, got {dtype}"
+    return None
+
+
+def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, **_) -> str | None:
+    name, fn, params = kernel_for(device or torch.device("cuda"), dropout_p)
+    if name is None:
+        return fn
+    if window != (-1, -1) and "window_size" not in params:
+        return "this flash-attn has no window_size (needs >= 2.3)"
+    if softcap and "softcap" not in params:
+        return "this flash-attn has no softcap (needs >= 2.6)"
+    if head_dim > 256:
+        return f"flash-attn supports head_dim <= 256 (got {head_dim})"
+    return None
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+    name, fn, params = kernel_for(q.device, dropout_p)
+    if name is None:
+        raise RuntimeError(fn)
+    kwargs = {"softmax_scale": scale, "causal": causal}
+    if window != (-1, -1):
+        kwargs["window_size"] = tuple(window)
+    if softcap:
+        kwargs["softcap"] = float(softcap)
+    if name == "fa2":
+        kwargs["dropout_p"] = dropout_p
+    cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    out = fn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **kwargs)
+    return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,114 @@
+"""FlexAttention with a document block mask.
+
+On CUDA ``flex_attention`` is compiled (``torch.compile``, cached per process) and only the blocks that
+intersect a segment's causal band are computed. On CPU it may be requested explicitly and then runs
+uncompiled (PyTorch's dense reference implementation of flex: exact, slow, memory O(T^2)); ``auto`` never
+picks it on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from pf_trl.attention.backends._masks import token_segments
+
+NAME = "flex"
+INSTALL_HINT = "needs PyTorch >= 2.5 with torch.nn.attention.flex_attention (pip install -U torch)"
+
+
+@functools.lru_cache(maxsize=1)
+def _import():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return flex_attention, create_block_mask
+
+
+def _import_error() -> str | None:
+    try:
+        _import()
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        return f"torch {torch.__version__} has no usable flex_attention ({type(exc).__name__}: {exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    flex_attention, _ = _import()
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    reason = _import_error()
+    if reason:
+        return reason
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except Exception:
+            return "compiled FlexAttention on CUDA needs triton (pip install triton)"
+    return None
+
+
+def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, requires_grad=False, **_) -> str | None:
+    if dropout_p:
+        return "FlexAttention has no attention dropout"
+    if requires_grad and device is not None and device.type != "cuda":
+        return "uncompiled FlexAttention has no backward off CUDA (forward/eval only)"
+    return None
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+    flex_attention, create_block_mask = _import()
+    tq, tk = q.shape[0], k.shape[0]
+    cu_q = cu_q.to(q.device)
+    cu_k = cu_k.to(q.device)
+    seg_q, pos_q = token_segments(cu_q, tq)
+    seg_k, pos_k = token_segments(cu_k, tk)
+    # bottom-right alignment: query i of a segment sits at key position i + (lk - lq)
+    offset = ((cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])).long()
+    aligned_q = pos_q + offset[seg_q]
+    left, right = window
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        a = aligned_q[q_idx]
+        j = pos_k[kv_idx]
+        m = seg_q[q_idx] == seg_k[kv_idx]
+        if causal:
+            m = m & (j <= a)
+        if left >= 0:
+            m = m & (j >= a - left)
+        if right >= 0:
+            m = m & (j <= a + right)
+        return m
+
+    score_mod = None
+    if softcap:
+        cap = float(softcap)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
+    compiled = q.device.type == "cuda"
+    block_mask = create_block_mask(mask_mod, 1, None, tq, tk, device=q.device, _compile=compiled)
+    fn = _compiled_flex() if compiled else flex_attention
+    with warnings.catch_warnings():
+        # CPU: the unfused reference is what we want here; do not tell the user to compile it
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = _call(fn, q, k, v, score_mod, block_mask, scale)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _call(fn, q, k, v, score_mod, block_mask, scale):
+    gqa = q.shape[1] != k.shape[1]
+    return fn(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=gqa,
+    )

@@ -1,0 +1,92 @@
+"""PyTorch's own variable-length attention op, ``torch.nn.attention.varlen.varlen_attn`` (CUDA only).
+
+Detected by import: older torch builds lack it. Its keyword arguments changed across releases (``is_causal``
+in the first release, ``window_size``/``enable_gqa`` later), so the call adapts to the signature it finds.
+It has no dropout and no softcap; ``auto`` skips it for calls that need them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+NAME = "torch_varlen"
+INSTALL_HINT = "needs a PyTorch build with torch.nn.attention.varlen.varlen_attn (torch >= 2.10, CUDA): pip install -U torch"
+
+
+@functools.lru_cache(maxsize=1)
+def _op():
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _import_error() -> str | None:
+    try:
+        _op()
+    except Exception as exc:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({type(exc).__name__})"
+    return None
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    reason = _import_error()
+    if reason:
+        return reason
+    if device.type != "cuda":
+        return f"varlen_attn runs on CUDA only (got device {device.type})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"varlen_attn (flash kernels) needs float16/bfloat16, got {dtype}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"varlen_attn needs compute capability >= 8.0 (got {major}.x)"
+    return None
+
+
+def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, **_) -> str | None:
+    reason = _import_error()
+    if reason:
+        return reason
+    _, params = _op()
+    if dropout_p:
+        return "varlen_attn has no attention dropout"
+    if softcap:
+        return "varlen_attn has no softcap"
+    if window != (-1, -1) and "window_size" not in params:
+        return "this torch's varlen_attn has no window_size (sliding window)"
+    if not causal and "window_size" not in params and "is_causal" not in params:
+        return "this torch's varlen_attn cannot express non-causal attention"
+    if head_dim > 256 or head_dim % 8:
+        return f"varlen_attn needs head_dim <= 256 and a multiple of 8 (got {head_dim})"
+    return None
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+    op, params = _op()
+    kwargs = {}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    if "window_size" in params:
+        left, right = window
+        if causal:
+            right = 0
+        kwargs["window_size"] = (left, right)  # (-1, 0) is plain causal for varlen_attn
+    else:
+        kwargs["is_causal"] = causal
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+    cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    out = op(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **kwargs)
+    return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,220 @@
+"""``varlen_attention``: one entry point over several exact variable-length attention kernels.
+
+Backends (see :mod:`pf_trl.attention.backends`):
+
+=============  ======================================================  ===================================
+name           kernel                                                  where
+=============  ======================================================  ===================================
+flash_attn     ``flash_attn_varlen_func`` (FA3 on Hopper if installed)  CUDA, fp16/bf16, ``pip install flash-attn``
+torch_varlen   ``torch.nn.attention.varlen.varlen_attn``                CUDA sm80+, fp16/bf16, torch builds that ship it
+flex           FlexAttention + document block mask (compiled on CUDA)   CUDA (auto); CPU only when asked, uncompiled
+sdpa           per-segment ``scaled_dot_product_attention``             everywhere; exact reference
+=============  ======================================================  ===================================
+
+``backend="auto"`` takes the first entry of that order that runs on the tensors' device and dtype and supports
+the requested features; on CPU that is always ``sdpa``. An explicitly named backend that cannot run raises
+:class:`BackendUnavailableError` with the install hint; nothing ever falls back to an attention that mixes
+segments.
+
+Sliding window: ``sliding_window=W`` follows transformers' convention (``masking_utils.sliding_window_overlay``,
+``kv_idx > q_idx - W``): with causal attention each query sees itself and the ``W - 1`` previous tokens of its
+segment, which is flash-attn ``window_size=(W - 1, 0)``; transformers' flash path passes ``(W - 1, W - 1)``
+together with ``causal=True``, which is the same mask. Non-causal: ``(W - 1, W - 1)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+from pf_trl.attention.backends import BACKEND_MODULES
+from pf_trl.attention.errors import BackendUnavailableError, UnsupportedFeatureError
+
+logger = logging.getLogger("pf_trl.attention")
+
+BACKENDS = tuple(BACKEND_MODULES)
+AUTO_ORDER = {"cuda": ("flash_attn", "torch_varlen", "flex", "sdpa")}
+DEFAULT_AUTO_ORDER = ("sdpa",)
+_logged_choices: set[tuple] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str) -> ModuleType:
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {('auto', *BACKENDS)}")
+    return importlib.import_module(BACKEND_MODULES[name])
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    try:
+        return _module(name).unavailable(device, dtype)
+    except Exception as exc:  # a broken optional install must not break the others
+        return f"{type(exc).__name__}: {exc}"
+
+
+def flash_window(causal: bool, sliding_window: int | None) -> tuple[int, int]:
+    """flash-attn ``window_size`` for transformers' ``sliding_window`` (see module docstring)."""
+    if sliding_window is None:
+        return (-1, -1)
+    w = int(sliding_window)
+    if w < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return (w - 1, 0) if causal else (w - 1, w - 1)
+
+
+def backend_status(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, str | None]:
+    """``{backend: None if it can run on (device, dtype) else the reason}``."""
+    device = _normalize_device(torch.device(device))
+    return {name: _unavailable(name, device, dtype) for name in BACKENDS}
+
+
+def available_backends(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
+    return [name for name, reason in backend_status(device, dtype).items() if reason is None]
+
+
+def _normalize_device(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_backend(
+    backend: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    head_dim: int = 64,
+    gqa: bool = False,
+    requires_grad: bool = False,
+) -> str:
+    """Name of the backend that will serve such a call; raises if an explicit one cannot."""
+    device = _normalize_device(device)
+    features = dict(
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        head_dim=head_dim,
+        gqa=gqa,
+        device=device,
+        requires_grad=requires_grad,
+    )
+    if backend != "auto":
+        mod = _module(backend)
+        reason = _unavailable(backend, device, dtype)
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"varlen attention backend {backend!r} is not available on {device.type}/{dtype}: {reason}. "
+                f"Install: {mod.INSTALL_HINT}. Or use backend='auto' (available here: "
+                f"{available_backends(device, dtype)})."
+            )
+        reason = mod.unsupported(**features)
+        if reason is not None:
+            raise UnsupportedFeatureError(f"varlen attention backend {backend!r} cannot serve this call: {reason}")
+        return backend
+    skipped = []
+    for name in AUTO_ORDER.get(device.type, DEFAULT_AUTO_ORDER):
+        reason = _unavailable(name, device, dtype) or _module(name).unsupported(**features)
+        if reason is None:
+            key = (device.type, dtype, name, tuple(skipped))
+            if key not in _logged_choices:
+                _logged_choices.add(key)
+                logger.info(
+                    "pf-trl varlen attention: using backend %r on %s/%s%s",
+                    name,
+                    device.type,
+                    str(dtype).replace("torch.", ""),
+                    f" (skipped: {'; '.join(skipped)})" if skipped else "",
+                )
+            return name
+        skipped.append(f"{name}: {reason}")
+    raise BackendUnavailableError(f"no varlen attention backend can serve this call: {'; '.join(skipped)}")
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact attention of packed segments: no token attends outside its own segment.
+
+    Args:
+        q: ``(total_q, heads, head_dim)``; k, v: ``(total_k, kv_heads, head_dim)`` with ``heads % kv_heads == 0``
+            (GQA/MQA when fewer KV heads).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(n_segments + 1,)`` cumulative lengths, starting at 0 and ending at
+            the total token count (flash-attn's ``cu_seqlens``).
+        max_seqlen_q, max_seqlen_k: the longest segment (an int).
+        causal: causal mask inside each segment, bottom-right aligned when a segment has fewer queries than keys.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        sliding_window: transformers' convention, each query sees at most ``sliding_window`` keys (itself
+            included); flash-attn ``window_size=(sliding_window - 1, 0)``.
+        softcap: ``softcap * tanh(score / softcap)`` on the scaled scores (Gemma-2 style); ``None``/0 = off.
+        dropout_p: attention dropout probability (pass 0.0 in eval).
+        backend: ``"auto"`` or one of ``flash_attn``, ``torch_varlen``, ``flex``, ``sdpa``.
+
+    Returns:
+        ``(total_q, heads, head_dim)`` in q's dtype.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q/k/v must be (total_tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"incompatible q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q/k must be 1-D of the same length, got {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+        )
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    window = flash_window(causal, sliding_window)
+    cap = float(softcap or 0.0)
+    name = resolve_backend(
+        backend,
+        device=q.device,
+        dtype=q.dtype,
+        causal=causal,
+        window=window,
+        softcap=cap,
+        dropout_p=float(dropout_p),
+        head_dim=q.shape[-1],
+        gqa=q.shape[1] != k.shape[1],
+        requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+    )
+    return _module(name).forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=cap,
+        dropout_p=float(dropout_p),
+    )

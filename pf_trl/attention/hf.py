@@ -1,0 +1,271 @@
+"""transformers integration: the ``pf_varlen`` attention implementation.
+
+:func:`hf_varlen_attention` has the signature of transformers' ``AttentionInterface`` functions
+(``(module, query, key, value, attention_mask, **kwargs) -> (output, None)`` with q/k/v as
+``(batch, heads, seq, head_dim)`` and output ``(batch, seq, heads, head_dim)``). It decides the segment layout in
+this order, and never lets two segments see each other:
+
+1. a 2-D padding mask (what our mask function hands over): unpad, one segment per row; raises
+   :class:`PackedAttentionMaskError` if the valid tokens of a row hold several segments (packed ``position_ids``);
+2. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) from the collator, as transformers' flash path reads them;
+3. otherwise ``position_ids``: a new segment starts wherever a position is not the previous one + 1 (transformers'
+   ``find_packed_sequence_indices`` rule; a restart at 0 always qualifies) and at every row start;
+4. with fewer queries than keys (KV cache holding past tokens): one segment per row, bottom-right causal.
+
+This holds whether or not a KV cache exists, which closes the hole where transformers skips its packed-sequence
+detection when ``use_cache=True`` (see :mod:`pf_trl.attention.enable`).
+
+On transformers 5.x the mask builder (``masking_utils.create_causal_mask``) would return ``None`` for an
+implementation it does not know, dropping any padding mask; :func:`pf_varlen_mask` is registered with
+``AttentionMaskInterface`` so that the 2-D mask reaches us as-is and no dense (T x T) mask is ever built.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pf_trl.attention.dispatch import varlen_attention
+from pf_trl.attention.errors import PackedAttentionMaskError, PaddingFreeError, UnsupportedFeatureError, UnsupportedModelError
+
+logger = logging.getLogger("pf_trl.attention")
+
+PF_VARLEN = "pf_varlen"
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg)
+
+
+# ----------------------------------------------------------------------------------------------- segment helpers
+
+
+def _row_positions(position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    if position_ids.dim() != 2:
+        raise UnsupportedModelError(
+            f"pf_varlen needs 2-D position_ids (batch, seq); got shape {tuple(position_ids.shape)}. Multimodal rotary "
+            "positions (e.g. Qwen2-VL mrope, 3 x batch x seq) cannot be made padding-free by pf-trl."
+        )
+    if position_ids.shape[-1] != length:
+        raise PaddingFreeError(
+            f"position_ids cover {position_ids.shape[-1]} tokens but the attention layer sees {length} queries"
+        )
+    if position_ids.shape[0] != batch:
+        position_ids = position_ids.expand(batch, -1)
+    return position_ids
+
+
+def segment_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``(batch, seq)``: True where a new segment starts (row start, or position != previous + 1)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """int32 ``cu_seqlens`` over the flattened ``(batch, seq)`` grid and the longest segment."""
+    b, l = position_ids.shape
+    idx = segment_starts(position_ids).reshape(-1).nonzero().reshape(-1)
+    cu = torch.cat([idx, idx.new_tensor([b * l])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def rows_hold_several_segments(position_ids: torch.Tensor | None, valid: torch.Tensor | None = None) -> bool:
+    """True if, among the valid tokens of any row, positions are not one consecutive run (i.e. packed)."""
+    if position_ids is None:
+        return False
+    if position_ids.dim() != 2:
+        raise UnsupportedModelError(
+            f"pf-trl needs 2-D position_ids; got shape {tuple(position_ids.shape)} (multimodal rotary positions?)"
+        )
+    if valid is None:
+        return bool((position_ids[:, 1:] != position_ids[:, :-1] + 1).any())
+    b, l = valid.shape
+    pos = position_ids.expand(b, -1) if position_ids.shape[0] != b else position_ids
+    idx = valid.reshape(-1).nonzero().reshape(-1)
+    if idx.numel() < 2:
+        return False
+    p = pos.reshape(-1)[idx]
+    rows = idx // l
+    bad = (rows[1:] == rows[:-1]) & (p[1:] != p[:-1] + 1)
+    return bool(bad.any())
+
+
+def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    cu[1:] = counts.cumsum(0)
+    return cu
+
+
+# ------------------------------------------------------------------------------------------ attention function
+
+
+def hf_varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    backend: str | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers ``AttentionInterface`` function ``pf_varlen`` (see module docstring)."""
+    if s_aux is not None:
+        raise UnsupportedFeatureError("pf_varlen does not implement attention sinks (s_aux, e.g. gpt-oss)")
+    if kwargs.get("output_attentions"):
+        _warn_once("output_attentions", "pf_varlen does not return attention weights (output_attentions ignored)")
+    backend = backend or getattr(module, "_pf_varlen_backend", "auto")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    b, hq, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    dv = value.shape[-1]
+    q = query.transpose(1, 2)  # (b, lq, h, d)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    common = dict(causal=causal, softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap)
+    common.update(dropout_p=float(dropout), backend=backend)
+
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise PaddingFreeError(
+                f"pf_varlen got a {attention_mask.dim()}-D attention mask; it only understands 2-D padding masks "
+                "(batch, kv_len). Custom 4-D masks cannot be made padding-free."
+            )
+        if attention_mask.shape[-1] != lk:
+            raise PaddingFreeError(
+                f"pf_varlen got a padding mask over {attention_mask.shape[-1]} keys for {lk} keys "
+                "(static/sliding caches are not supported by pf_varlen; generate with sdpa)"
+            )
+        kmask = attention_mask.to(torch.bool)
+        qmask = kmask[:, -lq:]
+        multi = cu_seq_lens_q is not None and cu_seq_lens_q.numel() - 1 > b
+        if multi or rows_hold_several_segments(position_ids, qmask):
+            raise PackedAttentionMaskError(
+                "attention_mask was passed together with packed position_ids (several sequences in one row). "
+                "Padding-free batches must not carry an attention_mask: transformers would let the packed "
+                "sequences attend to each other. Drop attention_mask (PaddingFreeCollator emits none)."
+            )
+        idx_q = qmask.reshape(-1).nonzero().reshape(-1)
+        idx_k = kmask.reshape(-1).nonzero().reshape(-1)
+        cu_q = _cu_from_counts(qmask.sum(-1))
+        cu_k = _cu_from_counts(kmask.sum(-1))
+        out = varlen_attention(
+            q.reshape(b * lq, hq, d).index_select(0, idx_q),
+            k.reshape(b * lk, hkv, d).index_select(0, idx_k),
+            v.reshape(b * lk, hkv, dv).index_select(0, idx_k),
+            cu_q,
+            cu_k,
+            int(qmask.sum(-1).max()),
+            int(kmask.sum(-1).max()),
+            **common,
+        )
+        full = out.new_zeros(b * lq, hq, dv).index_copy(0, idx_q, out)
+        return full.reshape(b, lq, hq, dv), None
+
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        cu_q = cu_seq_lens_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_seq_lens_k.to(device=q.device, dtype=torch.int32)
+        if int(cu_q[-1]) != b * lq or int(cu_k[-1]) != b * lk:
+            raise PaddingFreeError(
+                f"cu_seq_lens_q/k end at {int(cu_q[-1])}/{int(cu_k[-1])} but the layer sees {b}x{lq} queries and "
+                f"{b}x{lk} keys (a KV cache with past tokens cannot be combined with a packed batch)"
+            )
+        max_q = int(max_length_q) if max_length_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(max_length_k) if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+    elif lq == lk:
+        if position_ids is None:
+            _warn_once(
+                "no_position_ids",
+                "pf_varlen got neither position_ids nor cu_seq_lens: each row is treated as one sequence",
+            )
+            cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lq
+            max_q = lq
+        else:
+            cu_q, max_q = cu_seqlens_from_positions(_row_positions(position_ids.to(q.device), b, lq))
+        cu_k, max_k = cu_q, max_q
+    else:
+        # fewer queries than keys: a KV cache holds past tokens (generation); one sequence per row
+        if position_ids is not None and rows_hold_several_segments(_row_positions(position_ids, b, lq)):
+            raise PaddingFreeError(
+                "packed position_ids together with a KV cache that holds past tokens: pf-trl cannot tell which "
+                "cached keys belong to which sequence. Use use_cache=False for packed batches."
+            )
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lq
+        cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lk
+        max_q, max_k = lq, lk
+    out = varlen_attention(
+        q.reshape(b * lq, hq, d),
+        k.reshape(b * lk, hkv, d),
+        v.reshape(b * lk, hkv, dv),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        **common,
+    )
+    return out.reshape(b, lq, hq, dv), None
+
+
+def pf_varlen_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """``AttentionMaskInterface`` entry for ``pf_varlen``: hand the 2-D padding mask through (or ``None``).
+
+    Like transformers' ``flash_attention_mask`` but an all-ones mask is kept, so that a mask passed with packed
+    ``position_ids`` is still seen (and refused) by :func:`hf_varlen_attention`. Never builds a dense mask.
+    """
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] > kv_length:
+        attention_mask = attention_mask[:, -kv_length:]
+    return attention_mask
+
+
+def has_attention_interface() -> bool:
+    try:
+        from transformers.modeling_utils import AttentionInterface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def has_mask_interface() -> bool:
+    try:
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def register() -> bool:
+    """Register ``pf_varlen`` with transformers (idempotent). False on transformers without AttentionInterface."""
+    if not has_attention_interface():
+        return False
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(PF_VARLEN, hf_varlen_attention)
+    if has_mask_interface():
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register(PF_VARLEN, pf_varlen_mask)
+    return True
