@@ -1,0 +1,81 @@
+"""`pf-trl serve [options]`: run the preprocessing service (FastAPI + uvicorn, worker processes).
+
+FastAPI, uvicorn and ``preprocess_service`` are imported inside :func:`main` only, so that ``pf_trl``
+itself never depends on them (``pip install 'pf-trl[service]'``). Every flag has a ``PF_SERVICE_*``
+environment variable; a flag wins over its variable. The token is read from ``PF_SERVICE_TOKEN`` (or
+``--token-file``), never from a flag, so it does not show in ``ps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pf-trl serve",
+        description="Run the pf-trl preprocessing service: tokenize once into a shared cache that training jobs read. "
+        "Flags override the PF_SERVICE_* environment variables named in brackets. See docs/service.md.",
+    )
+    add = p.add_argument
+    add("--host", help="bind address [PF_SERVICE_HOST] (default 127.0.0.1)")
+    add("--port", type=int, help="port [PF_SERVICE_PORT] (default 8000)")
+    add("--cache-dir", "--cache_dir", dest="cache_dir",
+        help="the only place the service writes: jobs.sqlite3, datasets/, uploads/, tmp/ [PF_SERVICE_CACHE_DIR] "
+        "(default ./.pf-trl-cache/service)")
+    add("--data-root", "--data_root", "--data-roots", dest="data_roots", action="append", metavar="DIR",
+        help="directory that request paths may name (repeat for several) [PF_SERVICE_DATA_ROOTS, "
+        f"'{os.pathsep}'-separated] (default none: uploads only)")
+    add("--public-cache-dir", "--public_cache_dir", dest="public_cache_dir",
+        help="where training pods mount the cache dir, for reported shards paths [PF_SERVICE_PUBLIC_CACHE_DIR]")
+    add("--workers", type=int, help="jobs that run at once, one worker process each [PF_SERVICE_WORKERS] (default 1)")
+    add("--num-proc", "--num_proc", dest="num_proc", type=int,
+        help="tokenizer processes per job [PF_SERVICE_NUM_PROC] (default 1)")
+    add("--max-queued", "--max_queued", dest="max_queued", type=int,
+        help="waiting jobs before POST answers 503 [PF_SERVICE_MAX_QUEUED] (default 64)")
+    add("--max-upload-bytes", "--max_upload_bytes", "--max-upload", dest="max_upload_bytes",
+        help="upload size limit, e.g. 2GiB [PF_SERVICE_MAX_UPLOAD_BYTES]")
+    add("--max-body-bytes", "--max_body_bytes", dest="max_body_bytes",
+        help="JSON body size limit [PF_SERVICE_MAX_BODY_BYTES] (default 64KiB)")
+    add("--max-attempts", "--max_attempts", dest="max_attempts", type=int,
+        help="attempts for a job interrupted by a crash/restart [PF_SERVICE_MAX_ATTEMPTS] (default 2)")
+    add("--preflight-rows", "--preflight_rows", dest="preflight_rows", type=int,
+        help="rows checked synchronously by POST, 0 = off [PF_SERVICE_PREFLIGHT_ROWS] (default 64)")
+    add("--token-file", "--token_file", dest="token_file",
+        help="file holding the bearer token (else PF_SERVICE_TOKEN; neither: auth off)")
+    add("--log-level", "--log_level", dest="log_level", help="[PF_SERVICE_LOG_LEVEL] (default info)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from preprocess_service.app import create_app
+        from preprocess_service.settings import Settings, SettingsError
+    except ImportError as exc:
+        print(f"pf-trl serve: error: {exc}; install the service extra: pip install 'pf-trl[service]'", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in vars(args).items() if k != "token_file"}
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                overrides["token"] = f.read().strip()
+        except OSError as exc:
+            print(f"pf-trl serve: error: cannot read --token-file: {exc}", file=sys.stderr)
+            return 2
+    try:
+        settings = Settings.load(overrides)
+    except SettingsError as exc:
+        print(f"pf-trl serve: error: {exc}", file=sys.stderr)
+        return 2
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.token is None:
+        print(f"pf-trl serve: warning: listening on {settings.host} without a token; set PF_SERVICE_TOKEN",
+              file=sys.stderr)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=10)
+    return 0

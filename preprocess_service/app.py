@@ -1,0 +1,383 @@
+"""FastAPI app factory and routes (thin: the work is in submit.py, jobs.py and worker.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pf_trl._version import __version__
+from preprocess_service.jobs import DURATION_BUCKETS, STATES, JobStore, Supervisor
+from preprocess_service.schemas import (
+    PROBLEM_JSON,
+    PROBLEM_RESPONSES,
+    DatasetList,
+    DatasetRequest,
+    DatasetStatus,
+    Health,
+    LengthStats,
+    PretokenizeOptions,
+    SourceSpec,
+    UploadInfo,
+    problem_body,
+)
+from preprocess_service.security import BearerAuthMiddleware, BodyLimitMiddleware, ServiceError
+from preprocess_service.settings import Settings, SettingsError
+from preprocess_service.submit import Submitter
+
+logger = logging.getLogger("preprocess_service")
+
+_MODELS_AT = {("",): DatasetRequest, ("source",): SourceSpec, ("options",): PretokenizeOptions}
+
+
+def problem(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
+
+
+def _validation_message(err: dict[str, Any]) -> dict[str, str]:
+    where = [str(x) for x in err.get("loc", ())]
+    if where and where[0] == "body":
+        where = where[1:]
+    kind, msg, given = err.get("type", ""), err.get("msg", "invalid"), err.get("input")
+    field = "body" if kind == "json_invalid" else (".".join(where) or "body")
+    if kind == "missing":
+        text = f"{field}: required field is missing; add it"
+    elif kind == "extra_forbidden":
+        model = _MODELS_AT.get(tuple(where[:-1]) or ("",))
+        allowed = ", ".join(model.model_fields) if model else "see /openapi.json"
+        text = f"{field}: unknown field; remove it (allowed here: {allowed})"
+    elif kind == "json_invalid":
+        text = (f"body: not valid JSON ({err.get('ctx', {}).get('error', msg)}); send a JSON object with "
+                "Content-Type: application/json")
+    elif kind in ("model_attributes_type", "dict_type", "model_type"):
+        text = f"{field}: must be a JSON object, got {type(given).__name__}"
+    elif kind == "value_error":
+        text = f"{field}: {msg.removeprefix('Value error, ')}"
+    else:
+        shown = json.dumps(given)[:80] if isinstance(given, (str, int, float, bool, type(None))) else type(given).__name__
+        text = f"{field}: {msg} (got {shown})"
+    return {"field": field, "message": text}
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings.load()
+    os.environ.update(settings.child_env())  # before datasets/transformers are imported in this process
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        settings.make_dirs()
+        lock = open(settings.lock_path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise SettingsError(f"another pf-trl service already runs on cache dir {settings.cache_dir}; "
+                                "use one service per cache dir") from exc
+        for leftover in settings.tmp_dir.iterdir():  # temp builds of a previous run: never published
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+        store = JobStore(settings.db_path)
+        store.clear_workers()
+        actions = store.reconcile(datasets_dir=settings.datasets_dir, max_attempts=settings.max_attempts,
+                                  heartbeat_timeout_s=settings.heartbeat_timeout_s, startup=True)
+        for job_id, action in actions:
+            logger.warning("job %s was running when the service stopped: %s", job_id, action)
+        supervisor = Supervisor(settings, store)
+        supervisor.start()
+        app.state.store, app.state.supervisor = store, supervisor
+        app.state.submitter = Submitter(settings, store)
+        app.state.started = time.time()
+
+        def warm() -> None:  # the first POST should not pay for imports and the default tokenizer
+            try:
+                app.state.submitter.tokenizer("pf-trl/mistral-7b-v0.1")
+                import datasets  # noqa: F401
+            except Exception:  # noqa: BLE001
+                logger.exception("warm-up failed")
+
+        import threading
+        threading.Thread(target=warm, daemon=True).start()
+        try:
+            yield
+        finally:
+            supervisor.stop()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
+
+    app = FastAPI(
+        title="pf-trl preprocessing service",
+        version=__version__,
+        description="Tokenize a dataset once into a shared cache of shards (with per-example lengths for the "
+        "token-budget sampler); training jobs wait for it and read it. Errors are application/problem+json.",
+        lifespan=lifespan,
+        responses={401: PROBLEM_RESPONSES[401], 422: PROBLEM_RESPONSES[422]},
+    )
+    app.state.settings = settings
+
+    # ----------------------------------------------------------------------------- error handlers
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError):
+        return problem(exc.status, exc.body(request.url.path), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = [_validation_message(e) for e in exc.errors()]
+        detail = f"{len(errors)} invalid field(s): " + "; ".join(e["message"] for e in errors)
+        return problem(422, problem_body(422, "Unprocessable Content", detail, kind="validation",
+                                         instance=request.url.path, errors=errors))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            detail = f"no route {request.method} {request.url.path}; the API is listed at /docs and /openapi.json"
+            kind = "not-found"
+        elif exc.status_code == 405:
+            detail = f"method {request.method} is not allowed on {request.url.path}; see /openapi.json"
+            kind = "method-not-allowed"
+        else:
+            detail, kind = str(exc.detail), "http-error"
+        return problem(exc.status_code, problem_body(exc.status_code, _title(exc.status_code), detail, kind=kind,
+                                                     instance=request.url.path), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem(500, problem_body(500, "Internal Server Error", f"internal error ({type(exc).__name__}); "
+                                         "see the service log", kind="internal", instance=request.url.path))
+
+    # ------------------------------------------------------------------------------------ helpers
+    def status_of(row: dict[str, Any], *, with_manifest: bool = True) -> DatasetStatus:
+        from pf_trl.data.shards import is_shards_dir
+
+        req = json.loads(row["request"])
+        state, error = row["state"], None
+        if state == "failed":
+            error = {"type": row["error_type"] or "internal", "message": row["error"] or "unknown"}
+        elif state == "succeeded" and not is_shards_dir(settings.datasets_dir / row["id"]):
+            state, error = "failed", {"type": "io_error", "message": "the dataset directory vanished from the cache; "
+                                      "POST the same request again to rebuild it"}
+        end = row["finished_at"] or (row["updated_at"] if state == "running" else None)
+        elapsed = (end - row["started_at"]) if (end and row["started_at"]) else None
+        rows_total = row["rows_total"]
+        progress = {
+            "rows_done": row["rows_done"], "rows_total": rows_total, "tokens_done": row["tokens_done"],
+            "fraction": round(row["rows_done"] / rows_total, 4) if rows_total else (1.0 if state == "succeeded" else None),
+            "rows_per_s": round(row["rows_done"] / elapsed, 1) if elapsed and row["rows_done"] else None,
+            "tokens_per_s": round(row["tokens_done"] / elapsed, 1) if elapsed and row["tokens_done"] else None,
+        }
+        manifest = json.loads(row["manifest"]) if (row["manifest"] and with_manifest) else None
+        shown = req.get("source_shown", {})
+        return DatasetStatus(
+            id=row["id"], state=state, created_unix=row["created_at"], started_unix=row["started_at"],
+            finished_unix=row["finished_at"], updated_unix=row["updated_at"], attempts=row["attempts"],
+            worker_pid=row["worker_pid"] if state == "running" else None, progress=progress, error=error,
+            source={"path": shown.get("path"), "upload_id": shown.get("upload_id"), "sha256": req["source_sha256"],
+                    "size_bytes": req["source_size"]},
+            tokenizer={"name": req["tokenizer_name"], "sha256": req["tokenizer_sha256"]},
+            options=req["options"],
+            shards_path=str(settings.shards_path(row["id"])) if state == "succeeded" else None,
+            manifest=manifest if state == "succeeded" else None,
+            links={"self": f"/v1/datasets/{row['id']}", "lengths": f"/v1/datasets/{row['id']}/lengths"},
+        )
+
+    def get_row(dataset_id: str) -> dict[str, Any]:
+        row = app.state.store.get(dataset_id)
+        if row is None:
+            raise ServiceError(404, "Not Found", f"dataset_id: no dataset {dataset_id!r}; POST /v1/datasets to create "
+                               "it, or GET /v1/datasets to list the known ones", kind="unknown-dataset", field="dataset_id")
+        return row
+
+    # ------------------------------------------------------------------------------------- routes
+    @app.post("/v1/datasets", response_model=DatasetStatus, status_code=202, tags=["datasets"],
+              responses={200: {"model": DatasetStatus, "description": "already built: the manifest, no work"},
+                         202: {"description": "queued or running (Location: the status URL)"},
+                         **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 503)}})
+    def create_dataset(body: DatasetRequest, response: Response) -> DatasetStatus:
+        """Tokenize a source into a shards dataset (content-addressed: the same request is the same job)."""
+        row, _created = app.state.submitter.submit(body)
+        status = status_of(row)
+        response.headers["Location"] = f"/v1/datasets/{row['id']}"
+        response.status_code = 200 if status.state == "succeeded" else 202
+        return status
+
+    @app.post("/v1/uploads", response_model=UploadInfo, status_code=201, tags=["datasets"],
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+              responses={200: {"model": UploadInfo, "description": "the same bytes were uploaded before"},
+                         413: PROBLEM_RESPONSES[413]})
+    async def upload(request: Request, response: Response,
+                     format: Literal["jsonl", "json", "parquet", "csv"] = Query(
+                         ..., description="How to read the bytes (the upload id keeps it as its suffix)")) -> UploadInfo:
+        """Upload a source file as the raw request body (at most max_upload_bytes); use its `upload_id`."""
+        limit = settings.max_upload_bytes
+        part = settings.tmp_dir / f"upload-{uuid.uuid4().hex}.part"
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(part, "wb") as f:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ServiceError(413, "Content Too Large", f"upload is more than {limit} bytes (the limit); "
+                                           "split the data, or ask the operator to raise --max-upload-bytes "
+                                           "(PF_SERVICE_MAX_UPLOAD_BYTES)", kind="too-large", field="body",
+                                           headers={"Connection": "close"})
+                    digest.update(chunk)
+                    await anyio.to_thread.run_sync(f.write, chunk)
+            if size == 0:
+                raise ServiceError(422, "Unprocessable Content", "body: the upload is empty (0 bytes); send the file's "
+                                   "bytes as the request body", kind="invalid-source", field="body")
+            sha = digest.hexdigest()
+            upload_id = f"{sha}.{format}"
+            target = settings.uploads_dir / upload_id
+            if target.exists():
+                response.status_code = 200
+            else:
+                os.replace(part, target)
+            return UploadInfo(upload_id=upload_id, sha256=sha, size_bytes=size, format=format)
+        finally:
+            part.unlink(missing_ok=True)
+
+    @app.get("/v1/datasets", response_model=DatasetList, tags=["datasets"])
+    def list_datasets(limit: int = Query(50, ge=1, le=200), cursor: str | None = Query(None, max_length=20),
+                      state: Literal["queued", "running", "succeeded", "failed"] | None = None) -> DatasetList:
+        """Datasets in creation order, `limit` per page; follow `next_cursor`. Manifests are left out."""
+        after = 0
+        if cursor is not None:
+            if not cursor.isdigit():
+                raise ServiceError(422, "Unprocessable Content", f"cursor: {cursor!r} is not a cursor; pass the "
+                                   "`next_cursor` of the previous page", kind="validation", field="query.cursor")
+            after = int(cursor)
+        rows = app.state.store.list(limit=limit + 1, after_seq=after, state=state)
+        page = rows[:limit]
+        return DatasetList(items=[status_of(r, with_manifest=False) for r in page],
+                           next_cursor=str(page[-1]["seq"]) if len(rows) > limit else None)
+
+    @app.get("/v1/datasets/{dataset_id}", response_model=DatasetStatus, tags=["datasets"],
+             responses={404: PROBLEM_RESPONSES[404]})
+    def get_dataset(dataset_id: str) -> DatasetStatus:
+        """State, progress, error (when failed), manifest and shards path (when succeeded)."""
+        return status_of(get_row(dataset_id))
+
+    @app.get("/v1/datasets/{dataset_id}/lengths", response_model=LengthStats, tags=["datasets"],
+             responses={404: PROBLEM_RESPONSES[404], 409: PROBLEM_RESPONSES[409]})
+    def get_lengths(dataset_id: str) -> LengthStats:
+        """Example-length statistics and histogram (what the token-budget sampler plans with)."""
+        status = status_of(get_row(dataset_id))
+        if status.state != "succeeded" or not status.manifest:
+            raise ServiceError(409, "Conflict", f"dataset {dataset_id} is {status.state}; lengths exist once it has "
+                               "succeeded (poll GET /v1/datasets/{id})", kind="not-ready", field="dataset_id")
+        m = status.manifest
+        lengths = m["lengths"]
+        return LengthStats(id=dataset_id, examples=m["counts"]["examples"], tokens=m["counts"]["tokens"],
+                           max_seq_len=m["max_seq_len"], histogram=lengths["histogram"],
+                           **{k: lengths[k] for k in ("min", "mean", "p50", "p90", "p99", "max")})
+
+    @app.delete("/v1/datasets/{dataset_id}", status_code=204, tags=["datasets"],
+                responses={404: PROBLEM_RESPONSES[404]})
+    def delete_dataset(dataset_id: str) -> Response:
+        """Forget a dataset: a running job is killed, a built directory removed (open readers keep their files)."""
+        trash = settings.tmp_dir / f"trash-{dataset_id}-{uuid.uuid4().hex[:8]}"
+
+        def move_away(row: dict[str, Any]) -> None:
+            target = settings.datasets_dir / dataset_id
+            if target.exists():
+                os.rename(target, trash)  # atomic: the dataset disappears whole
+
+        row = app.state.store.delete(dataset_id, move_away)
+        if row is None:
+            get_row(dataset_id)  # raises the 404
+        if row["state"] == "running":
+            app.state.supervisor.kill(row["worker_pid"])
+        shutil.rmtree(trash, ignore_errors=True)
+        return Response(status_code=204)
+
+    @app.get("/healthz", response_model=Health, tags=["ops"])
+    def healthz() -> Health:
+        """Liveness: the process answers (no auth)."""
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Health, tags=["ops"], responses={503: PROBLEM_RESPONSES[503]})
+    def readyz():
+        """Readiness: database, writable cache dir, at least one warm worker (no auth)."""
+        checks: dict[str, Any] = {}
+        try:
+            app.state.store.query("SELECT 1")
+            checks["database"] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            checks["database"] = f"error: {exc}"
+        checks["cache_dir_writable"] = os.access(settings.cache_dir, os.W_OK)
+        live = app.state.supervisor.live_pids()
+        ready = [r["pid"] for r in app.state.store.query("SELECT pid FROM workers WHERE ready_at IS NOT NULL")
+                 if r["pid"] in live]
+        checks["workers_alive"], checks["workers_ready"] = len(live), len(ready)
+        checks["free_bytes"] = shutil.disk_usage(settings.cache_dir).free
+        ok = checks["database"] == "ok" and checks["cache_dir_writable"] and ready
+        if not ok:
+            return problem(503, problem_body(503, "Service Unavailable", f"not ready: {checks}", kind="not-ready",
+                                             instance="/readyz"), {"Retry-After": "2"})
+        return Health(status="ready", checks=checks)
+
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["ops"])
+    def metrics() -> PlainTextResponse:
+        """Prometheus text format: jobs by state, rows and tokens tokenized, job durations."""
+        store = app.state.store
+        counts, counters = store.counts_by_state(), store.counters()
+        running = store.query("SELECT COALESCE(SUM(rows_done),0) AS r, COALESCE(SUM(tokens_done),0) AS t "
+                              "FROM jobs WHERE state='running'")[0]
+        lines = ["# HELP pf_service_jobs Jobs in the store, by state.", "# TYPE pf_service_jobs gauge"]
+        lines += [f'pf_service_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
+        lines += ["# HELP pf_service_jobs_finished_total Jobs that ended, by result.",
+                  "# TYPE pf_service_jobs_finished_total counter",
+                  f'pf_service_jobs_finished_total{{result="succeeded"}} {int(counters.get("jobs_succeeded_total", 0))}',
+                  f'pf_service_jobs_finished_total{{result="failed"}} {int(counters.get("jobs_failed_total", 0))}',
+                  "# HELP pf_service_rows_tokenized_total Source rows of succeeded jobs.",
+                  "# TYPE pf_service_rows_tokenized_total counter",
+                  f"pf_service_rows_tokenized_total {int(counters.get('rows_tokenized_total', 0))}",
+                  "# HELP pf_service_tokens_tokenized_total Tokens written by succeeded jobs.",
+                  "# TYPE pf_service_tokens_tokenized_total counter",
+                  f"pf_service_tokens_tokenized_total {int(counters.get('tokens_tokenized_total', 0))}",
+                  "# HELP pf_service_rows_in_progress Rows done so far by running jobs.",
+                  "# TYPE pf_service_rows_in_progress gauge",
+                  f"pf_service_rows_in_progress {running['r']}",
+                  "# HELP pf_service_job_duration_seconds Wall time of finished jobs (claim to end).",
+                  "# TYPE pf_service_job_duration_seconds histogram"]
+        lines += [f'pf_service_job_duration_seconds_bucket{{le="{le}"}} {int(counters.get(f"duration_bucket:{le}", 0))}'
+                  for le in DURATION_BUCKETS]
+        total = int(counters.get("duration_bucket:+Inf", 0))
+        lines += [f'pf_service_job_duration_seconds_bucket{{le="+Inf"}} {total}',
+                  f"pf_service_job_duration_seconds_sum {counters.get('duration_sum', 0.0):.3f}",
+                  f"pf_service_job_duration_seconds_count {total}",
+                  "# HELP pf_service_workers Worker processes alive.", "# TYPE pf_service_workers gauge",
+                  f"pf_service_workers {len(app.state.supervisor.live_pids())}",
+                  "# HELP pf_service_uptime_seconds Seconds since the service started.",
+                  "# TYPE pf_service_uptime_seconds gauge",
+                  f"pf_service_uptime_seconds {time.time() - app.state.started:.1f}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    # The last added middleware is the outermost: auth runs first, so an unauthenticated client
+    # cannot make the service buffer a body.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(BearerAuthMiddleware, token=settings.token)
+    return app
+
+
+def _title(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"

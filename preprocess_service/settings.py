@@ -1,0 +1,177 @@
+"""Service settings: command-line flags override ``PF_SERVICE_*`` environment variables override defaults."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "PF_SERVICE_"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+          "ti": 2**40, "tib": 2**40}
+
+
+class SettingsError(ValueError):
+    """A flag or environment variable has a bad value; the message names it and the fix."""
+
+
+def parse_size(value: str | int, name: str) -> int:
+    """``"512MB"``, ``"1GiB"``, ``"1048576"`` -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise SettingsError(f"{name}={value!r} is not a size; use bytes or a unit, e.g. 512MB or 1GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass
+class Settings:
+    """Everything the service reads at start-up (see docs/service.md for the matching flags/env vars).
+
+    Attributes:
+        cache_dir: the service's only writable place: ``jobs.sqlite3``, ``datasets/``, ``uploads/``, ``tmp/``.
+        data_roots: directories whose files (and tokenizer folders) requests may name; paths are resolved,
+            symlinks included, and must stay inside one of them. Empty: only uploads are accepted.
+        public_cache_dir: how training pods see ``cache_dir`` (a shared volume may be mounted elsewhere
+            there); reported ``shards_path`` values use it. Default: ``cache_dir``.
+        token: bearer token required on every route except /healthz and /readyz (None: auth off).
+        workers: worker processes, i.e. jobs that run at the same time.
+        num_proc: tokenizer processes inside one job (``pretokenize(num_proc=...)``).
+        max_queued: jobs waiting beyond the running ones; more -> 503 with Retry-After.
+        max_upload_bytes / max_body_bytes: upload size / JSON request body size limits (413 beyond).
+        max_attempts: a job interrupted by a crash or restart is re-run up to this many attempts in all.
+        heartbeat_timeout_s: a running job whose worker has not written a heartbeat for this long is orphaned.
+        preflight_rows: rows of a JSONL/Parquet source tokenized synchronously by POST (0: off).
+        min_free_bytes: a job refuses to start (fails, "disk full") with less free space in cache_dir.
+        debug_progress_delay_s: TEST-ONLY: sleep this long in every progress callback (slows jobs for
+            crash tests; 0 in production).
+    """
+
+    cache_dir: Path = field(default_factory=lambda: Path(".pf-trl-cache/service"))
+    data_roots: list[Path] = field(default_factory=list)
+    public_cache_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None
+    workers: int = 1
+    num_proc: int = 1
+    max_queued: int = 64
+    max_upload_bytes: int = 2 * 2**30
+    max_body_bytes: int = 64 * 2**10
+    max_attempts: int = 2
+    heartbeat_timeout_s: float = 10.0
+    preflight_rows: int = 64
+    min_free_bytes: int = 64 * 2**20
+    log_level: str = "info"
+    debug_progress_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.cache_dir = Path(self.cache_dir).expanduser().resolve()
+        self.data_roots = [Path(r).expanduser().resolve() for r in self.data_roots]
+        self.public_cache_dir = Path(self.public_cache_dir) if self.public_cache_dir else self.cache_dir
+        if self.token is not None and not self.token:
+            self.token = None
+        for name in ("workers", "num_proc", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queued", "preflight_rows", "min_free_bytes"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_upload_bytes", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be >= 1 byte, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port must be in 1..65535, got {self.port}")
+        for root in self.data_roots:
+            if not root.is_dir():
+                raise SettingsError(f"data root {root} is not a directory; create it or fix --data-root")
+            if root == self.cache_dir or self.cache_dir in root.parents or root in self.cache_dir.parents:
+                raise SettingsError(
+                    f"data root {root} overlaps the cache dir {self.cache_dir}; keep inputs and the cache apart"
+                )
+
+    # Paths inside the cache dir (the layout is documented in docs/service.md).
+    @property
+    def db_path(self) -> Path:
+        return self.cache_dir / "jobs.sqlite3"
+
+    @property
+    def datasets_dir(self) -> Path:
+        return self.cache_dir / "datasets"
+
+    @property
+    def uploads_dir(self) -> Path:
+        return self.cache_dir / "uploads"
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.cache_dir / "tmp"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.cache_dir / "service.lock"
+
+    def shards_path(self, dataset_id: str) -> Path:
+        return Path(self.public_cache_dir) / "datasets" / dataset_id
+
+    def make_dirs(self) -> None:
+        for d in (self.cache_dir, self.datasets_dir, self.uploads_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def child_env(self) -> dict[str, str]:
+        """Environment for the service and its workers: offline, every cache inside ``cache_dir``."""
+        hf = self.cache_dir / "hf"
+        return {
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_HOME": str(hf),
+            "HF_DATASETS_CACHE": str(hf / "datasets"),
+            "PF_TRL_CACHE": str(self.cache_dir / "pf-trl"),  # the converted embedded tokenizer lands here
+            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = [str(p) for p in v] if f.name == "data_roots" else (str(v) if isinstance(v, Path) else v)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Settings":
+        return cls(**data)
+
+    @classmethod
+    def load(cls, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> "Settings":
+        """Defaults < ``PF_SERVICE_<NAME>`` env vars < ``overrides`` (flags; None values are ignored)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _convert(f.name, raw, env_name=ENV_PREFIX + f.name.upper())
+        for key, value in (overrides or {}).items():
+            if value is not None:
+                values[key] = _convert(key, value, env_name="--" + key.replace("_", "-")) if isinstance(value, str) else value
+        return cls(**values)
+
+
+def _convert(name: str, raw: str, *, env_name: str) -> Any:
+    try:
+        if name == "data_roots":
+            return [p for p in raw.split(os.pathsep) if p]
+        if name in ("max_upload_bytes", "max_body_bytes", "min_free_bytes"):
+            return parse_size(raw, env_name)
+        if name in ("port", "workers", "num_proc", "max_queued", "max_attempts", "preflight_rows"):
+            return int(raw)
+        if name in ("heartbeat_timeout_s", "debug_progress_delay_s"):
+            return float(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{env_name}={raw!r}: {exc}") from exc
+    return raw

@@ -1,0 +1,183 @@
+"""Worker process: claims queued jobs from SQLite and runs :func:`pf_trl.data.pretokenize.pretokenize`.
+
+Started by the supervisor as ``python -m preprocess_service.worker``. A watchdog thread exits the
+process when the API process that started it is gone (its parent pid changes), so a ``kill -9`` of the
+server leaves no worker behind; a heartbeat in the job row lets a restarted server detect orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from preprocess_service.jobs import JobStore
+from preprocess_service.settings import Settings
+
+logger = logging.getLogger("preprocess_service.worker")
+
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class JobError(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _watch_parent(api_pid: int) -> None:
+    while True:
+        if os.getppid() != api_pid:
+            os._exit(3)  # the API process died: leave nothing running behind it
+        time.sleep(0.25)
+
+
+class _TokenizerCache:
+    """Loaded tokenizers by name, reloaded when their files change (fingerprint check per job)."""
+
+    def __init__(self):
+        self._cache: dict[str, Any] = {}
+
+    def get(self, name: str):
+        from pf_trl.data.tokenizer import load_tokenizer
+
+        tok = self._cache.get(name)
+        if tok is None:
+            tok = load_tokenizer(name)
+            self._cache[name] = tok
+        return tok
+
+    def drop(self, name: str) -> None:
+        self._cache.pop(name, None)
+
+
+def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers: _TokenizerCache, pid: int) -> str:
+    """Run one claimed job to succeeded/failed; returns the final state. Never raises for job errors."""
+    from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
+    from preprocess_service.submit import content_sha256
+    from pf_trl.data.shards import ShardsError, is_shards_dir
+    from pf_trl.data.tokenizer import TokenizerLoadError, tokenizer_fingerprint
+
+    job_id = job["id"]
+    request = json.loads(job["request"])
+    work = settings.tmp_dir / f"w{pid}" / job_id
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    target = settings.datasets_dir / job_id
+    delay = settings.debug_progress_delay_s
+    try:
+        source = Path(request["source_path"])
+        if not source.exists():
+            raise JobError("invalid_data", f"source {source} disappeared after the request was accepted; POST again")
+        size = request["source_size"]
+        free = shutil.disk_usage(settings.cache_dir).free
+        need = max(settings.min_free_bytes, 2 * size)
+        if free < need:
+            raise JobError("disk_full", f"disk full: {free} bytes free in {settings.cache_dir}, this job needs about "
+                           f"{need} (2x the source, at least min_free_bytes); free space or DELETE old datasets, then POST again")
+        if content_sha256(source) != request["source_sha256"]:
+            raise JobError("invalid_data", f"source {source} changed after the request was accepted (its sha256 "
+                           "differs), so it no longer matches this dataset id; POST again to get the new id")
+        tok = tokenizers.get(request["tokenizer"])
+        if tokenizer_fingerprint(tok)["sha256"] != request["tokenizer_sha256"]:
+            tokenizers.drop(request["tokenizer"])
+            tok = tokenizers.get(request["tokenizer"])
+            if tokenizer_fingerprint(tok)["sha256"] != request["tokenizer_sha256"]:
+                raise JobError("invalid_data", f"tokenizer {request['tokenizer']} changed after the request was "
+                               "accepted; POST again to get the new dataset id")
+        config = PretokenizeConfig(**request["options"])
+
+        def on_progress(rows_done: int, rows_total: int, tokens_done: int) -> None:
+            store.progress(job_id, pid, rows_done, rows_total, tokens_done)
+            if delay > 0:  # TEST-ONLY hook (PF_SERVICE_DEBUG_PROGRESS_DELAY_S); 0 in production
+                time.sleep(delay)
+
+        manifest = pretokenize(source, work / "out", config, tokenizer=tok, num_proc=settings.num_proc,
+                               progress=False, progress_callback=on_progress,
+                               source_fingerprint_value=request["source_sha256"])
+
+        def publish() -> None:
+            try:
+                os.rename(work / "out", target)
+            except OSError:
+                if not is_shards_dir(target):  # an identical dataset already published is fine
+                    raise
+
+        if not store.finish_success(job_id, pid, manifest, publish):
+            logger.info("job %s is no longer ours (deleted or re-queued); output discarded", job_id)
+            return "discarded"
+        return "succeeded"
+    except JobError as exc:
+        kind, message = exc.kind, str(exc)
+    except (PretokenizeError, TokenizerLoadError, ShardsError) as exc:
+        kind, message = "invalid_data", str(exc)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            kind, message = "disk_full", (f"disk full while writing shards under {settings.cache_dir} ({exc.strerror}); "
+                                          "free space or DELETE old datasets, then POST again")
+        else:
+            kind, message = "io_error", f"I/O error: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a job must end failed with a reason, whatever happened
+        logger.exception("job %s crashed", job_id)
+        kind, message = "internal", f"internal error {type(exc).__name__}: {exc}"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    store.finish_failure(job_id, pid, kind, message)
+    return "failed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m preprocess_service.worker")
+    parser.add_argument("--settings", required=True, help="Settings as JSON")
+    parser.add_argument("--api-pid", type=int, required=True)
+    parser.add_argument("--index", type=int, default=0)
+    args = parser.parse_args(argv)
+    settings = Settings.from_json(json.loads(args.settings))
+    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")
+    threading.Thread(target=_watch_parent, args=(args.api_pid,), daemon=True).start()
+    pid = os.getpid()
+    store = JobStore(settings.db_path)
+    store.register_worker(pid, args.index)
+    current: dict[str, str | None] = {"job": None}
+
+    def beat() -> None:
+        beat_store = JobStore(settings.db_path)
+        while True:
+            try:
+                beat_store.heartbeat(current["job"], pid)
+            except Exception:  # noqa: BLE001 - a busy database must not kill the heartbeat
+                pass
+            time.sleep(1.0)
+
+    threading.Thread(target=beat, daemon=True).start()
+    tokenizers = _TokenizerCache()
+    try:  # warm up: the imports and the default tokenizer cost seconds, once per worker
+        import datasets  # noqa: F401
+
+        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
+        tokenizers.get(DEFAULT_TOKENIZER)
+    except Exception:  # noqa: BLE001 - a job that needs it will fail with the reason
+        logger.exception("warm-up failed")
+    store.worker_ready(pid)
+    while True:
+        job = store.claim(pid)
+        if job is None:
+            time.sleep(0.2)
+            continue
+        current["job"] = job["id"]
+        started = time.time()
+        state = run_job(settings, store, job, tokenizers, pid)
+        current["job"] = None
+        logger.info("job %s %s in %.2fs", job["id"], state, time.time() - started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
