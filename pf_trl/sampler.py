@@ -1,0 +1,555 @@
+"""TokenBudgetBatchSampler: shuffled, bin-packed batches under a token budget, sharded across ranks.
+
+Each batch is a list of dataset indices whose lengths sum to at most ``max_tokens``; the
+:class:`~pf_trl.collator.PaddingFreeCollator` turns it into one padding-free row. The sampler only
+reads per-example lengths (the shards' ``length`` column), never the tokens, and is plain
+Python/numpy: it imports neither torch nor transformers and works as a torch ``batch_sampler`` by duck
+typing (``__iter__`` / ``__len__``).
+
+How an epoch is planned (identically on every rank, from a numpy Generator seeded by
+``(seed, epoch)``; no global RNG is touched):
+
+1. shuffle all indices;
+2. cut the shuffled order into windows of ``window`` examples and pack each window with
+   best-fit-decreasing (BFD). Bins of a window left filled below ``carry_below`` are opened again and
+   their examples are carried into the next window, where more small examples can fill them;
+3. make the number of bins divisible by ``num_replicas``: with ``drop_last=False`` split the bins
+   holding the most tokens in two (every index still appears exactly once, no batch is empty); with
+   ``drop_last=True`` drop the bins holding the fewest tokens;
+4. sort the bins by tokens and group ``num_replicas`` consecutive ones into a *step* (so the ranks of
+   a step carry near-equal work and DDP waits little), then shuffle the steps (so the batch order over
+   the epoch is random: early steps are not all short examples);
+5. inside each step give the largest bin to the rank with the fewest tokens so far. This keeps the
+   gap between any two ranks' token totals, at every point of the epoch, at most the largest
+   within-step spread of bin tokens, hence at most ``max_tokens``.
+
+Resume: :meth:`TokenBudgetBatchSampler.state_dict` records the epoch, seed, how many batches this
+rank has yielded and a fingerprint of everything the plan depends on; :meth:`load_state_dict` makes
+the next iteration yield exactly the remaining batches of that epoch. ``len()`` stays the full
+per-rank batch count of the epoch (what the HF Trainer expects for its schedule); see
+:attr:`TokenBudgetBatchSampler.num_remaining_batches` for what is left.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import heapq
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TokenBudgetBatchSampler"]
+
+_STATE_VERSION = 1
+# BFD keys are ``remaining_capacity << _SHIFT | bin_id`` so one sorted list of ints replaces a
+# balanced tree of (capacity, bin) pairs: bisect on plain ints is fast in CPython.
+_SHIFT = 32
+_MASK = (1 << _SHIFT) - 1
+# How many bins a window should produce when ``window`` is left to the sampler: enough that BFD
+# has small examples left to fill the gaps of the big ones, small enough to pack quickly.
+_AUTO_WINDOW_BINS = 128
+_AUTO_WINDOW_MIN = 512
+_AUTO_WINDOW_MAX = 16384
+
+
+@dataclass(frozen=True)
+class _EpochPlan:
+    """Everything one epoch yields, for all ranks (each rank keeps the whole plan: it is small)."""
+
+    epoch: int
+    flat: np.ndarray  # dataset indices of all kept bins, bin after bin
+    offsets: np.ndarray  # bin b is flat[offsets[b]:offsets[b + 1]]
+    tokens: np.ndarray  # tokens per bin
+    steps: np.ndarray  # [num_steps, num_replicas] bin ids: steps[s, r] is rank r's batch s
+    num_split: int  # bins split to make the count divisible by num_replicas
+    num_dropped_bins: int  # bins dropped by drop_last
+    num_dropped_examples: int
+
+
+def _best_fit_decreasing(idx: np.ndarray, lens: np.ndarray, capacity: int) -> list[list[int]]:
+    """Pack examples into bins of ``capacity`` tokens with best-fit-decreasing.
+
+    ``idx`` / ``lens`` must already be sorted by decreasing length. Each example goes into the open
+    bin whose remaining capacity is the smallest that still fits it, else into a new bin.
+    """
+    keys: list[int] = []  # sorted remaining-capacity keys of bins that can still take an example
+    bins: list[list[int]] = []
+    min_len = int(lens[-1])  # examples come in decreasing order: nothing shorter than this will come
+    probe_base = 1 << _SHIFT
+    for i, length in zip(idx.tolist(), lens.tolist()):
+        pos = bisect.bisect_left(keys, length * probe_base)
+        if pos == len(keys):
+            b = len(bins)
+            bins.append([i])
+            rem = capacity - length
+        else:
+            key = keys.pop(pos)
+            b = key & _MASK
+            bins[b].append(i)
+            rem = (key >> _SHIFT) - length
+        # Bins that cannot take even the shortest remaining example are closed: keeps ``keys`` short.
+        if rem >= min_len:
+            bisect.insort(keys, (rem << _SHIFT) | b)
+    return bins
+
+
+def _split_in_two(items: list[int], lengths: np.ndarray) -> tuple[list[int], list[int]]:
+    """Split a bin's examples into two non-empty halves with near-equal tokens (greedy LPT)."""
+    order = sorted(items, key=lambda i: -int(lengths[i]))
+    a, b = [order[0]], [order[1]]
+    ta, tb = int(lengths[order[0]]), int(lengths[order[1]])
+    for i in order[2:]:
+        if ta <= tb:
+            a.append(i)
+            ta += int(lengths[i])
+        else:
+            b.append(i)
+            tb += int(lengths[i])
+    return a, b
+
+
+class TokenBudgetBatchSampler:
+    """Yield lists of dataset indices whose lengths sum to at most ``max_tokens``, for one rank.
+
+    Args:
+        lengths: per-example token counts (e.g. the shards' ``length`` column), a sequence or a 1-D
+            numpy array of positive integers. Example ``i`` of the dataset has ``lengths[i]`` tokens.
+        max_tokens: token budget of one batch (one packed row). Every example must fit:
+            pretokenize with ``max_seq_len <= max_tokens``.
+        shuffle: shuffle the examples before packing and the batches after it. With ``False`` the
+            examples are packed in dataset order and the steps are kept in packing order (still
+            deterministic; useful for evaluation).
+        seed: base seed; the plan of an epoch depends only on ``(seed, epoch)`` and the arguments.
+        num_replicas: number of data-parallel ranks (world size).
+        rank: this process's rank, in ``[0, num_replicas)``.
+        drop_last: if the epoch's bin count is not divisible by ``num_replicas``, drop the bins with
+            the fewest tokens instead of splitting the largest ones.
+        window: examples per packing window; ``None`` picks about 128 bins' worth (clamped to
+            [512, 16384] examples). Bigger windows fill slightly better and pack slightly slower.
+        carry_below: after a window is packed, bins filled below this fraction of ``max_tokens``
+            are reopened and their examples carried into the next window (at most half a window
+            is carried). ``0`` disables carrying.
+
+    Raises:
+        ValueError: on an empty or non-integer ``lengths``, a length ``<= 0``, an example longer than
+            ``max_tokens`` (the message names its index and length), ``max_tokens <= 0``, a rank
+            out of range, or fewer examples than ``num_replicas``.
+
+    With ``drop_last=False`` the plan raises ``ValueError`` in the degenerate case where equal batch
+    counts per rank are impossible without duplicating an index (almost every example needs its own
+    bin and there are fewer examples than the next multiple of ``num_replicas``); use
+    ``drop_last=True`` or a larger ``max_tokens`` then.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        max_tokens: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+        window: int | None = None,
+        carry_below: float = 0.99,
+    ) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be an integer in [0, {num_replicas}), got {rank!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+            raise ValueError(f"window must be a positive integer or None, got {window!r}")
+        if not 0.0 <= float(carry_below) <= 1.0:
+            raise ValueError(f"carry_below must be in [0, 1], got {carry_below!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+        self.lengths = self._validate_lengths(lengths, int(max_tokens))
+        self.max_tokens = int(max_tokens)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.drop_last = bool(drop_last)
+        self.carry_below = float(carry_below)
+        n = len(self.lengths)
+        if n < self.num_replicas:
+            raise ValueError(
+                f"the dataset has {n} example(s) but num_replicas={self.num_replicas}: every rank needs at least "
+                "one example; use fewer processes or more data"
+            )
+        if window is None:
+            per_bin = self.max_tokens / float(self.lengths.mean())
+            window = int(min(_AUTO_WINDOW_MAX, max(_AUTO_WINDOW_MIN, math.ceil(_AUTO_WINDOW_BINS * per_bin))))
+        self.window = int(window)
+        self.total_tokens = int(self.lengths.sum())
+
+        self.epoch = 0
+        self._resume_at = 0  # batches to skip at the next __iter__ (set by load_state_dict)
+        self._yielded = 0  # batches yielded in the current epoch on this rank
+        self._plan_cache: _EpochPlan | None = None
+        self._fingerprint: str | None = None
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, max_tokens: int, *, length_column: str = "length", **kwargs: Any) -> TokenBudgetBatchSampler:
+        """Build a sampler from a ``datasets.Dataset`` (or anything indexable by column name).
+
+        Reads only ``length_column`` (through Arrow when available: fast, and it honours a
+        ``select`` / ``shuffle`` indices mapping), never the token ids.
+        """
+        try:
+            column = dataset.select_columns([length_column]).with_format("arrow")[:][length_column]
+            lengths = np.asarray(column.to_numpy(zero_copy_only=False))
+        except (AttributeError, TypeError):
+            lengths = np.asarray(dataset[length_column])
+        return cls(lengths, max_tokens, **kwargs)
+
+    @staticmethod
+    def _validate_lengths(lengths: Sequence[int] | np.ndarray, max_tokens: int) -> np.ndarray:
+        arr = np.asarray(lengths)
+        if arr.dtype == object:  # e.g. a lazy column that numpy could not read as numbers
+            arr = np.asarray(list(lengths))
+        if arr.ndim != 1:
+            raise ValueError(f"lengths must be one-dimensional, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError("lengths is empty: the dataset has no examples")
+        if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+            raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
+        if np.issubdtype(arr.dtype, np.floating):
+            if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+                bad = int(np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))[0])
+                raise ValueError(f"lengths must be integers, example {bad} has length {arr[bad]!r}")
+        arr = arr.astype(np.int64)
+        nonpos = np.flatnonzero(arr <= 0)
+        if nonpos.size:
+            i = int(nonpos[0])
+            raise ValueError(
+                f"example {i} has length {int(arr[i])}: lengths must be positive "
+                f"({nonpos.size} example(s) with length <= 0); drop empty examples when pretokenizing"
+            )
+        too_long = np.flatnonzero(arr > max_tokens)
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(
+                f"example {i} has length {int(arr[i])} > max_tokens={max_tokens} "
+                f"({too_long.size} example(s) too long); pretokenize with max_seq_len <= {max_tokens} "
+                "(the truncation policy lives in pretokenization) or raise max_tokens"
+            )
+        arr.setflags(write=False)
+        return arr
+
+    # ------------------------------------------------------------------ planning
+
+    def _rng(self, epoch: int) -> np.random.Generator:
+        # SeedSequence of (seed, epoch): independent streams per epoch, same on every process.
+        return np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
+
+    def _pack(self, rng: np.random.Generator) -> list[list[int]]:
+        lengths = self.lengths
+        n = len(lengths)
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        window = self.window
+        carry_tokens = self.carry_below * self.max_tokens
+        max_carry = max(1, window // 2)
+        bins: list[list[int]] = []
+        carried = np.empty(0, dtype=np.int64)
+        for start in range(0, n, window):
+            idx = order[start : start + window]
+            if carried.size:
+                idx = np.concatenate([carried, idx])
+            lens = lengths[idx]
+            # Stable sort keeps the shuffled order among equal lengths (so ties are random too).
+            by_len = np.argsort(-lens, kind="stable")
+            win_bins = _best_fit_decreasing(idx[by_len], lens[by_len], self.max_tokens)
+            last = start + window >= n
+            carried = np.empty(0, dtype=np.int64)
+            if not last and carry_tokens > 0:
+                loads = np.fromiter((int(lengths[b].sum()) for b in win_bins), dtype=np.int64, count=len(win_bins))
+                under = np.flatnonzero(loads < carry_tokens)
+                if under.size:
+                    # Least-filled first, and never more than half a window: what is carried is packed
+                    # again next window, so the carry cannot grow without bound.
+                    under = under[np.argsort(loads[under], kind="stable")]
+                    take: list[int] = []
+                    count = 0
+                    for b in under.tolist():
+                        if count + len(win_bins[b]) > max_carry:
+                            break
+                        take.append(b)
+                        count += len(win_bins[b])
+                    if take:
+                        taken = set(take)
+                        carried = np.fromiter(chain.from_iterable(win_bins[b] for b in take), dtype=np.int64, count=count)
+                        win_bins = [b for j, b in enumerate(win_bins) if j not in taken]
+            bins.extend(win_bins)
+        return bins
+
+    def _fix_divisibility(self, bins: list[list[int]]) -> tuple[list[list[int]], int, int]:
+        """Make ``len(bins)`` a multiple of ``num_replicas``; returns (bins, num_split, num_dropped)."""
+        r = self.num_replicas
+        extra = (-len(bins)) % r
+        if extra == 0:
+            return bins, 0, 0
+        lengths = self.lengths
+        loads = [int(lengths[b].sum()) for b in bins]
+        if self.drop_last:
+            # Drop the bins with the fewest tokens: loses the least data. Ties: packing order (random).
+            drop = len(bins) % r
+            keep = sorted(range(len(bins)), key=lambda j: loads[j])[drop:]
+            keep.sort()
+            return [bins[j] for j in keep], 0, drop
+        # Split the bins holding the most tokens (among those with >= 2 examples) in two, one at a time:
+        # each split adds one bin, keeps coverage exactly-once and never creates an empty batch.
+        heap = [(-loads[j], j) for j in range(len(bins)) if len(bins[j]) >= 2]
+        heapq.heapify(heap)
+        bins = list(bins)
+        for _ in range(extra):
+            if not heap:
+                raise ValueError(
+                    f"cannot give all {r} ranks the same number of batches without duplicating an example: the epoch "
+                    f"packs into {len(bins)} bin(s) that cannot be split further (dataset: {len(lengths)} examples, "
+                    f"max_tokens={self.max_tokens}); use drop_last=True, a larger max_tokens or fewer ranks"
+                )
+            _, j = heapq.heappop(heap)
+            a, b = _split_in_two(bins[j], lengths)
+            bins[j] = a
+            bins.append(b)
+            for k in (j, len(bins) - 1):
+                if len(bins[k]) >= 2:
+                    heapq.heappush(heap, (-int(lengths[bins[k]].sum()), k))
+        return bins, extra, 0
+
+    def _build_plan(self, epoch: int) -> _EpochPlan:
+        rng = self._rng(epoch)
+        bins = self._pack(rng)
+        bins, num_split, num_dropped_bins = self._fix_divisibility(bins)
+        r = self.num_replicas
+        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+        offsets = np.zeros(len(bins) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        flat = np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=int(offsets[-1]))
+        tokens = np.add.reduceat(self.lengths[flat], offsets[:-1]) if len(bins) else np.zeros(0, dtype=np.int64)
+        num_steps = len(bins) // r
+        if num_steps == 0:
+            steps = np.zeros((0, r), dtype=np.int64)
+        else:
+            # Group bins of similar tokens into a step (per-step balance), then randomise the step order.
+            pre = rng.permutation(len(bins)) if self.shuffle else np.arange(len(bins))
+            by_tokens = pre[np.argsort(tokens[pre], kind="stable")]
+            groups = by_tokens.reshape(num_steps, r)
+            if self.shuffle:
+                groups = groups[rng.permutation(num_steps)]
+            steps = self._assign_ranks(groups, tokens)
+        dropped_examples = len(self.lengths) - int(offsets[-1])
+        return _EpochPlan(epoch, flat, offsets, tokens, steps, num_split, num_dropped_bins, dropped_examples)
+
+    @staticmethod
+    def _assign_ranks(groups: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Within each step give the largest bin to the rank with the fewest tokens so far."""
+        num_steps, r = groups.shape
+        if r == 1:
+            return groups.copy()
+        steps = np.empty_like(groups)
+        totals = np.zeros(r, dtype=np.int64)
+        group_tokens = tokens[groups]
+        for s in range(num_steps):
+            bins_desc = np.argsort(-group_tokens[s], kind="stable")
+            ranks_asc = np.argsort(totals, kind="stable")
+            steps[s, ranks_asc] = groups[s, bins_desc]
+            totals[ranks_asc] += group_tokens[s, bins_desc]
+        return steps
+
+    def _plan(self) -> _EpochPlan:
+        if self._plan_cache is None or self._plan_cache.epoch != self.epoch:
+            self._plan_cache = self._build_plan(self.epoch)  # only the current epoch is kept
+        return self._plan_cache
+
+    # ------------------------------------------------------------------ sampler protocol
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to plan (call before each epoch, as with ``DistributedSampler``).
+
+        Setting a different epoch restarts from its batch 0 (and forgets a pending resume); setting the
+        epoch that was just restored by :meth:`load_state_dict` keeps the resume position.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self._resume_at = 0
+            self._yielded = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan = self._plan()
+        start = self._resume_at
+        self._resume_at = 0  # a resume applies to one pass only; the next pass starts at batch 0
+        self._yielded = start
+        column = plan.steps[:, self.rank]
+        flat, offsets = plan.flat, plan.offsets
+        for b in column[start:].tolist():
+            # Count before yielding: a state_dict() taken while the consumer holds this batch counts it.
+            self._yielded += 1
+            yield flat[offsets[b] : offsets[b + 1]].tolist()
+
+    def __len__(self) -> int:
+        """Batches this rank yields over the whole current epoch (same on every rank).
+
+        Stays the full count after :meth:`load_state_dict`; see :attr:`num_remaining_batches`.
+        """
+        return int(self._plan().steps.shape[0])
+
+    @property
+    def num_remaining_batches(self) -> int:
+        """Batches the next (or current) pass will still yield on this rank in this epoch."""
+        pending = self._resume_at if self._resume_at else self._yielded
+        return len(self) - pending
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / (number of batches x ``max_tokens``) over the current epoch, all ranks."""
+        plan = self._plan()
+        if plan.steps.size == 0:
+            return 0.0
+        return float(plan.tokens.sum()) / (plan.steps.size * self.max_tokens)
+
+    def batch_token_counts(self, rank: int | None = None) -> np.ndarray:
+        """Tokens of each batch of the current epoch, in yield order.
+
+        ``rank=None`` (default): a ``[num_steps, num_replicas]`` array, column ``r`` being rank ``r``'s
+        batches; an int: that rank's 1-D array.
+        """
+        plan = self._plan()
+        counts = plan.tokens[plan.steps]
+        if rank is None:
+            return counts
+        if not 0 <= rank < self.num_replicas:
+            raise ValueError(f"rank must be in [0, {self.num_replicas}), got {rank}")
+        return counts[:, rank].copy()
+
+    def batch_example_counts(self, rank: int | None = None) -> np.ndarray:
+        """Examples in each batch of the current epoch; same shape rules as :meth:`batch_token_counts`."""
+        plan = self._plan()
+        counts = np.diff(plan.offsets)[plan.steps]
+        return counts if rank is None else counts[:, rank].copy()
+
+    def stats(self) -> dict[str, Any]:
+        """Summary of the current epoch's plan (all ranks), JSON-serialisable."""
+        plan = self._plan()
+        tokens = plan.tokens[plan.steps]
+        per_rank = tokens.sum(axis=0) if tokens.size else np.zeros(self.num_replicas, dtype=np.int64)
+        examples = np.diff(plan.offsets)
+        return {
+            "epoch": self.epoch,
+            "num_examples": len(self.lengths),
+            "num_replicas": self.num_replicas,
+            "max_tokens": self.max_tokens,
+            "window": self.window,
+            "num_batches": int(plan.steps.size),
+            "batches_per_rank": int(plan.steps.shape[0]),
+            "real_tokens": int(plan.tokens.sum()),
+            "efficiency": self.efficiency,
+            "padding_share": 1.0 - self.efficiency if plan.steps.size else 0.0,
+            "mean_examples_per_batch": float(examples.mean()) if examples.size else 0.0,
+            "mean_tokens_per_batch": float(plan.tokens.mean()) if plan.tokens.size else 0.0,
+            "tokens_per_rank": [int(t) for t in per_rank],
+            "rank_token_spread": int(per_rank.max() - per_rank.min()) if per_rank.size else 0,
+            "num_split_bins": plan.num_split,
+            "num_dropped_bins": plan.num_dropped_bins,
+            "num_dropped_examples": plan.num_dropped_examples,
+        }
+
+    # ------------------------------------------------------------------ resume
+
+    def fingerprint(self) -> str:
+        """Hash of everything the plan depends on besides (seed, epoch)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(np.ascontiguousarray(self.lengths, dtype="<i8").tobytes())
+            params = {
+                "max_tokens": self.max_tokens,
+                "num_replicas": self.num_replicas,
+                "shuffle": self.shuffle,
+                "drop_last": self.drop_last,
+                "window": self.window,
+                "carry_below": self.carry_below,
+                "version": _STATE_VERSION,
+            }
+            h.update(json.dumps(params, sort_keys=True).encode())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def state_dict(self, *, batches_yielded: int | None = None) -> dict[str, Any]:
+        """State for exact mid-epoch resume (rank-independent: every rank yields as many batches).
+
+        Args:
+            batches_yielded: override the count of batches already consumed in this epoch. Pass it when
+                a DataLoader with workers prefetches ahead of training, so the sampler has yielded more
+                batches than the model has seen.
+        """
+        done = self._resume_at if self._resume_at else self._yielded
+        if batches_yielded is not None:
+            done = int(batches_yielded)
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "batches_yielded": done,
+            "fingerprint": self.fingerprint(),
+            "num_examples": len(self.lengths),
+            "max_tokens": self.max_tokens,
+            "num_replicas": self.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output: the next iteration yields exactly the remaining batches.
+
+        Raises:
+            ValueError: if the state is malformed or was saved by an incompatible sampler (other
+                lengths, ``max_tokens``, ``num_replicas``, packing options or seed).
+        """
+        missing = [k for k in ("epoch", "seed", "batches_yielded", "fingerprint") if k not in state]
+        if missing:
+            raise ValueError(f"sampler state is missing {missing}; expected the output of state_dict()")
+        if state.get("version", _STATE_VERSION) != _STATE_VERSION:
+            raise ValueError(f"sampler state version {state.get('version')} is not supported (expected {_STATE_VERSION})")
+        if state["fingerprint"] != self.fingerprint():
+            diffs = [
+                f"{k}: saved {state[k]!r}, now {v!r}"
+                for k, v in (("num_examples", len(self.lengths)), ("max_tokens", self.max_tokens), ("num_replicas", self.num_replicas))
+                if k in state and state[k] != v
+            ]
+            detail = "; ".join(diffs) if diffs else "lengths or packing options (shuffle, drop_last, window, carry_below) differ"
+            raise ValueError(f"sampler state is incompatible with this sampler ({detail}): cannot resume mid-epoch")
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"sampler state was saved with seed={state['seed']}, this sampler has seed={self.seed}")
+        epoch, done = int(state["epoch"]), int(state["batches_yielded"])
+        if epoch < 0:
+            raise ValueError(f"sampler state has a negative epoch {epoch}")
+        self.epoch = epoch
+        self._yielded = 0
+        total = len(self)
+        if not 0 <= done <= total:
+            raise ValueError(f"sampler state has batches_yielded={done}, but epoch {epoch} has {total} batches per rank")
+        self._resume_at = done
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_examples={len(self.lengths)}, max_tokens={self.max_tokens}, "
+            f"num_replicas={self.num_replicas}, rank={self.rank}, epoch={self.epoch}, shuffle={self.shuffle}, "
+            f"drop_last={self.drop_last}, window={self.window})"
+        )
