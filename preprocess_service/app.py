@@ -122,7 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Tokenize a dataset once into a shared cache of shards (with per-example lengths for the "
         "token-budget sampler); training jobs wait for it and read it. Errors are application/problem+json.",
         lifespan=lifespan,
-        responses={401: PROBLEM_RESPONSES[401], 422: PROBLEM_RESPONSES[422]},
+        responses={400: PROBLEM_RESPONSES[400], 401: PROBLEM_RESPONSES[401], 422: PROBLEM_RESPONSES[422]},
     )
     app.state.settings = settings
 
@@ -140,6 +140,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and "parsing the body" in str(exc.detail):  # e.g. bytes that are not UTF-8
+            detail = "body: not valid JSON (could not decode it); send a UTF-8 JSON object with Content-Type: application/json"
+            return problem(422, problem_body(422, "Unprocessable Content", detail, kind="validation",
+                                             instance=request.url.path, errors=[{"field": "body", "message": detail}]))
         if exc.status_code == 404:
             detail = f"no route {request.method} {request.url.path}; the API is listed at /docs and /openapi.json"
             kind = "not-found"
@@ -255,7 +259,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Datasets in creation order, `limit` per page; follow `next_cursor`. Manifests are left out."""
         after = 0
         if cursor is not None:
-            if not cursor.isdigit():
+            if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):  # "¹".isdigit() is True
                 raise ServiceError(422, "Unprocessable Content", f"cursor: {cursor!r} is not a cursor; pass the "
                                    "`next_cursor` of the previous page", kind="validation", field="query.cursor")
             after = int(cursor)

@@ -19,10 +19,20 @@ JobState = Literal["queued", "running", "succeeded", "failed"]
 UPLOAD_ID_PATTERN = r"^[0-9a-f]{64}\.(jsonl|json|parquet|csv)$"
 
 
+def _exactly_one_schema(schema: dict[str, Any]) -> None:
+    """OpenAPI: exactly one of the two fields, neither null (what the validator below enforces)."""
+    for name in ("path", "upload_id"):
+        prop = schema["properties"][name]
+        branch = next(b for b in prop.pop("anyOf") if b.get("type") != "null")
+        prop.update(branch)
+        prop.pop("default", None)
+    schema["oneOf"] = [{"required": ["path"]}, {"required": ["upload_id"]}]
+
+
 class SourceSpec(BaseModel):
     """Where the rows come from: exactly one of ``path`` or ``upload_id``."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_exactly_one_schema)
 
     path: str | None = Field(
         None,
@@ -186,6 +196,7 @@ def problem_body(status: int, title: str, detail: str, *, kind: str, instance: s
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": Problem, "content": {PROBLEM_JSON: {}}, "description": desc}
     for code, desc in {
+        400: "malformed request (e.g. a bad Content-Length)",
         401: "missing or wrong bearer token",
         403: "path outside the data roots",
         404: "unknown dataset id or route",

@@ -142,6 +142,15 @@ def _is_within(path: Path, root: Path) -> bool:
 
 
 def confine(raw: str, roots: list[Path], *, field: str, what: str = "source") -> Path:
+    """See :func:`_confine`; any OS-level refusal (name too long, permission denied) is a 422 too."""
+    try:
+        return _confine(raw, roots, field=field, what=what)
+    except OSError as exc:
+        raise ServiceError(422, "Unprocessable Content", f"{field}: cannot use {raw[:200]!r}: {exc.strerror or exc}",
+                           kind="invalid-path", field=field) from exc
+
+
+def _confine(raw: str, roots: list[Path], *, field: str, what: str = "source") -> Path:
     """Resolve ``raw`` (symlinks followed) and require it to lie inside one of ``roots``.
 
     Confinement is checked before existence, so a client cannot probe for files outside the roots.

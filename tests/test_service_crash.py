@@ -1,0 +1,216 @@
+"""Crash safety: kill -9 the server mid-job, restart on the same cache dir; plus the job store's
+recovery rules and disk-full handling, exercised in-process."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_service_support import Server, files_under, generated_rows, wait_state, write_rows
+
+
+def _alive(pid: int) -> bool:
+    from preprocess_service.jobs import pid_alive
+
+    return pid_alive(pid)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_job_then_restart(tmp_path):
+    from pf_trl.data.shards import load_shards
+
+    root, cache = tmp_path / "data", tmp_path / "cache"
+    root.mkdir()
+    write_rows(root / "earlier.jsonl", generated_rows(300, "earlier"))
+    write_rows(root / "big.jsonl", generated_rows(6000, "big"))  # 3 progress chunks of 2000 rows
+
+    # 1. An earlier dataset, built normally; graceful stop.
+    s1 = Server(cache, [root]).start()
+    with s1.client() as c:
+        earlier = c.post("/v1/datasets", json={"source": {"path": "earlier.jsonl"}}).json()["id"]
+        assert wait_state(c, earlier)["state"] == "succeeded"
+    s1.stop()
+    earlier_manifest = json.loads((cache / "datasets" / earlier / "pf_manifest.json").read_text())
+
+    # 2. A slow job (TEST-ONLY hook: each progress callback sleeps 3 s), killed with SIGKILL mid-way.
+    s2 = Server(cache, [root], env={"PF_SERVICE_DEBUG_PROGRESS_DELAY_S": "3"}).start()
+    with s2.client() as c:
+        r = c.post("/v1/datasets", json={"source": {"path": "big.jsonl"}})
+        assert r.status_code == 202
+        big = r.json()["id"]
+        # The API stays responsive while the worker tokenizes; progress reaches it from the worker.
+        latencies, deadline, running = [], time.time() + 60, None
+        while time.time() < deadline:
+            t0 = time.perf_counter()
+            assert c.get("/healthz").status_code == 200
+            status = c.get(f"/v1/datasets/{big}").json()
+            latencies.append(time.perf_counter() - t0)
+            if status["state"] == "running" and status["progress"]["rows_done"] > 0:
+                running = status
+                break
+            time.sleep(0.05)
+        assert running is not None, "the job never reported progress"
+        assert running["progress"]["rows_total"] == 6000 and 0 < running["progress"]["rows_done"] < 6000
+        assert running["progress"]["tokens_done"] > 0 and running["progress"]["fraction"] < 1
+        assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+        worker_pid = running["worker_pid"]
+        assert worker_pid and _alive(worker_pid)
+    s2.kill9()
+
+    # The worker dies with the server (parent watchdog), and nothing partial is visible.
+    deadline = time.time() + 5
+    while _alive(worker_pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker_pid), f"worker {worker_pid} outlived the killed server"
+    assert sorted(os.listdir(cache / "datasets")) == [earlier]
+
+    # 3. Restart: the interrupted job is re-run (attempt 2) and succeeds; the earlier dataset is intact.
+    s3 = Server(cache, [root]).start()
+    try:
+        with s3.client() as c:
+            final = wait_state(c, big, timeout=120)
+            assert final["state"] == "succeeded", final
+            assert final["attempts"] == 2
+            ds = load_shards(cache / "datasets" / big)
+            assert ds.num_rows == 6000
+            again = c.post("/v1/datasets", json={"source": {"path": "earlier.jsonl"}})
+            assert again.status_code == 200 and again.json()["manifest"] == earlier_manifest
+        assert load_shards(cache / "datasets" / earlier).num_rows == 300
+        assert not [p for p in files_under(cache / "tmp") if not p.startswith("w")]
+    finally:
+        s3.stop()
+
+
+# ----------------------------------------------------------------------------- store, in-process
+def _store(tmp_path):
+    from preprocess_service.jobs import JobStore
+    from preprocess_service.settings import Settings
+
+    settings = Settings(cache_dir=tmp_path / "cache")
+    settings.make_dirs()
+    return settings, JobStore(settings.db_path)
+
+
+def _claimed(store, job_id, pid, request=None):
+    row, created = store.submit(job_id, request or {"x": 1}, max_queued=10, exists_ok=lambda r: True)
+    assert created
+    claimed = store.claim(pid)
+    assert claimed["id"] == job_id and claimed["state"] == "running"
+    return claimed
+
+
+DEAD_PID = 2**22 + 12345  # above the default pid_max: never a live process
+
+
+def test_reconcile_requeues_then_fails_with_reason(tmp_path):
+    settings, store = _store(tmp_path)
+    _claimed(store, "a" * 32, DEAD_PID)
+    kw = dict(datasets_dir=settings.datasets_dir, max_attempts=2, heartbeat_timeout_s=10.0, startup=True)
+    assert store.reconcile(**kw) == [("a" * 32, "requeued")]
+    assert store.get("a" * 32)["state"] == "queued"
+    store.claim(DEAD_PID)
+    assert store.reconcile(**kw) == [("a" * 32, "failed")]
+    row = store.get("a" * 32)
+    assert row["state"] == "failed" and row["error_type"] == "interrupted"
+    assert "gave up after 2 attempt(s)" in row["error"] and "POST the same request again" in row["error"]
+
+
+def test_reconcile_keeps_a_job_with_a_fresh_heartbeat_and_live_pid(tmp_path):
+    settings, store = _store(tmp_path)
+    _claimed(store, "b" * 32, os.getpid())  # alive, heartbeat just written
+    assert store.reconcile(datasets_dir=settings.datasets_dir, max_attempts=2, heartbeat_timeout_s=10.0,
+                           startup=True) == []
+    # ...but once its heartbeat is stale it is an orphan.
+    assert store.reconcile(datasets_dir=settings.datasets_dir, max_attempts=2, heartbeat_timeout_s=-1.0) == [
+        ("b" * 32, "requeued")]
+
+
+def test_reconcile_recovers_a_job_published_before_the_crash(tmp_path, sample_shards):
+    import shutil
+
+    settings, store = _store(tmp_path)
+    _claimed(store, "c" * 32, DEAD_PID)
+    shutil.copytree(sample_shards, settings.datasets_dir / ("c" * 32))
+    assert store.reconcile(datasets_dir=settings.datasets_dir, max_attempts=1, heartbeat_timeout_s=10.0,
+                           startup=True) == [("c" * 32, "recovered")]
+    row = store.get("c" * 32)
+    assert row["state"] == "succeeded" and json.loads(row["manifest"])["counts"]["examples"] > 0
+
+
+def test_submit_is_idempotent_and_bounded(tmp_path):
+    from preprocess_service.jobs import QueueFull
+
+    settings, store = _store(tmp_path)
+    row, created = store.submit("d" * 32, {}, max_queued=1, exists_ok=lambda r: True)
+    assert created
+    again, created = store.submit("d" * 32, {}, max_queued=1, exists_ok=lambda r: True)
+    assert not created and again["seq"] == row["seq"]
+    with pytest.raises(QueueFull):
+        store.submit("e" * 32, {}, max_queued=1, exists_ok=lambda r: True)
+
+
+def _request(settings, src: Path):
+    from pf_trl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from preprocess_service.submit import content_sha256
+
+    tok = load_tokenizer()
+    from pf_trl.data.pretokenize import PretokenizeConfig
+
+    return {"source_path": str(src), "source_size": src.stat().st_size, "source_sha256": content_sha256(src),
+            "tokenizer": "pf-trl/mistral-7b-v0.1", "tokenizer_sha256": tokenizer_fingerprint(tok)["sha256"],
+            "options": PretokenizeConfig().to_dict()}
+
+
+@pytest.mark.parametrize("how", ["enospc-while-writing", "below-min-free"])
+def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch, sample_shards, how):
+    import shutil
+
+    import pf_trl.data.pretokenize as pt
+    from preprocess_service.worker import _TokenizerCache, run_job
+
+    settings, store = _store(tmp_path)
+    other = settings.datasets_dir / ("0" * 32)
+    shutil.copytree(sample_shards, other)
+    before = files_under(other)
+    src = write_rows(tmp_path / "rows.jsonl", generated_rows(20, how))
+    job = _claimed(store, "f" * 32, os.getpid(), _request(settings, src))
+    if how == "enospc-while-writing":
+        real = pt.pretokenize
+
+        def full_disk(source, output_dir, *a, **kw):
+            Path(output_dir).parent.mkdir(parents=True, exist_ok=True)
+            (Path(output_dir).parent / "partial.arrow").write_bytes(b"x" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(pt, "pretokenize", full_disk)
+        assert real is not full_disk
+    else:
+        settings.min_free_bytes = 1 << 62
+    assert run_job(settings, store, job, _TokenizerCache(), os.getpid()) == "failed"
+    row = store.get("f" * 32)
+    assert row["state"] == "failed" and row["error_type"] == "disk_full"
+    assert "disk full" in row["error"] and "free space" in row["error"]
+    assert not (settings.datasets_dir / ("f" * 32)).exists()
+    assert files_under(other) == before
+    assert not [p for p in files_under(settings.tmp_dir) if p.count("/") >= 1], files_under(settings.tmp_dir)
+
+
+def test_settings_from_env_and_flags(tmp_path):
+    from preprocess_service.settings import Settings, SettingsError
+
+    root = tmp_path / "r"
+    root.mkdir()
+    env = {"PF_SERVICE_CACHE_DIR": str(tmp_path / "c"), "PF_SERVICE_DATA_ROOTS": str(root),
+           "PF_SERVICE_MAX_UPLOAD_BYTES": "2MiB", "PF_SERVICE_WORKERS": "3", "PF_SERVICE_TOKEN": "t"}
+    s = Settings.load({"workers": 2}, env=env)
+    assert s.workers == 2 and s.max_upload_bytes == 2 * 2**20 and s.data_roots == [root.resolve()] and s.token == "t"
+    with pytest.raises(SettingsError, match="PF_SERVICE_MAX_UPLOAD_BYTES"):
+        Settings.load(env={**env, "PF_SERVICE_MAX_UPLOAD_BYTES": "lots"})
+    with pytest.raises(SettingsError, match="overlaps the cache dir"):
+        Settings.load(env={**env, "PF_SERVICE_CACHE_DIR": str(root / "cache")})
