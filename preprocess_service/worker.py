@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         job = store.claim(pid)
         if job is None:
-            time.sleep(0.2)
+            time.sleep(0.05)  # an indexed SELECT on an idle queue: cheap, and a new job starts within 50 ms
             continue
         current["job"] = job["id"]
         started = time.time()
