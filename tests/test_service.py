@@ -360,3 +360,25 @@ def test_train_through_the_service(env, client, tmp_path):
         env={**os.environ, "PF_SERVICE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
         timeout=300, cwd=str(REPO))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_service_shards_match_the_trainers_tokenizer(env, client):
+    """A trainer checks `load_shards(path, expected_tokenizer=tokenizer_fingerprint(its tokenizer))`."""
+    from pf_trl.data.shards import load_shards
+    from pf_trl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    r = post(client, {"source": {"path": "small.jsonl"}})
+    status = wait_state(client, r.json()["id"])
+    mine = tokenizer_fingerprint(load_tokenizer())
+    theirs = status["manifest"]["tokenizer"]
+    if mine["sha256"] != theirs["sha256"]:
+        a = json.loads((Path(mine["path"]) / "tokenizer_config.json").read_text())
+        b = json.loads((Path(theirs["path"]) / "tokenizer_config.json").read_text())
+        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if differ == ["local_files_only"]:
+            pytest.xfail("known pf_trl/data/tokenizer.py issue: the converted embedded tokenizer's tokenizer_config.json "
+                         "records local_files_only from the HF offline env of the converting process, so its "
+                         f"fingerprint depends on that env ({a['local_files_only']} here vs {b['local_files_only']} in "
+                         "the service); fix: drop that key before save_pretrained")
+        pytest.fail(f"tokenizer fingerprints differ in {differ}")
+    load_shards(status["shards_path"], expected_tokenizer=mine)
