@@ -66,6 +66,21 @@ def embedded_tokenizer_file() -> Path:
     return path
 
 
+# Keys that loading writes into tokenizer_config.json from the environment of the process that saved it
+# (offline flags, cache paths); they do not change tokenization, so they stay out of the fingerprint.
+_VOLATILE_CONFIG_KEYS = ("local_files_only", "name_or_path", "cache_dir", "_commit_hash", "trust_remote_code", "token")
+
+
+def _config_digest(path: Path) -> str:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _sha256_file(path)
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
 def _sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -165,7 +180,7 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
             f = Path(path) / fname
             if f.is_file():
                 digest.update(fname.encode())
-                digest.update(_sha256_file(f).encode())
+                digest.update((_config_digest(f) if fname == "tokenizer_config.json" else _sha256_file(f)).encode())
                 hashed_files.append(fname)
     if not hashed_files:
         digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
