@@ -112,7 +112,8 @@ def source_fingerprint(source: str | Path) -> str:
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for f in files:
-        digest.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        if path.is_dir():  # a single file is its bytes alone: the same data under another name is the same
+            digest.update(str(f.relative_to(path)).encode())
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)
@@ -249,9 +250,64 @@ def _resolve_format(ds, config: PretokenizeConfig) -> str:
     return input_format
 
 
-def _chunk_bounds(rows: int, num_chunks: int) -> list[tuple[int, int]]:
-    step = -(-rows // num_chunks)
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+@dataclass
+class _ChunkJob:
+    """Everything a worker needs to tokenize one chunk (inherited by forked workers, never pickled)."""
+
+    dataset: Any
+    tokenizer: Any
+    input_format: str
+    config: PretokenizeConfig
+    work: Path
+
+    def __call__(self, bounds: tuple[int, int]) -> tuple[int, int, str, int]:
+        start, stop = bounds
+        chunk = self.dataset.select(range(start, stop))
+        path = str(self.work / f"chunk-{start:012d}.arrow")
+        mapped = chunk.map(
+            _tokenize_batch,
+            with_indices=True,
+            batched=True,
+            batch_size=256,
+            remove_columns=chunk.column_names,
+            fn_kwargs={"tokenizer": self.tokenizer, "input_format": self.input_format, "config": self.config,
+                       "index_offset": start},
+            features=_processing_features(),
+            load_from_cache_file=False,
+            cache_file_name=path,
+            new_fingerprint=f"pf-{start}",
+        )
+        return start, stop, path, int(np.asarray(mapped.data.column("length")).sum())
+
+
+_FORKED_JOB: _ChunkJob | None = None
+
+
+def _run_forked_chunk(bounds: tuple[int, int]) -> tuple[int, int, str, int]:
+    assert _FORKED_JOB is not None
+    return _FORKED_JOB(bounds)
+
+
+def _run_chunks(job: _ChunkJob, bounds: list[tuple[int, int]], num_proc: int):
+    """Yield finished chunks; with num_proc > 1 one process pool serves the whole call.
+
+    One pool for all chunks, not ``datasets.map(num_proc=...)`` per chunk: that starts a new pool each
+    time, which made 2 processes slower than 1. Workers are forked so they share the memory-mapped source
+    and the loaded tokenizer without pickling either.
+    """
+    import multiprocessing
+
+    if num_proc == 1 or len(bounds) == 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for b in bounds:
+            yield job(b)
+        return
+    global _FORKED_JOB
+    _FORKED_JOB = job
+    try:
+        with multiprocessing.get_context("fork").Pool(min(num_proc, len(bounds))) as pool:
+            yield from pool.imap_unordered(_run_forked_chunk, bounds)
+    finally:
+        _FORKED_JOB = None
 
 
 def pretokenize(
@@ -302,47 +358,32 @@ def pretokenize(
         ds = load_source(source, work)
         input_format = _resolve_format(ds, config)
         rows_total = ds.num_rows
-        # Chunks give progress reports (and a live bar across processes); few enough to keep overhead low.
-        bounds = _chunk_bounds(rows_total, max(1, min(50, rows_total // 2000)))
-        parts, tokens_done = [], 0
+        # Contiguous chunks: progress reports after each, and the unit of work of the process pool.
+        chunk_rows = max(500, min(20000, -(-rows_total // (8 * num_proc))))
+        bounds = [(a, min(a + chunk_rows, rows_total)) for a in range(0, rows_total, chunk_rows)]
+        job = _ChunkJob(ds, tokenizer, input_format, config, work)
+        arrow_files: dict[int, str] = {}
+        tokens_done = rows_done = 0
         bar = tqdm(total=rows_total, desc="pretokenize", unit="rows", disable=not progress)
-        features = _processing_features()
         try:
-            for start, stop in bounds:
-                chunk = ds.select(range(start, stop))
-                mapped = chunk.map(
-                    _tokenize_batch,
-                    with_indices=True,
-                    batched=True,
-                    batch_size=256,
-                    remove_columns=chunk.column_names,
-                    fn_kwargs={
-                        "tokenizer": tokenizer,
-                        "input_format": input_format,
-                        "config": config,
-                        "index_offset": start,
-                    },
-                    num_proc=num_proc if stop - start >= 4 * num_proc and num_proc > 1 else None,
-                    features=features,
-                    load_from_cache_file=False,
-                    cache_file_name=str(work / f"chunk-{start:012d}.arrow"),
-                    new_fingerprint=f"pf-{start}",
-                )
-                parts.append(mapped)
-                tokens_done += int(np.asarray(mapped.data.column("length")).sum())
+            for start, stop, path, tokens in _run_chunks(job, bounds, num_proc):
+                arrow_files[start] = path
+                rows_done += stop - start
+                tokens_done += tokens
                 bar.update(stop - start)
                 if progress_callback is not None:
-                    progress_callback(stop, rows_total, tokens_done)
+                    progress_callback(rows_done, rows_total, tokens_done)
         finally:
             bar.close()
+        parts = [datasets.Dataset.from_file(arrow_files[start]) for start, _ in bounds]
         full = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
         drop = np.asarray(full.data.column("_drop"))
         truncated = np.asarray(full.data.column("_truncated"))
         loss = np.asarray(full.data.column("_loss"))
         keep = drop == _KEEP
-        kept = full.filter(lambda d: [x == _KEEP for x in d], input_columns="_drop", batched=True,
-                           cache_file_name=str(work / "kept.arrow"))
+        # An index mapping, not a rewrite: save_to_disk below writes the kept rows once.
+        kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
         kept = kept.remove_columns(["_drop", "_truncated", "_loss"])
         if kept.num_rows == 0:
             raise PretokenizeError(
