@@ -1,0 +1,111 @@
+"""PaddingFreeConfig: TRL's SFTConfig plus the padding-free options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import SFTConfig
+
+from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
+
+PADDING_FREE_MODES = ("huggingface", "internal", "none")
+_TRUE = ("true", "yes", "1", "on")
+_FALSE = ("false", "no", "0", "off", "")
+
+
+def normalize_padding_free(value) -> str:
+    """``huggingface`` | ``internal`` | ``none``; booleans (TRL style) map to ``huggingface`` / ``none``."""
+    if isinstance(value, bool) or value is None:
+        return "huggingface" if value else "none"
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return "huggingface"
+    if text in _FALSE or text == "none":
+        return "none"
+    if text in PADDING_FREE_MODES:
+        return text
+    raise ValueError(f"padding_free must be one of {', '.join(PADDING_FREE_MODES)} (or true/false), got {value!r}")
+
+
+@dataclass
+class PaddingFreeConfig(SFTConfig):
+    """:class:`trl.SFTConfig` plus padding-free training options.
+
+    ``padding_free`` changes type: TRL's bool becomes a mode. ``huggingface`` uses transformers' native packed
+    attention (self-checked), ``internal`` pf-trl's ``pf_varlen`` kernels, ``none`` trains padded (stock collator,
+    stock sampler) with pf-trl's honest metrics.
+    """
+
+    padding_free: str = field(
+        default="huggingface",
+        metadata={
+            "help": "Padding-free mode: 'huggingface' (transformers' native packed attention), 'internal' "
+            "(pf-trl's varlen kernels) or 'none' (padded batches). true/false are accepted as huggingface/none.",
+        },
+    )
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of one per-device micro-batch (one packed row). Default: "
+            "per_device_train_batch_size x mean example length of the training set (at least the longest example), "
+            "so that steps hold as many examples on average as a padded run with that batch size."
+        },
+    )
+    max_eval_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={"help": "Token budget of an eval micro-batch. Default: per_device_eval_batch_size x mean eval length."},
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "Varlen kernel for padding_free='internal': auto, flash_attn, torch_varlen, flex, sdpa."},
+    )
+    fused_loss: str = field(
+        default="auto",
+        metadata={
+            "help": "Cross-entropy without full logits: 'auto' (Liger on CUDA when installed, else chunked), "
+            "'chunked', 'liger', or 'none' (plain full-logits cross-entropy).",
+            "choices": list(FUSED_LOSS_CHOICES),
+        },
+    )
+    loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked cross-entropy."})
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={"help": "Peak dense TFLOP/s of one device, for the MFU metric (known CUDA GPUs are detected)."},
+    )
+    include_tokens_per_second: bool = field(
+        default=False,
+        metadata={"help": "Seed-compatible flag: report train_tokens_per_second (real, non-padding tokens)."},
+    )
+    use_flash_attn: bool = field(
+        default=False,
+        metadata={"help": "Use flash-attn; without it installed pf-trl's varlen attention is used (one-line notice)."},
+    )
+
+    def __post_init__(self):
+        self.padding_free = normalize_padding_free(self.padding_free)
+        super().__post_init__()
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch <= 0:
+            raise ValueError(f"max_tokens_per_batch must be a positive integer, got {self.max_tokens_per_batch}")
+        if self.max_eval_tokens_per_batch is not None and self.max_eval_tokens_per_batch <= 0:
+            raise ValueError(f"max_eval_tokens_per_batch must be positive, got {self.max_eval_tokens_per_batch}")
+        if self.fused_loss not in FUSED_LOSS_CHOICES:
+            raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
+        if self.loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
+        if self.padding_free != "none" and self.packing:
+            raise ValueError(
+                f"packing=True conflicts with padding_free={self.padding_free!r}: pf-trl batches whole examples under a "
+                "token budget instead of packing fixed-length blocks. Use --packing False (or --padding_free none to "
+                "let TRL pack)."
+            )
+        if self.padding_free == "huggingface" and self.attention_backend not in ("auto", None):
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} selects one of pf-trl's kernels and needs "
+                "--padding_free internal"
+            )
+        if self.include_tokens_per_second and self.include_num_input_tokens_seen == "no":
+            self.include_num_input_tokens_seen = "non_padding"
+
+    @property
+    def is_padding_free(self) -> bool:
+        return self.padding_free != "none"
