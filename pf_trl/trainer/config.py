@@ -83,6 +83,11 @@ class PaddingFreeConfig(SFTConfig):
 
     def __post_init__(self):
         self.padding_free = normalize_padding_free(self.padding_free)
+        if self.bf16 is None:
+            # TRL defaults to bf16 autocast, which transformers refuses without a GPU: only default to it on CUDA
+            import torch
+
+            self.bf16 = (not self.fp16) and torch.cuda.is_available() and not self.use_cpu
         super().__post_init__()
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch <= 0:
             raise ValueError(f"max_tokens_per_batch must be a positive integer, got {self.max_tokens_per_batch}")

@@ -1,156 +1,413 @@
-"""Honest throughput: real tokens (no pad), supervised tokens, padding share, memory, MFU.
+"""Honest training metrics: real (non-padding) tokens, supervised tokens, padding share, memory, MFU.
 
-The stock trainer's tokens/s counts pad tokens, so the seed compared ``train_runtime`` instead. Here
-every batch is counted as it enters ``training_step``: the same code measures padded and padding-free
-runs, which is what makes their ratio meaningful.
+Everything is measured, nothing is inferred from the batch size: every micro-batch that reaches ``compute_loss`` is
+counted, all ranks are summed at each logging step, and the throughput denominators are wall-clock times
+(``train_runtime`` for the final dict, the time since the previous log for the per-step logs).
+
+Keys (per logging step, next to ``loss`` / ``learning_rate``; and in the final dict with a ``train_`` prefix):
+
+- ``real_tokens_per_second``: tokens of real examples (no padding, no dummy pad segment) / second, all ranks;
+- ``supervised_tokens_per_second``: tokens whose (shifted) label is not -100 / second;
+- ``padding_share``: padding tokens / processed tokens (0.0 for pf-trl batches, measured for padded batches);
+- ``tokens_per_step_mean`` / ``tokens_per_step_max``: real tokens per optimizer step (all ranks, all
+  accumulation micro-batches);
+- ``micro_batch_tokens_max``: processed tokens (with padding) of the largest micro-batch of one device: the memory
+  driver;
+- ``tflops`` and ``mfu`` (when the device peak is known or ``--peak_tflops`` is given), see :func:`train_flops`;
+- final only: ``train_samples_per_second`` is replaced by examples really seen / ``train_runtime`` (transformers
+  assumes ``batch_size`` examples per micro-batch); ``train_examples``, ``train_real_tokens`` / ``train_supervised_tokens`` / ``train_processed_tokens`` (totals),
+  ``train_mem_cpu_peak`` (peak RSS during training, bytes), ``train_mem_cpu_peak_delta`` (that peak minus RSS at the
+  start of training), ``train_mem_gpu_peak`` (``torch.cuda.max_memory_allocated``, CUDA only). With
+  ``--skip_memory_metrics False`` transformers' own ``*_mem_*_delta`` keys are there too (measured by a lighter
+  poller, see :class:`LightMemoryTracker`). With ``include_tokens_per_second`` / ``include_num_input_tokens_seen``,
+  ``train_tokens_per_second`` counts real tokens only.
+
+FLOPs (forward + backward, the usual 3x forward):
+
+    flops = 6 * P * T_real + 6 * n_layers * hidden * sum_i L_i^2
+
+``P`` = parameters without the input embedding (the LM head is included), ``T_real`` = real tokens, ``L_i`` = length
+of example i. The attention term is the score and value matmuls (``QK^T`` and ``AV``: 2 x 2 x L^2 x hidden FLOPs per
+layer forward, times 3 for backward = 12 x layers x hidden x L^2), halved for causal masking. Padding is not counted
+(it is waste, not useful work), so padded runs get a lower MFU for the same wall time.
 """
 
 from __future__ import annotations
 
 import resource
-import sys
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import TrainerMemoryTracker
 
 IGNORE_INDEX = -100
+REAL_TOKENS_KEY = "_pf_real_tokens"
 
-# Dense bf16 peak of one device (datasheet, TFLOP/s), matched on the CUDA device name.
-KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) of common GPUs, matched on the device name.
+KNOWN_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "A10G": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "RTX 4090": 165.0,
+    "V100": 125.0,
+}
 
 
-def detect_peak_tflops() -> float | None:
-    """Peak bf16 TFLOP/s of the current CUDA device when it is a known part, else None."""
-    if not torch.cuda.is_available():
+def detect_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak TFLOP/s of ``device`` for bf16/fp16 on known CUDA GPUs, else None (CPU: pass --peak_tflops)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name(device)
     for key, value in KNOWN_PEAK_TFLOPS.items():
         if key in name:
             return value
     return None
 
 
-def flops_per_step_terms(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(matmul parameters, layers, hidden size) for the FLOP count.
-
-    Training FLOPs = 6 * N * tokens + 6 * layers * hidden * sum_i L_i^2, where N excludes the input
-    embedding (a lookup, no matmul) and sum_i L_i^2 runs over the examples: causal attention costs
-    2 * L^2 * hidden per layer forward (QK^T and AV, halved by the mask), times 3 for forward + backward.
-    Padding and cross-example attention are not useful work, so they are never counted.
-    """
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+def model_flop_params(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(P without input embeddings, n_layers, hidden) for :func:`train_flops`."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     total = sum(p.numel() for p in model.parameters())
-    emb = model.get_input_embeddings()
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb_params = emb.weight.numel() if emb is not None else 0
-    out = model.get_output_embeddings()
-    tied = out is not None and emb is not None and out.weight is emb.weight
-    n = total - emb_params + (emb_params if tied else 0)
-    return n, int(getattr(config, "num_hidden_layers", 0)), int(getattr(config, "hidden_size", 0))
+    if out is not None and emb is not None and out.weight is emb.weight:
+        emb_params = 0  # tied: the matrix does work as the LM head
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    return total - emb_params, layers, hidden
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (MiB)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 1024 if sys.platform != "darwin" else rss / 2**20
+def train_flops(params: int, layers: int, hidden: int, real_tokens: float, sum_sq_lengths: float) -> float:
+    """Training FLOPs of ``real_tokens`` tokens in examples whose squared lengths sum to ``sum_sq_lengths``."""
+    return 6.0 * params * real_tokens + 6.0 * layers * hidden * sum_sq_lengths
 
 
-@dataclass
-class BatchCounts:
-    real: int  # tokens of examples (what a padded batch calls attention_mask.sum())
-    processed: int  # tokens the model ran on, pad included
-    supervised: int  # tokens with a next-token label
-    sum_sq_lengths: int  # sum of squared example lengths (attention FLOPs)
-    examples: int
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        import psutil
+
+        return psutil.Process().memory_info().rss
 
 
-def count_batch(inputs: dict[str, Any]) -> BatchCounts:
-    """Token counts of one collated batch, packed (cu_seq_lens / position_ids) or padded (attention_mask)."""
-    ids = inputs["input_ids"]
-    labels = inputs.get("labels")
-    supervised = int((labels[..., 1:] != IGNORE_INDEX).sum()) if labels is not None else 0
-    if "attention_mask" in inputs and inputs["attention_mask"] is not None:
-        lengths = inputs["attention_mask"].sum(dim=-1)
-    elif "cu_seq_lens_q" in inputs:
-        cu = inputs["cu_seq_lens_q"]
-        lengths = cu[1:] - cu[:-1]
-    elif "position_ids" in inputs:
-        pos = inputs["position_ids"].reshape(-1)
-        starts = torch.nonzero(pos == 0).reshape(-1).tolist() + [pos.numel()]
-        lengths = torch.tensor([b - a for a, b in zip(starts[:-1], starts[1:])])
-    else:
-        lengths = torch.full((ids.shape[0],), ids.shape[-1])
-    lengths = lengths.to("cpu", torch.int64)
-    return BatchCounts(
-        real=int(lengths.sum()),
-        processed=int(ids.numel()),
-        supervised=supervised,
-        sum_sq_lengths=int((lengths * lengths).sum()),
-        examples=int(lengths.numel()),
-    )
+def maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-@dataclass
-class ThroughputMeter:
-    """Accumulates token counts per optimizer step; turns them into the logged metrics."""
+class PeakRSS:
+    """Peak resident memory over a window: a 5 ms poller plus the kernel's high-water mark (``ru_maxrss``)."""
 
-    flop_terms: tuple[int, int, int] = (0, 0, 0)
-    peak_tflops: float | None = None
-    world_size: int = 1
-    real: int = 0
-    processed: int = 0
-    supervised: int = 0
-    sum_sq: int = 0
-    examples: int = 0
-    step_tokens: list[int] = field(default_factory=list)
-    _current_step_tokens: int = 0
-    started: float | None = None
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.start_rss = 0
+        self.peak = 0
+        self._start_maxrss = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.started = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        self.start_rss = self.peak = rss_bytes()
+        self._start_maxrss = maxrss_bytes()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="pf-trl-peak-rss", daemon=True)
+        self._thread.start()
 
-    def add(self, counts: BatchCounts) -> None:
-        if self.started is None:
-            self.start()
-        self.real += counts.real
-        self.processed += counts.processed
-        self.supervised += counts.supervised
-        self.sum_sq += counts.sum_sq_lengths
-        self.examples += counts.examples
-        self._current_step_tokens += counts.real
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, rss_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None
+        self.peak = max(self.peak, rss_bytes())
+        high_water = maxrss_bytes()
+        if high_water > self._start_maxrss:  # the process's all-time peak was reached in this window
+            self.peak = max(self.peak, high_water)
+        return self.peak
+
+
+class LightMemoryTracker(TrainerMemoryTracker):
+    """transformers' tracker with a 2 ms poll instead of a busy loop (which takes a whole core and the GIL: on a
+    small CPU machine it slows training by tens of percent), plus the kernel high-water mark for the peak."""
+
+    def peak_monitor_func(self):
+        self.cpu_mem_used_peak = -1
+        start_high = maxrss_bytes()
+        while True:
+            self.cpu_mem_used_peak = max(self.cpu_mem_used(), self.cpu_mem_used_peak)
+            if not self.peak_monitoring:
+                break
+            time.sleep(0.002)
+        high = maxrss_bytes()
+        if high > start_high:
+            self.cpu_mem_used_peak = max(self.cpu_mem_used_peak, high)
+
+
+class TokenMeter:
+    """Counts what the micro-batches hold; reduced across ranks at logging time."""
+
+    def __init__(self) -> None:
+        self.reset_totals()
+
+    def reset_totals(self) -> None:
+        self.totals = dict(real=0, processed=0, supervised=0, sum_sq=0.0, correct=0, scored=0, examples=0)
+        self.step_tokens: list[int] = []  # real tokens of each finished optimizer step (this rank)
+        self.max_micro = 0
+        self.reset_interval()
+        self._current_step = 0
+        self.last_real = 0
+
+    def reset_interval(self) -> None:
+        self.interval = dict(real=0, processed=0, supervised=0, sum_sq=0.0, correct=0, scored=0, examples=0)
+        self.interval_steps: list[int] = []
+        self.interval_max_micro = 0
+
+    def observe(self, inputs: dict[str, Any], real_tokens: int | None = None) -> None:
+        ids = inputs.get("input_ids")
+        if ids is None:
+            return
+        processed = int(ids.numel())
+        mask = inputs.get("attention_mask")
+        cu = inputs.get("cu_seq_lens_q")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            row_lengths = mask.sum(dim=1).double()
+            real = int(row_lengths.sum()) if real_tokens is None else int(real_tokens)
+            sum_sq = float((row_lengths**2).sum())
+            examples = int((row_lengths > 0).sum())
+        else:
+            if isinstance(cu, torch.Tensor) and cu.numel() > 1:
+                seg = (cu[1:] - cu[:-1]).double()
+            else:
+                pos = inputs.get("position_ids")
+                if isinstance(pos, torch.Tensor):
+                    flat = pos.reshape(-1)
+                    starts = torch.nonzero(flat == 0).reshape(-1).tolist() + [flat.numel()]
+                    seg = torch.tensor([b - a for a, b in zip(starts[:-1], starts[1:])], dtype=torch.float64)
+                else:
+                    seg = torch.full((ids.shape[0],), float(ids.shape[-1]), dtype=torch.float64)
+            real = processed if real_tokens is None else int(real_tokens)
+            sum_sq = float((seg**2).sum())
+            examples = int(seg.numel())
+            if real < processed and seg.numel() > 0:
+                sum_sq -= float(seg[-1] ** 2)  # the dummy pad segment is the last one
+                examples -= 1
+        labels = inputs.get("labels")
+        supervised = int((labels[..., 1:] != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else 0
+        for d in (self.totals, self.interval):
+            d["real"] += real
+            d["processed"] += processed
+            d["supervised"] += supervised
+            d["sum_sq"] += sum_sq
+            d["examples"] += examples
+        self.max_micro = max(self.max_micro, processed)
+        self.interval_max_micro = max(self.interval_max_micro, processed)
+        self._current_step += real
+        self.last_real = real
+
+    def add_accuracy(self, correct: int, scored: int) -> None:
+        for d in (self.totals, self.interval):
+            d["correct"] += int(correct)
+            d["scored"] += int(scored)
 
     def end_step(self) -> None:
-        self.step_tokens.append(self._current_step_tokens)
-        self._current_step_tokens = 0
+        self.step_tokens.append(self._current_step)
+        self.interval_steps.append(self._current_step)
+        self._current_step = 0
 
-    def flops(self) -> float:
-        n, layers, hidden = self.flop_terms
-        return 6.0 * n * self.real + 6.0 * layers * hidden * self.sum_sq
 
-    def metrics(self, prefix: str = "train") -> dict[str, float]:
-        """Metrics of this process so far, scaled to all ranks by ``world_size`` (ranks are balanced)."""
-        elapsed = max(time.perf_counter() - self.started, 1e-9) if self.started is not None else 0.0
-        w = self.world_size
-        out: dict[str, float] = {
-            f"{prefix}_real_tokens": float(self.real * w),
-            f"{prefix}_supervised_tokens": float(self.supervised * w),
-            f"{prefix}_padding_share": round(1.0 - self.real / self.processed, 6) if self.processed else 0.0,
-            f"{prefix}_examples": float(self.examples * w),
-            f"{prefix}_peak_rss_mb": round(peak_rss_mb(), 1),
-        }
-        if elapsed:
-            out[f"{prefix}_real_tokens_per_second"] = round(self.real * w / elapsed, 3)
-            out[f"{prefix}_supervised_tokens_per_second"] = round(self.supervised * w / elapsed, 3)
-            out[f"{prefix}_real_tokens_per_second_per_device"] = round(self.real / elapsed, 3)
-        if self.step_tokens:
-            out[f"{prefix}_tokens_per_step_mean"] = round(sum(self.step_tokens) / len(self.step_tokens), 1)
-            out[f"{prefix}_tokens_per_step_max"] = float(max(self.step_tokens))
-        if torch.cuda.is_available():
-            out[f"{prefix}_peak_cuda_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-        if self.peak_tflops and elapsed:
-            out[f"{prefix}_tflops_per_device"] = round(self.flops() / elapsed / 1e12, 3)
-            out[f"{prefix}_mfu"] = round(self.flops() / elapsed / (self.peak_tflops * 1e12), 4)
+_SUM_KEYS = ("real", "processed", "supervised", "sum_sq", "correct", "scored", "examples")
+
+
+def _reduce(values: list[float], device, op: str = "sum") -> list[float]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+class MeterCallback(TrainerCallback):
+    """Marks optimizer-step boundaries and the training window for :class:`TokenAccountingMixin`."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._pf_on_train_begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._pf_meter.end_step()
+
+
+class TokenAccountingMixin:
+    """Mix into a (SFT)Trainer before it: counts tokens in ``compute_loss``, adds honest keys in ``log``,
+    token-weighted eval loss. Used by :class:`~pf_trl.trainer.PaddingFreeSFTTrainer` and by the bench's padded / TRL
+    baselines (:class:`MeasuredSFTTrainer`), so every mode is measured by the same code."""
+
+    def _pf_init_metrics(self) -> None:
+        self._pf_meter = TokenMeter()
+        self._pf_peak = PeakRSS()
+        self._pf_t_last = time.perf_counter()
+        self._pf_eval_sum = 0.0
+        self._pf_eval_count = 0
+        self._pf_flop_params = model_flop_params(self.model)
+        device = self.args.device
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        if getattr(self.args, "bf16", False):
+            dtype = torch.bfloat16
+        elif getattr(self.args, "fp16", False):
+            dtype = torch.float16
+        peak = getattr(self.args, "peak_tflops", None)
+        self._pf_peak_tflops = float(peak) if peak else detect_peak_tflops(device, dtype)
+        self.add_callback(MeterCallback(self))
+        # transformers' tracker busy-polls RSS in a thread; keep its keys, drop the busy loop
+        self._memory_tracker = LightMemoryTracker(self.args.skip_memory_metrics)
+
+    def _pf_on_train_begin(self) -> None:
+        self._pf_meter.reset_totals()
+        if torch.cuda.is_available() and self.args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.args.device)
+        self._pf_peak.start()
+        self._pf_t_last = time.perf_counter()
+
+    # ------------------------------------------------------------------ counting
+
+    def _pf_observe(self, inputs: dict[str, Any]) -> None:
+        real = inputs.pop(REAL_TOKENS_KEY, None)
+        if isinstance(real, torch.Tensor):
+            real = int(real)
+        if self.model.training:
+            self._pf_meter.observe(inputs, real)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._pf_observe(inputs)
+        training = self.model.training
+        labels = inputs.get("labels")
+        count = int((labels[..., 1:] != IGNORE_INDEX).sum()) if (not training and isinstance(labels, torch.Tensor)) else 0
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not training and num_items_in_batch is None:
+            loss = result[0] if isinstance(result, tuple) else result
+            self._pf_eval_add(loss.detach().float() * count, count)
+        return result
+
+    def _pf_eval_add(self, loss_sum: torch.Tensor, count: int) -> None:
+        self._pf_eval_sum += float(loss_sum)
+        self._pf_eval_count += int(count)
+
+    def _track_num_input_tokens(self, inputs):
+        if self.args.include_num_input_tokens_seen == "no":
+            return
+        t = torch.tensor(self._pf_meter.last_real, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(t).sum().item())
+
+    # ------------------------------------------------------------------ eval
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        self._pf_eval_sum, self._pf_eval_count = 0.0, 0
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only=prediction_loss_only, ignore_keys=ignore_keys,
+            metric_key_prefix=metric_key_prefix,
+        )
+        total, count = _reduce([self._pf_eval_sum, float(self._pf_eval_count)], self.args.device)
+        if count > 0:
+            # token-weighted mean over all supervised tokens (transformers averages per-batch means instead)
+            output.metrics[f"{metric_key_prefix}_loss"] = total / count
+            output.metrics[f"{metric_key_prefix}_supervised_tokens"] = int(count)
+        return output
+
+    # ------------------------------------------------------------------ logging
+
+    def _pf_rates(self, counts: dict[str, float], seconds: float, prefix: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        seconds = max(seconds, 1e-9)
+        out[f"{prefix}real_tokens_per_second"] = round(counts["real"] / seconds, 3)
+        out[f"{prefix}supervised_tokens_per_second"] = round(counts["supervised"] / seconds, 3)
+        out[f"{prefix}padding_share"] = round(1.0 - counts["real"] / counts["processed"], 6) if counts["processed"] else 0.0
+        p, layers, hidden = self._pf_flop_params
+        flops = train_flops(p, layers, hidden, counts["real"], counts["sum_sq"])
+        out[f"{prefix}tflops"] = round(flops / seconds / 1e12, 6)
+        if self._pf_peak_tflops:
+            world = max(1, self.args.world_size)
+            out[f"{prefix}mfu"] = round(flops / seconds / (self._pf_peak_tflops * 1e12 * world), 6)
         return out
+
+    def _pf_gather(self, counts: dict[str, float], steps: list[int], max_micro: int):
+        device = self.args.device
+        summed = _reduce([float(counts[k]) for k in _SUM_KEYS], device)
+        counts = dict(zip(_SUM_KEYS, summed))
+        steps = _reduce([float(s) for s in steps], device)
+        max_micro = _reduce([float(max_micro)], device, op="max")[0]
+        return counts, steps, max_micro
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        meter = getattr(self, "_pf_meter", None)
+        if meter is not None and "train_runtime" in logs:
+            peak = self._pf_peak.stop()
+            counts, steps, max_micro = self._pf_gather(meter.totals, meter.step_tokens, meter.max_micro)
+            runtime = float(logs["train_runtime"])
+            logs.update(self._pf_rates(counts, runtime, "train_"))
+            logs["train_real_tokens"] = int(counts["real"])
+            logs["train_supervised_tokens"] = int(counts["supervised"])
+            logs["train_processed_tokens"] = int(counts["processed"])
+            logs["train_examples"] = int(counts["examples"])
+            # transformers derives samples/s from batch_size x steps; count the examples really trained on
+            logs["train_samples_per_second"] = round(counts["examples"] / max(runtime, 1e-9), 3)
+            if steps:
+                logs["train_tokens_per_step_mean"] = round(sum(steps) / len(steps), 2)
+                logs["train_tokens_per_step_max"] = int(max(steps))
+            logs["train_micro_batch_tokens_max"] = int(max_micro)
+            if self.args.include_num_input_tokens_seen != "no" or getattr(self.args, "include_tokens_per_second", False):
+                logs["train_tokens_per_second"] = logs["train_real_tokens_per_second"]
+            logs["train_mem_cpu_peak"] = int(peak)
+            logs["train_mem_cpu_peak_delta"] = int(peak - self._pf_peak.start_rss)
+            if torch.cuda.is_available() and self.args.device.type == "cuda":
+                logs["train_mem_gpu_peak"] = int(torch.cuda.max_memory_allocated(self.args.device))
+        elif meter is not None and "loss" in logs and not any(k.startswith("eval_") for k in logs):
+            now = time.perf_counter()
+            counts, steps, max_micro = self._pf_gather(meter.interval, meter.interval_steps, meter.interval_max_micro)
+            logs.update(self._pf_rates(counts, now - self._pf_t_last, ""))
+            if steps:
+                logs["tokens_per_step_mean"] = round(sum(steps) / len(steps), 2)
+                logs["tokens_per_step_max"] = int(max(steps))
+            logs["micro_batch_tokens_max"] = int(max_micro)
+            if counts["scored"] > 0:
+                logs["mean_token_accuracy"] = round(counts["correct"] / counts["scored"], 6)
+            meter.reset_interval()
+            self._pf_t_last = now
+        super().log(logs, start_time)
+
+
+def _measured_sft_trainer_cls():
+    from trl import SFTTrainer
+
+    class MeasuredSFTTrainer(TokenAccountingMixin, SFTTrainer):
+        """Stock TRL SFTTrainer (padded or TRL padding-free) measured by the same code as pf-trl."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._pf_init_metrics()
+
+    return MeasuredSFTTrainer
+
+
+def __getattr__(name):
+    if name == "MeasuredSFTTrainer":
+        return _measured_sft_trainer_cls()
+    raise AttributeError(name)
