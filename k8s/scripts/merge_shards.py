@@ -1,0 +1,134 @@
+"""Merge the per-index shards directories of the Indexed pretokenize Job into one shards directory.
+
+    python merge_shards.py PARTS_DIR OUTPUT_DIR [--expect N] [--overwrite]
+
+PARTS_DIR holds ``part-0``, ``part-1``, ... (each written by ``pf-trl pretokenize``). pf-trl's trainer reads
+one shards directory (``--training_data_path``), so the parts are concatenated in index order with
+``datasets.concatenate_datasets`` and written as a new shards directory with a manifest that
+``pf_trl.load_shards`` accepts: same format version, tokenizer and options in every part (refused
+otherwise), counts summed, length statistics recomputed over all examples. Written atomically (a
+temporary sibling directory renamed into place), like pretokenize itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PART_RE = re.compile(r"^part-(\d+)$")
+SUMMED_COUNTS = ("source_rows", "examples", "tokens", "loss_tokens", "truncated", "dropped",
+                 "dropped_too_long", "dropped_no_loss")
+
+
+class MergeError(ValueError):
+    pass
+
+
+def find_parts(parts_dir: Path, expect: int | None = None) -> list[Path]:
+    if not parts_dir.is_dir():
+        raise MergeError(f"{parts_dir} is not a directory")
+    parts = sorted((int(m.group(1)), p) for p in parts_dir.iterdir() if (m := PART_RE.match(p.name)) and p.is_dir())
+    indexes = [i for i, _ in parts]
+    if not parts:
+        raise MergeError(f"{parts_dir} has no part-N directories")
+    if indexes != list(range(len(parts))):
+        raise MergeError(f"{parts_dir}: part indexes {indexes} are not 0..{len(parts) - 1}; an index is missing")
+    if expect is not None and len(parts) != expect:
+        raise MergeError(f"{parts_dir}: {len(parts)} parts, expected {expect} (did every index of the Job succeed?)")
+    return [p for _, p in parts]
+
+
+def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None = None,
+          overwrite: bool = False) -> dict:
+    import datasets
+    import numpy as np
+
+    from pf_trl._version import __version__
+    from pf_trl.data.shards import length_stats, load_shards, write_manifest
+
+    parts_dir, out = Path(parts_dir), Path(output_dir)
+    if out.exists() and not overwrite:
+        raise MergeError(f"{out} exists; pass --overwrite to replace it")
+    parts = find_parts(parts_dir, expect)
+    loaded = [load_shards(p) for p in parts]
+    manifests = [ds.pf_manifest for ds in loaded]
+    first = manifests[0]
+    for p, m in zip(parts[1:], manifests[1:]):
+        for key in ("format_version", "options", "max_seq_len", "truncation"):
+            if m.get(key) != first.get(key):
+                raise MergeError(f"{p}: {key} {m.get(key)!r} differs from part-0's {first.get(key)!r}")
+        for key in ("sha256", "vocab_size"):
+            if m["tokenizer"].get(key) != first["tokenizer"].get(key):
+                raise MergeError(f"{p} was tokenized with another tokenizer than part-0 ({key} differs)")
+    merged = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
+    lengths = np.asarray(merged.data.column("length")) if len(loaded) == 1 else np.concatenate(
+        [np.asarray(ds.data.column("length")) for ds in loaded])
+    source_digest = hashlib.sha256("".join(m["source"]["sha256"] for m in manifests).encode()).hexdigest()
+    manifest = {
+        "format_version": first["format_version"],
+        "pf_trl_version": __version__,
+        "created_unix": round(time.time(), 3),
+        "source": {
+            "path": str(parts_dir.resolve()),
+            "sha256": source_digest,
+            "rows": sum(m["source"].get("rows", 0) for m in manifests),
+            "input_format": first["source"].get("input_format"),
+            "parts": [{"path": m["source"].get("path"), "sha256": m["source"]["sha256"]} for m in manifests],
+        },
+        "tokenizer": first["tokenizer"],
+        "options": first["options"],
+        "max_seq_len": first["max_seq_len"],
+        "truncation": first["truncation"],
+        "counts": {k: sum(int(m["counts"].get(k, 0)) for m in manifests) for k in SUMMED_COUNTS},
+        "lengths": length_stats(lengths, first["max_seq_len"]),
+        "columns": first.get("columns"),
+        "merged_from": [str(p) for p in parts],
+    }
+    if manifest["counts"]["examples"] != merged.num_rows:
+        raise MergeError(f"part manifests count {manifest['counts']['examples']} examples, data has {merged.num_rows}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        shards = work / "shards"
+        merged.save_to_disk(str(shards), max_shard_size=first["options"].get("shard_size", "500MB"))
+        write_manifest(shards, manifest)
+        if out.exists():
+            old = work / "old"
+            out.rename(old)
+        shards.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load_shards(out)  # what the trainer will do: fail here, not in a GPU pod
+    return manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="merge_shards.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("parts_dir")
+    ap.add_argument("output_dir")
+    ap.add_argument("--expect", type=int, help="number of parts there must be (the Job's completions)")
+    ap.add_argument("--overwrite", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        manifest = merge(args.parts_dir, args.output_dir, expect=args.expect, overwrite=args.overwrite)
+    except (MergeError, ValueError, OSError) as exc:
+        print(f"merge_shards: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"output_dir": args.output_dir, "parts": len(manifest["merged_from"]),
+                      "counts": manifest["counts"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

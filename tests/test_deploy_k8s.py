@@ -1,0 +1,664 @@
+"""k8s/: every manifest validates offline, and every command line in it parses with the real parser.
+
+- core kinds: strict validation (unknown fields fail) against the Kubernetes 1.37 OpenAPI schemas shipped
+  inside the `kubernetes-validate` package (no network);
+- the PyTorchJob: against the CRD schema kept in k8s/crds/ (strict: unknown fields fail), and its pod
+  templates against the core/v1 PodTemplate schema;
+- `pf-trl serve` / `pf-trl pretokenize` / `pf-trl train` / `torchrun` / the service client / the merge
+  script: parsed with their own parsers (a flag that does not exist fails; so does an abbreviation that
+  argparse would silently accept);
+- the kustomizations render with kustomize (or `kubectl kustomize`) when one is installed;
+- the two launcher scripts in k8s/scripts/ run for real (the merge on real pretokenized shards).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+K8S_VERSION = "1.37"
+SERVICE_URL = "http://pf-trl-preprocess:8000"
+# Set in the pods by the Job controller / the Training Operator, with sample values for parsing.
+INJECTED = {"JOB_COMPLETION_INDEX": "0", "PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "8",
+            "MASTER_ADDR": "pf-trl-train-multinode-master-0", "MASTER_PORT": "23456"}
+SAMPLE_DATASET_ID = "0123456789abcdef0123456789abcdef"
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def _load_module(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+with_args_file = _load_module("pf_trl_k8s_with_args_file", K8S / "scripts" / "with_args_file.py")
+merge_shards = _load_module("pf_trl_k8s_merge_shards", K8S / "scripts" / "merge_shards.py")
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name not in ("kustomization.yaml", ".yamllint.yaml"))
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+ALL_DOCS = [(p, d) for p in manifest_files() for d in load_docs(p)]
+
+
+def docs_of(kind: str) -> list[tuple[Path, dict]]:
+    return [(p, d) for p, d in ALL_DOCS if d["kind"] == kind]
+
+
+def doc(kind: str, name: str) -> dict:
+    (found,) = [d for _, d in ALL_DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def pod_specs(d: dict) -> list[dict]:
+    kind = d["kind"]
+    if kind == "Pod":
+        return [d["spec"]]
+    if kind in ("Job", "Deployment"):
+        return [d["spec"]["template"]["spec"]]
+    if kind == "PyTorchJob":
+        return [r["template"]["spec"] for r in d["spec"]["pytorchReplicaSpecs"].values()]
+    return []
+
+
+def kustomization(path: Path = K8S) -> dict:
+    return yaml.safe_load((path / "kustomization.yaml").read_text(encoding="utf-8"))
+
+
+def configmap_files() -> dict[str, dict[str, Path]]:
+    """ConfigMap name -> {key: local file} from the configMapGenerator of k8s/kustomization.yaml."""
+    out: dict[str, dict[str, Path]] = {}
+    for gen in kustomization().get("configMapGenerator", []):
+        files = {}
+        for entry in gen.get("files", []):
+            key, _, src = entry.partition("=")
+            if not src:
+                key, src = Path(key).name, key
+            files[key] = K8S / src
+        out[gen["name"]] = files
+    return out
+
+
+def mounted_file(pod: dict, container: dict, path: str) -> Path:
+    """The repo file behind a path in a container: mount -> configMap volume -> generator file."""
+    for m in container.get("volumeMounts", []):
+        prefix = m["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix):
+            vol = next(v for v in pod["volumes"] if v["name"] == m["name"])
+            assert "configMap" in vol, f"{path} is on volume {m['name']}, not a ConfigMap"
+            key = path[len(prefix):]
+            files = configmap_files()[vol["configMap"]["name"]]
+            assert key in files, f"ConfigMap {vol['configMap']['name']} has no key {key} (keys {sorted(files)})"
+            return files[key]
+    raise AssertionError(f"{path} is not under any volumeMount of container {container['name']}")
+
+
+def expand_vars(args: list[str], container: dict, extra: dict[str, str] | None = None) -> list[str]:
+    """Kubernetes $(VAR) expansion; every referenced variable must be in the container env or injected."""
+    values = {**INJECTED, **(extra or {})}
+    for e in container.get("env", []):
+        if "value" in e:
+            values[e["name"]] = e["value"]
+        else:
+            values.setdefault(e["name"], SAMPLE_DATASET_ID if e["name"] == "DATASET_ID" else f"<{e['name']}>")
+    defined = {e["name"] for e in container.get("env", [])} | set(INJECTED)
+    out = []
+    for a in args:
+        for var in re.findall(r"\$\((\w+)\)", a):
+            assert var in defined, f"$({var}) in {a!r} is not defined in container {container['name']}'s env"
+        out.append(re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a))
+    return out
+
+
+def argv_of(container: dict) -> list[str]:
+    return [*container.get("command", []), *container.get("args", [])]
+
+
+def assert_exact_flags(argv: list[str], parser) -> None:
+    """argparse accepts unambiguous abbreviations (`--learning_rat`): require every flag spelled in full."""
+    known = set(parser._option_string_actions)
+    for a in argv:
+        if a.startswith("--") and len(a) > 2:
+            flag = a.split("=", 1)[0]
+            assert flag in known, f"{flag} is not an option of {parser.prog} (abbreviated or unknown)"
+
+
+# --------------------------------------------------------------------------------- schema validation
+
+
+try:
+    import kubernetes_validate as kv
+except ImportError:  # the parser/launcher tests below still run
+    kv = None
+requires_kv = pytest.mark.skipif(kv is None, reason="kubernetes-validate not installed (pip install kubernetes-validate==1.37.0)")
+
+
+@pytest.mark.parametrize("path,d", [pytest.param(p, d, id=f"{p.relative_to(K8S)}:{d['kind']}/{d['metadata']['name']}")
+                                     for p, d in ALL_DOCS if d["kind"] != "PyTorchJob"])
+@requires_kv
+def test_core_manifests_validate_strict(path, d):
+    kv.validate(d, K8S_VERSION, strict=True)
+
+
+@requires_kv
+def test_strict_validation_catches_a_typo():
+    bad = copy.deepcopy(doc("Job", "pf-trl-train"))
+    bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, K8S_VERSION, strict=True)
+    bad = copy.deepcopy(doc("Deployment", "pf-trl-preprocess"))
+    bad["spec"]["replicas"] = "one"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, K8S_VERSION, strict=True)
+
+
+def _crd_validator():
+    import jsonschema
+
+    (crd,) = load_docs(K8S / "crds" / "kubeflow.org_pytorchjobs.yaml")
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+
+    def strict(node):
+        """Server-side field validation (kubectl --validate=strict): unknown fields are errors."""
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
+                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for v in node.values():
+                strict(v)
+        elif isinstance(node, list):
+            for v in node:
+                strict(v)
+
+    strict(schema)
+    jsonschema.Draft7Validator.check_schema(schema)
+    return crd, jsonschema.Draft7Validator(schema)
+
+
+def _pytorchjobs() -> list[dict]:
+    jobs = [d for _, d in docs_of("PyTorchJob")]
+    assert jobs, "no PyTorchJob in k8s/"
+    return jobs
+
+
+@requires_kv
+def test_crd_is_a_valid_crd_for_kubeflow_v1():
+    crd, _ = _crd_validator()
+    kv.validate(crd, K8S_VERSION, strict=True)
+    assert crd["metadata"]["name"] == "pytorchjobs.kubeflow.org" and crd["spec"]["names"]["kind"] == "PyTorchJob"
+
+
+@requires_kv
+def test_pytorchjob_validates_against_the_crd_and_pod_templates_against_core():
+    _, validator = _crd_validator()
+    for job in _pytorchjobs():
+        assert job["apiVersion"] == "kubeflow.org/v1"
+        errors = sorted(validator.iter_errors(job), key=str)
+        assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+        for rtype, spec in job["spec"]["pytorchReplicaSpecs"].items():
+            wrapper = {"apiVersion": "v1", "kind": "PodTemplate",
+                       "metadata": {"name": f"{job['metadata']['name']}-{rtype.lower()}"}, "template": spec["template"]}
+            kv.validate(wrapper, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda j: j["spec"].__setitem__("pytorchReplicaSpec", j["spec"].pop("pytorchReplicaSpecs")),  # typo, required
+    lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"].__setitem__("restartPolicy", "Sometimes"),
+    lambda j: j["spec"]["pytorchReplicaSpecs"].__setitem__("Chief", j["spec"]["pytorchReplicaSpecs"]["Worker"]),
+    lambda j: j["spec"]["runPolicy"].__setitem__("cleanPodPolcy", "None"),
+    lambda j: j["spec"].__setitem__("nprocPerNode", 8),  # a string in the CRD
+], ids=["missing-replica-specs", "bad-restart-policy", "unknown-replica-type", "unknown-field", "nproc-int"])
+def test_crd_validation_catches_mistakes(mutate):
+    _, validator = _crd_validator()
+    bad = copy.deepcopy(_pytorchjobs()[0])
+    mutate(bad)
+    assert list(validator.iter_errors(bad))
+
+
+def test_pytorchjob_follows_the_operator_conventions():
+    for job in _pytorchjobs():
+        specs = job["spec"]["pytorchReplicaSpecs"]
+        assert specs["Master"]["replicas"] == 1
+        for spec in specs.values():
+            (c,) = spec["template"]["spec"]["containers"]
+            assert c["name"] == "pytorch", "the operator injects its env into the container named 'pytorch'"
+            assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in c["ports"]
+            gpus = c["resources"]["limits"]["nvidia.com/gpu"]
+            assert str(gpus) == job["spec"]["nprocPerNode"], "nprocPerNode must equal the GPUs per pod"
+
+
+# ----------------------------------------------------------------------------------- kustomize / lint
+
+
+def _kustomize_cmd() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@requires_kv
+@pytest.mark.parametrize("where", ["", "multinode"])
+def test_kustomize_renders_and_the_output_validates(where):
+    cmd = _kustomize_cmd()
+    if cmd is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    proc = subprocess.run([*cmd, str(K8S / where)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rendered = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    kinds = sorted(d["kind"] for d in rendered)
+    if where == "":
+        assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "PersistentVolumeClaim",
+                         "PersistentVolumeClaim", "PersistentVolumeClaim", "Service"], kinds
+        assert not any(d["kind"] == "Secret" for d in rendered), "no Secret (and no token) in the kustomization"
+        for d in rendered:
+            kv.validate(d, K8S_VERSION, strict=True)
+        cms = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "ConfigMap"}
+        for name, files in configmap_files().items():
+            for key, path in files.items():
+                assert cms[name]["data"][key] == path.read_text(encoding="utf-8")
+        (deploy,) = [d for d in rendered if d["kind"] == "Deployment"]
+        from pf_trl import __version__
+
+        assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == f"pf-trl-service:{__version__}"
+    else:
+        assert kinds == ["PyTorchJob"]
+        _, validator = _crd_validator()
+        assert not list(validator.iter_errors(rendered[0]))
+
+
+def test_yamllint():
+    if shutil.which("yamllint") is None and not (Path(sys.executable).parent / "yamllint").exists():
+        pytest.skip("yamllint not installed (pip install yamllint==1.38.0)")
+    exe = shutil.which("yamllint") or str(Path(sys.executable).parent / "yamllint")
+    proc = subprocess.run([exe, "-s", "-c", str(K8S / ".yamllint.yaml"), str(K8S)], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------ cross-references
+
+
+def test_references_resolve():
+    """PVCs, ConfigMaps, Secrets and script paths named by pods exist in the repo's manifests."""
+    pvcs = {d["metadata"]["name"] for _, d in docs_of("PersistentVolumeClaim")}
+    cms = set(configmap_files())
+    secrets = {d["metadata"]["name"]: d for _, d in docs_of("Secret")}
+    user_created = {"pf-trl-dataset"}  # created by the user from the pretokenize Job's output (docs/kubernetes.md)
+    for path, d in ALL_DOCS:
+        for pod in pod_specs(d):
+            for v in pod.get("volumes", []):
+                if "persistentVolumeClaim" in v:
+                    assert v["persistentVolumeClaim"]["claimName"] in pvcs, f"{path}: unknown PVC"
+                if "configMap" in v:
+                    assert v["configMap"]["name"] in cms, f"{path}: unknown ConfigMap {v['configMap']['name']}"
+            for c in pod["containers"]:
+                for e in c.get("env", []):
+                    ref = e.get("valueFrom", {})
+                    if "secretKeyRef" in ref:
+                        s = ref["secretKeyRef"]
+                        assert s["name"] in secrets and s["key"] in secrets[s["name"]]["stringData"], f"{path}: {s}"
+                    if "configMapKeyRef" in ref:
+                        r = ref["configMapKeyRef"]
+                        assert r["name"] in user_created or r["key"] in configmap_files()[r["name"]], f"{path}: {r}"
+                for a in argv_of(c):
+                    if a.startswith("/etc/pf-trl/"):
+                        assert mounted_file(pod, c, a).is_file()
+
+
+def test_secret_is_only_an_example():
+    (path, secret), = docs_of("Secret")
+    assert path.name == "secret.example.yaml"
+    assert secret["stringData"]["token"] == "REPLACE_WITH_A_RANDOM_TOKEN"
+    assert path.name not in kustomization().get("resources", [])
+
+
+def test_pod_security_and_resources():
+    for path, d in ALL_DOCS:
+        for pod in pod_specs(d):
+            psc = pod.get("securityContext", {})
+            assert pod.get("automountServiceAccountToken") is False, f"{path}"
+            for c in pod["containers"]:
+                sc = c.get("securityContext", {})
+                where = f"{path}:{c['name']}"
+                assert sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True, where
+                assert sc.get("runAsUser", psc.get("runAsUser", 0)) != 0, where
+                assert sc.get("allowPrivilegeEscalation") is False, where
+                assert sc.get("readOnlyRootFilesystem") is True, where
+                assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+                assert c["resources"]["requests"] and c["resources"]["limits"], where
+                mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+                assert "/tmp" in mounts, f"{where}: read-only root needs a writable /tmp"
+                assert c["image"].split(":")[0] in ("pf-trl-service", "pf-trl-train"), where
+
+
+def test_images_carry_the_package_version():
+    from pf_trl import __version__
+
+    for path, d in ALL_DOCS:
+        for pod in pod_specs(d):
+            for c in pod["containers"]:
+                if ":" in c["image"]:
+                    assert c["image"].split(":")[1] == __version__, f"{path}: {c['image']}"
+    for img in kustomization()["images"]:
+        assert img["newTag"] == __version__
+
+
+def test_service_deployment(tmp_path):
+    from preprocess_service.app import create_app
+    from preprocess_service.settings import ENV_PREFIX, Settings
+    from pf_trl.cli.serve import build_parser
+
+    dep = doc("Deployment", "pf-trl-preprocess")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    argv = argv_of(c)
+    assert argv[0] == "serve"
+    parser = build_parser()
+    assert_exact_flags(argv[1:], parser)
+    args = parser.parse_args(argv[1:])
+    assert args.cache_dir == args.public_cache_dir == "/cache" and args.data_roots == ["/data"]
+    assert args.host == "0.0.0.0"
+    for e in c["env"]:
+        if e["name"].startswith(ENV_PREFIX):
+            assert e["name"][len(ENV_PREFIX):].lower() in Settings.__dataclass_fields__, e["name"]
+    assert {e["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})} == {"PF_SERVICE_TOKEN"}
+    port = next(p for p in c["ports"] if p["name"] == "http")["containerPort"]
+    assert port == args.port
+    routes = {r.path for r in create_app(Settings(cache_dir=tmp_path / "cache")).routes}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and "/readyz" in routes
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and "/healthz" in routes
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert not mounts["/cache"].get("readOnly") and mounts["/data"]["readOnly"]
+    svc = doc("Service", "pf-trl-preprocess")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert f"http://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}" == SERVICE_URL
+    cache = doc("PersistentVolumeClaim", "pf-trl-cache")
+    assert cache["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_serve_parser_rejects_a_bogus_flag():
+    from pf_trl.cli.serve import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--cache-dir", "/cache", "--no-such-flag", "1"])
+
+
+# ------------------------------------------------------------------------------- pretokenize Jobs
+
+
+def test_pretokenize_job_runs_the_service_client_on_a_valid_request(monkeypatch, capsys):
+    from preprocess_service.schemas import DatasetRequest
+    from pf_trl.data import service_client
+
+    job = doc("Job", "pf-trl-pretokenize")
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    argv = argv_of(c)
+    assert argv[:3] == ["python", "-m", "pf_trl.data.service_client"]
+    body_path = next(a for a in argv if a.startswith("/etc/pf-trl/"))
+    local = mounted_file(pod, c, body_path)
+    body = json.loads(local.read_text(encoding="utf-8"))
+    DatasetRequest.model_validate(body)  # the service's own request model (strict, extra=forbid)
+    calls = {}
+
+    def fake_submit(url, b, token=None):
+        calls["submit"] = (url, b)
+        return {"id": SAMPLE_DATASET_ID, "state": "queued", "shards_path": None}
+
+    def fake_wait(url, dataset_id, timeout_s=None, **kw):
+        calls["wait"] = (url, dataset_id, timeout_s)
+        return Path("/cache/datasets") / dataset_id
+
+    monkeypatch.setattr(service_client, "submit_dataset", fake_submit)
+    monkeypatch.setattr(service_client, "wait_for_dataset", fake_wait)
+    rc = service_client.main([str(local) if a == body_path else a for a in argv[3:]])
+    assert rc == 0
+    assert calls["submit"] == (SERVICE_URL, body)
+    assert calls["wait"][:2] == (SERVICE_URL, SAMPLE_DATASET_ID)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert json.loads(first)["id"] == SAMPLE_DATASET_ID  # what docs/kubernetes.md greps from the log
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/cache"]["readOnly"], "wait_for_dataset checks the shards dir is visible: mount the cache"
+    assert any(e["name"] == "PF_SERVICE_TOKEN" for e in c["env"])
+
+
+def test_service_client_rejects_a_bogus_flag():
+    from pf_trl.data import service_client
+
+    with pytest.raises(SystemExit):
+        service_client.main(["submit", SERVICE_URL, "body.json", "--wiat"])
+
+
+def _pretokenize_argv(job_name: str) -> tuple[dict, dict, list[str]]:
+    job = doc("Job", job_name)
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    return job, c, expand_vars(argv_of(c), c)
+
+
+def test_indexed_pretokenize_job_parses_with_pretokenize_parser():
+    from pf_trl.cli.main import COMMANDS
+    from pf_trl.cli.pretokenize import build_parser, config_from_args
+
+    job, c, argv = _pretokenize_argv("pf-trl-pretokenize-parts")
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert argv[0] == "pretokenize" and "pretokenize" in COMMANDS
+    parser = build_parser()
+    assert_exact_flags(argv[1:], parser)
+    args = parser.parse_args(argv[1:])
+    config = config_from_args(args)  # PretokenizeConfig validation (formats, truncation, ...)
+    assert args.source == "/data/big/part-0.jsonl" and args.output_dir == "/cache/parts/big/part-0"
+    assert args.overwrite, "a retried index must be able to replace its part"
+    # Same tokenization as the service route (so either route gives the trainer the same examples).
+    request = json.loads((K8S / "config" / "dataset-request.json").read_text(encoding="utf-8"))
+    for key, value in request["options"].items():
+        assert getattr(config, key) == value, key
+    merge_job = doc("Job", "pf-trl-merge-shards")
+    (mc,) = merge_job["spec"]["template"]["spec"]["containers"]
+    margv = argv_of(mc)
+    assert margv[:2] == ["python", "/etc/pf-trl/scripts/merge_shards.py"]
+    mparser = merge_shards.build_parser()
+    assert_exact_flags(margv[2:], mparser)
+    margs = mparser.parse_args(margv[2:])
+    assert Path(margs.parts_dir) == Path(args.output_dir).parent
+    assert margs.expect == job["spec"]["completions"]
+
+
+def test_pretokenize_parser_rejects_a_bogus_flag():
+    from pf_trl.cli.pretokenize import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["a.jsonl", "out", "--max_seq_length_typo", "4096"])
+
+
+# -------------------------------------------------------------------------------------- train Jobs
+
+
+def _train_module():
+    try:
+        from pf_trl.cli import train
+    except ImportError as exc:  # pragma: no cover
+        pytest.skip(f"pf_trl.cli.train is not importable ({exc})")
+    if not hasattr(train, "parse_args"):  # pragma: no cover
+        pytest.skip("pf_trl.cli.train has no parse_args(argv)")
+    return train
+
+
+def _train_argv(pod: dict, c: dict) -> list[str]:
+    argv = argv_of(c)
+    assert argv[:2] == ["python", "/etc/pf-trl/scripts/with_args_file.py"]
+    args_file = mounted_file(pod, c, argv[2])
+    return with_args_file.build_argv([str(args_file), *expand_vars(argv[3:], c)])
+
+
+def test_train_args_configmap_parses_with_the_real_train_parser():
+    train = _train_module()
+    args = with_args_file.read_args_file(str(K8S / "config" / "train.args"))
+    assert "### Response:" in args, "shell quoting must keep the template one argument"
+    model_args, data_args, config = train.parse_args([*args, "--training_data_path", "/cache/merged/big"])
+    assert config.padding_free == "huggingface" and config.max_steps == 100 and config.per_device_train_batch_size == 4
+    assert data_args.max_seq_len == 4096 and data_args.response_template == "### Response:"
+    assert config.eval_strategy == "no" and config.use_flash_attn is True
+    assert_exact_flags(train.normalize_argv(args), train._parser())
+
+
+def test_single_gpu_train_job():
+    train = _train_module()
+    job = doc("Job", "pf-trl-train")
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    argv = _train_argv(pod, c)
+    assert argv[:2] == ["pf-trl", "train"]
+    assert_exact_flags(train.normalize_argv(argv[2:]), train._parser())
+    model_args, data_args, config = train.parse_args(argv[2:])
+    assert data_args.dataset_service_url == SERVICE_URL and data_args.dataset_id == SAMPLE_DATASET_ID
+    assert config.output_dir.startswith("/outputs/")
+    flags = [a for a in argv[2:] if a.startswith("--")]
+    assert len(flags) == len(set(flags)), "a flag is given twice (Job args and ConfigMap)"
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/cache"]["readOnly"] and "/dev/shm" in mounts
+    cache_vol = next(v for v in pod["volumes"] if v["name"] == mounts["/cache"]["name"])
+    assert cache_vol["persistentVolumeClaim"] == {"claimName": "pf-trl-cache", "readOnly": True}
+    # The dataset the service builds is tokenized like the trainer expects.
+    request = json.loads((K8S / "config" / "dataset-request.json").read_text(encoding="utf-8"))
+    assert request["options"]["max_seq_len"] == data_args.max_seq_len
+    assert request["options"]["text_field"] == config.dataset_text_field
+    assert request["options"]["response_template"] == data_args.response_template
+
+
+def test_multinode_pytorchjob_runs_torchrun_then_pf_trl_train():
+    train = _train_module()
+    from torch.distributed.run import get_args_parser
+
+    from pf_trl.cli.main import COMMANDS
+
+    for job in _pytorchjobs():
+        for rtype, spec in job["spec"]["pytorchReplicaSpecs"].items():
+            pod = spec["template"]["spec"]
+            (c,) = pod["containers"]
+            argv = _train_argv(pod, c)
+            assert argv[0] == "torchrun"
+            tparser = get_args_parser()
+            targs = tparser.parse_args(argv[1:])
+            assert targs.module and targs.training_script == "pf_trl.cli.main"
+            assert targs.nnodes == INJECTED["PET_NNODES"] and targs.node_rank == int(INJECTED["PET_NODE_RANK"])
+            assert targs.nproc_per_node == INJECTED["PET_NPROC_PER_NODE"]
+            assert targs.master_addr == INJECTED["MASTER_ADDR"] and targs.master_port == int(INJECTED["MASTER_PORT"])
+            script_args = targs.training_script_args
+            assert script_args[0] == "train" and "train" in COMMANDS
+            assert_exact_flags(train.normalize_argv(script_args[1:]), train._parser())
+            _, data_args, config = train.parse_args(script_args[1:])
+            assert data_args.dataset_id == SAMPLE_DATASET_ID and config.output_dir.startswith("/outputs/")
+
+
+def test_train_parser_rejects_bogus_and_abbreviated_flags():
+    train = _train_module()
+    base = with_args_file.read_args_file(str(K8S / "config" / "train.args"))
+    with pytest.raises(train.TrainCLIError, match="unknown arguments"):
+        train.parse_args([*base, "--no_such_flag", "1"])
+    # argparse would take `--learning_rat` as --learning_rate; the exact-spelling check does not.
+    abbreviated = [a.replace("--learning_rate", "--learning_rat") for a in base]
+    with pytest.raises(AssertionError, match="--learning_rat"):
+        assert_exact_flags(train.normalize_argv(abbreviated), train._parser())
+
+
+def test_torchrun_parser_rejects_a_bogus_flag():
+    from torch.distributed.run import get_args_parser
+
+    with pytest.raises(SystemExit):
+        get_args_parser().parse_args(["--nnodes=2", "--no_such_torchrun_flag=1", "-m", "pf_trl.cli.main", "train"])
+
+
+# ------------------------------------------------------------------------------- the k8s/scripts
+
+
+def test_with_args_file_execs_the_command_with_the_file_args(tmp_path):
+    args_file = tmp_path / "a.args"
+    args_file.write_text("# comment\n--response_template '### Response:'  # trailing\n--x \"a b\"\n--y 1\n")
+    proc = subprocess.run([sys.executable, str(K8S / "scripts" / "with_args_file.py"), str(args_file),
+                           sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", "--first"],
+                          capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(proc.stdout) == ["--first", "--response_template", "### Response:", "--x", "a b", "--y", "1"]
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory, sample_rows, tokenizer):
+    """Three slices of the shipped sample, each pretokenized like one index of the Indexed Job."""
+    from conftest import write_jsonl
+    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+
+    root = tmp_path_factory.mktemp("indexed")
+    rows = sample_rows[:240]
+    config = PretokenizeConfig(max_seq_len=512)
+    for i in range(3):
+        src = write_jsonl(root / f"part-{i}.jsonl", rows[i * 80:(i + 1) * 80])
+        pretokenize(src, root / "parts" / f"part-{i}", config, tokenizer=tokenizer, progress=False)
+    whole = write_jsonl(root / "whole.jsonl", rows)
+    pretokenize(whole, root / "whole", config, tokenizer=tokenizer, progress=False)
+    return root
+
+
+def test_merge_shards_equals_pretokenizing_the_whole_source(parts, tokenizer):
+    from pf_trl.data.shards import load_shards
+    from pf_trl.data.tokenizer import tokenizer_fingerprint
+
+    out = parts / "merged"
+    rc = merge_shards.main([str(parts / "parts"), str(out), "--expect", "3"])
+    assert rc == 0
+    merged = load_shards(out, expected_tokenizer=tokenizer_fingerprint(tokenizer))
+    whole = load_shards(parts / "whole")
+    assert merged.num_rows == whole.num_rows
+    assert merged["input_ids"] == whole["input_ids"] and merged["labels"] == whole["labels"]
+    m, w = merged.pf_manifest, whole.pf_manifest
+    for key in ("examples", "tokens", "loss_tokens", "truncated", "dropped", "source_rows"):
+        assert m["counts"][key] == w["counts"][key], key
+    assert {k: v for k, v in m["lengths"].items()} == w["lengths"]
+    assert len(m["merged_from"]) == 3
+    # The trainer's data resolution takes it as a shards directory as is (no re-tokenization).
+    assert merge_shards.main([str(parts / "parts"), str(out)]) == 2  # exists, no --overwrite
+    assert merge_shards.main([str(parts / "parts"), str(out), "--overwrite"]) == 0
+
+
+def test_merge_shards_refuses_bad_parts(parts, tokenizer, tmp_path):
+    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+
+    assert merge_shards.main([str(parts / "parts"), str(tmp_path / "o1"), "--expect", "4"]) == 2
+    gap = tmp_path / "gap"
+    gap.mkdir()
+    shutil.copytree(parts / "parts" / "part-0", gap / "part-0")
+    shutil.copytree(parts / "parts" / "part-2", gap / "part-2")
+    assert merge_shards.main([str(gap), str(tmp_path / "o2")]) == 2
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copytree(parts / "parts" / "part-0", mixed / "part-0")
+    pretokenize(parts / "part-1.jsonl", mixed / "part-1", PretokenizeConfig(max_seq_len=256), tokenizer=tokenizer,
+                progress=False)
+    with pytest.raises(merge_shards.MergeError, match="differs"):
+        merge_shards.merge(mixed, tmp_path / "o3")
+    assert not (tmp_path / "o3").exists()
