@@ -278,7 +278,9 @@ class TokenAccountingMixin:
         self._pf_peak_tflops = float(peak) if peak else detect_peak_tflops(device, dtype)
         self.add_callback(MeterCallback(self))
         # transformers' tracker busy-polls RSS in a thread; keep its keys, drop the busy loop
-        self._memory_tracker = LightMemoryTracker(self.args.skip_memory_metrics)
+        tracker = getattr(self, "_memory_tracker", None)
+        if tracker is not None and type(tracker) is TrainerMemoryTracker:
+            tracker.__class__ = LightMemoryTracker  # keeps the init-stage numbers it already holds
 
     def _pf_on_train_begin(self) -> None:
         self._pf_meter.reset_totals()

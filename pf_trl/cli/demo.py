@@ -1,0 +1,51 @@
+"""`pf-trl demo`: pretokenize the shipped ShareGPT sample (cached), train `pf-trl/tiny-llama` padding-free for a few
+steps on CPU, print the metrics table. A couple of minutes at most.
+
+    pf-trl demo [--steps 20] [--max_tokens_per_batch 4096] [--output_dir pf-trl-demo] [--model pf-trl/tiny-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pf-trl demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--max_tokens_per_batch", type=int, default=4096, help="token budget per step (default 4096)")
+    p.add_argument("--max_seq_len", type=int, default=1024)
+    p.add_argument("--output_dir", default="pf-trl-demo")
+    p.add_argument("--model", default="pf-trl/tiny-llama")
+    p.add_argument("--padding_free", default="internal", choices=["huggingface", "internal"])
+    p.add_argument("--logging_steps", type=int, default=5)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from pf_trl.cli import train as train_cli
+    from pf_trl.data.samples import SHAREGPT_SAMPLE
+
+    argv = [
+        "--model_name_or_path", args.model,
+        "--training_data_path", str(SHAREGPT_SAMPLE),
+        "--max_seq_len", str(args.max_seq_len),
+        "--padding_free", args.padding_free,
+        "--max_tokens_per_batch", str(args.max_tokens_per_batch),
+        "--max_steps", str(args.steps),
+        "--learning_rate", "3e-4",
+        "--warmup_steps", "2",
+        "--logging_steps", str(args.logging_steps),
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--output_dir", args.output_dir,
+        "--disable_tqdm", "True",
+    ]
+    print(f"pf-trl demo: {args.model} on the shipped ShareGPT sample, {args.steps} steps, budget "
+          f"{args.max_tokens_per_batch} tokens/step, padding_free={args.padding_free}", flush=True)
+    return train_cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`pf-trl bench` on the tiny scenario writes the table, JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SCENARIO = Path(__file__).resolve().parents[1] / "benchmarks" / "scenarios" / "tiny_test.yaml"
+
+
+def test_bench_tiny_scenario(tmp_path, monkeypatch, capsys):
+    from pf_trl.cli.bench import main
+
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+    assert main([str(SCENARIO), "--modes", "padded,pf-trl", "--examples", "8", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| implementation |" in out and "pf-trl" in out
+    report = json.loads((tmp_path / "bench_tiny-test.json").read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"padded", "pf-trl"}
+    assert rows["padded"]["real_tokens"] == rows["pf-trl"]["real_tokens"]  # same examples, same real tokens
+    assert rows["pf-trl"]["padding_share"] == 0.0 and rows["padded"]["padding_share"] > 0
+    assert rows["padded"]["speedup_vs_padded"] == 1.0 and rows["pf-trl"]["speedup_vs_padded"] > 0
+    png = tmp_path / "bench_tiny-test.png"
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_bad_scenarios(tmp_path, capsys):
+    from pf_trl.cli.bench import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("modes: [padded, warp-drive]\n")
+    assert main([str(bad)]) == 2
+    assert "unknown modes" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.yaml")]) == 2

@@ -1,0 +1,138 @@
+"""`pf-trl train`: the seed's command line, the shipped sample end to end, the data cache, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import numpy as np
+import pytest
+
+SEED_CMD = (
+    "--model_name_or_path pf-trl/tiny-llama --padding_free huggingface --packing False --max_seq_len 4096 "
+    "--learning_rate 2e-5 --torch_dtype float16 --use_flash_attn True --response_template '### Response:' "
+    "--dataset_text_field output --include_tokens_per_second True --num_train_epochs 1 --gradient_accumulation_steps 1 "
+    "--gradient_checkpointing True --evaluation_strategy no --save_strategy no --weight_decay 0.01 --warmup_steps 10 "
+    "--adam_epsilon 1e-4 --lr_scheduler_type linear --logging_strategy steps --logging_steps 10 --max_steps 100 "
+    "--training_data_path {data} --per_device_train_batch_size 4 --output_dir {out} --skip_memory_metrics False"
+)
+TINY_OVERRIDES = "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def seed_json(tmp_path_factory, sample_shards):
+    """The seed's pre-tokenized JSON (input_ids + labels per row), made from the shipped sample."""
+    from pf_trl.data.shards import load_shards
+
+    ds = load_shards(sample_shards)
+    path = tmp_path_factory.mktemp("seed") / "train.json"
+    with open(path, "w") as f:
+        for row in ds.select(range(60)):
+            f.write(json.dumps({"input_ids": row["input_ids"], "labels": row["labels"]}) + "\n")
+    return path
+
+
+def run_cli(args: str | list[str]) -> int:
+    from pf_trl.cli.main import main
+
+    argv = shlex.split(args) if isinstance(args, str) else args
+    return main(["train", *argv])
+
+
+def test_seed_command_line_parses_and_runs(tmp_path, seed_json, capsys):
+    out = tmp_path / "ilab"
+    cmd = SEED_CMD.format(data=seed_json, out=out).replace("--max_steps 100", "--max_steps 3")
+    assert run_cli(cmd) == 0
+    text = capsys.readouterr().out
+    assert "float16 on CPU: training in float32" in text
+    assert "flash-attn is not installed" in text and "varlen attention" in text
+    assert "tokenizing" in text
+    metrics = json.loads((out / "train_results.json").read_text())
+    assert metrics["train_padding_share"] == 0.0
+    assert metrics["train_tokens_per_second"] == metrics["train_real_tokens_per_second"] > 0
+    assert "train_mem_cpu_alloc_delta" in metrics and "train_mem_cpu_peaked_delta" in metrics  # skip_memory_metrics False
+    assert "train_mem_cpu_peak" in metrics
+    # the second run reads the content-addressed cache: no tokenization
+    assert run_cli(cmd) == 0
+    text = capsys.readouterr().out
+    assert "cache hit" in text and "tokenizing" not in text
+
+
+def test_seed_flags_map_onto_the_config(seed_json, tmp_path):
+    from pf_trl.cli.train import parse_args
+
+    cmd = SEED_CMD.format(data=seed_json, out=tmp_path)
+    model_args, data_args, config = parse_args(shlex.split(cmd))
+    assert config.padding_free == "huggingface" and config.packing is False
+    assert config.eval_strategy == "no" and config.skip_memory_metrics is False
+    assert config.include_tokens_per_second and config.use_flash_attn
+    assert data_args.max_seq_len == 4096 and data_args.response_template == "### Response:"
+    assert config.dataset_text_field == "output" and model_args.torch_dtype == "float16"
+
+
+def test_sample_end_to_end_raw_prompt_completion(tmp_path, sample_path, capsys):
+    out = tmp_path / "run"
+    cmd = (f"--training_data_path {sample_path} --validation_data_path {sample_path} --max_seq_len 256 "
+           f"--model_overrides {TINY_OVERRIDES} --max_steps 2 --per_device_train_batch_size 4 --output_dir {out} "
+           "--report_to none --logging_steps 1 --eval_strategy steps --eval_steps 2 --per_device_eval_batch_size 64 "
+           "--max_eval_tokens_per_batch 16384 --padding_free internal --save_strategy no")
+    assert run_cli(cmd) == 0
+    text = capsys.readouterr().out
+    assert "eval_loss" in text and "train_real_tokens_per_second" in text
+    metrics = json.loads((out / "train_results.json").read_text())
+    assert metrics["train_real_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ("--packing True --padding_free huggingface", "packing=True conflicts"),
+        ("--padding_free sometimes", "padding_free must be one of"),
+        ("--no_such_flag 3", "unknown arguments"),
+        ("--training_data_path /nonexistent/data.json", "no such file"),
+        ("", "no training data"),
+        ("--model_name_or_path org/some-hub-model", "never downloads"),
+        ("--eval_strategy steps", "needs --validation_data_path"),
+        ("--dataset_service_url http://x", "needs --dataset_id"),
+    ],
+)
+def test_bad_flags_give_clear_errors(tmp_path, seed_json, capsys, args, message):
+    if "--training_data_path" not in args and "--dataset_service_url" not in args and args != "":
+        args += f" --training_data_path {seed_json}"
+    assert run_cli(f"{args} --output_dir {tmp_path}") == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_data_gives_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
+    assert run_cli(f"--training_data_path {bad} --output_dir {tmp_path / 'o'}") == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and str(bad) in err
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"output": "hello"}\n')
+    assert run_cli(f"--training_data_path {nofield} --output_dir {tmp_path / 'o'}") == 2
+    assert "response_template" in capsys.readouterr().err
+
+
+def test_dataset_service_is_wired(tmp_path, sample_shards, monkeypatch, capsys):
+    import pf_trl.data.service_client as client
+
+    calls = []
+
+    def fake_wait(url, dataset_id, *, token=None, timeout_s=3600, progress=True, **kw):
+        calls.append((url, dataset_id, token))
+        return sample_shards
+
+    monkeypatch.setattr(client, "wait_for_dataset", fake_wait)
+    cmd = (f"--dataset_service_url http://svc:8000 --dataset_id ds-1 --dataset_service_token tok "
+           f"--model_overrides {TINY_OVERRIDES} --max_steps 1 --output_dir {tmp_path / 'o'} --report_to none "
+           "--padding_free internal")
+    assert run_cli(cmd) == 0
+    assert calls == [("http://svc:8000", "ds-1", "tok")]
+    assert "service dataset ds-1" in capsys.readouterr().out
