@@ -75,9 +75,11 @@ def test_seed_flags_map_onto_the_config(seed_json, tmp_path):
     assert config.dataset_text_field == "output" and model_args.torch_dtype == "float16"
 
 
-def test_sample_end_to_end_raw_prompt_completion(tmp_path, sample_path, capsys):
+def test_sample_end_to_end_raw_prompt_completion(tmp_path, sample_path, sample_rows, capsys):
     out = tmp_path / "run"
-    cmd = (f"--training_data_path {sample_path} --validation_data_path {sample_path} --max_seq_len 256 "
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in sample_rows[:40]))
+    cmd = (f"--training_data_path {sample_path} --validation_data_path {val} --max_seq_len 256 "
            f"--model_overrides {TINY_OVERRIDES} --max_steps 2 --per_device_train_batch_size 4 --output_dir {out} "
            "--report_to none --logging_steps 1 --eval_strategy steps --eval_steps 2 --per_device_eval_batch_size 64 "
            "--max_eval_tokens_per_batch 16384 --padding_free internal --save_strategy no")
