@@ -28,7 +28,7 @@ def test_kill_9_mid_job_then_restart(tmp_path):
     root, cache = tmp_path / "data", tmp_path / "cache"
     root.mkdir()
     write_rows(root / "earlier.jsonl", generated_rows(300, "earlier"))
-    write_rows(root / "big.jsonl", generated_rows(6000, "big"))  # 3 progress chunks of 2000 rows
+    write_rows(root / "big.jsonl", generated_rows(6000, "big"))  # 8 progress chunks of 750 rows
 
     # 1. An earlier dataset, built normally; graceful stop.
     s1 = Server(cache, [root]).start()
@@ -56,6 +56,11 @@ def test_kill_9_mid_job_then_restart(tmp_path):
                 break
             time.sleep(0.05)
         assert running is not None, "the job never reported progress"
+        for _ in range(5):  # and it keeps answering fast while the job runs (each chunk sleeps 3 s)
+            t0 = time.perf_counter()
+            assert c.get(f"/v1/datasets/{big}").json()["state"] == "running"
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.05)
         assert running["progress"]["rows_total"] == 6000 and 0 < running["progress"]["rows_done"] < 6000
         assert running["progress"]["tokens_done"] > 0 and running["progress"]["fraction"] < 1
         assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
