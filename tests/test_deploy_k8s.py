@@ -307,7 +307,7 @@ def test_references_resolve():
     pvcs = {d["metadata"]["name"] for _, d in docs_of("PersistentVolumeClaim")}
     cms = set(configmap_files())
     secrets = {d["metadata"]["name"]: d for _, d in docs_of("Secret")}
-    user_created = {"pf-trl-dataset"}  # created by the user from the pretokenize Job's output (README "Run on Kubernetes")
+    user_created = {"pf-trl-dataset"}  # created by the user from the pretokenize Job's output (the README section 'Run on Kubernetes')
     for path, d in ALL_DOCS:
         for pod in pod_specs(d):
             for v in pod.get("volumes", []):
@@ -441,7 +441,7 @@ def test_pretokenize_job_runs_the_service_client_on_a_valid_request(monkeypatch,
     assert calls["submit"] == (SERVICE_URL, body)
     assert calls["wait"][:2] == (SERVICE_URL, SAMPLE_DATASET_ID)
     first = capsys.readouterr().out.splitlines()[0]
-    assert json.loads(first)["id"] == SAMPLE_DATASET_ID  # what README "Run on Kubernetes" greps from the log
+    assert json.loads(first)["id"] == SAMPLE_DATASET_ID  # what the README section 'Run on Kubernetes' greps from the log
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts["/cache"]["readOnly"], "wait_for_dataset checks the shards dir is visible: mount the cache"
     assert any(e["name"] == "PF_SERVICE_TOKEN" for e in c["env"])

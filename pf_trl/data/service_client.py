@@ -79,7 +79,7 @@ def _base(url: str) -> str:
 
 
 def submit_dataset(url: str, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
-    """``POST /v1/datasets`` with ``body`` (see README "Preprocessing service"); returns the dataset status (its ``id``,
+    """``POST /v1/datasets`` with ``body`` (see the README section 'Preprocessing service'); returns the dataset status (its ``id``,
     ``state``; ``manifest`` when it was already built). Raises :class:`DatasetServiceError` on 4xx/5xx."""
     status, payload = _request("POST", f"{_base(url)}/v1/datasets", body=body, token=_token(token))
     if status not in (200, 202):
