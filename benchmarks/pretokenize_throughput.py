@@ -11,7 +11,8 @@ same cores, with 1 and 2 processes:
 - ``service end-to-end``: ``POST /v1/datasets`` -> state ``succeeded`` observed by polling every 50 ms,
   against a running ``pf-trl serve --workers 1 --num-proc N`` on 127.0.0.1 (server start-up excluded).
 
-``TOKENIZERS_PARALLELISM=false`` throughout, so "N processes" means N cores' worth of work everywhere.
+``TOKENIZERS_PARALLELISM=false`` throughout, so "N processes" means N cores' worth of work everywhere. Trials are
+interleaved (plain, pretokenize, service, plain, ...) and the best of each pipeline is kept.
 Prints a markdown table; writes ``benchmarks/results/pretokenize_throughput.json``.
 
     python benchmarks/pretokenize_throughput.py [--repeat 4] [--trials 2] [--procs 1 2]
@@ -84,8 +85,8 @@ def run_service(src: Path, work: Path, procs: int, trials: int) -> list[tuple[fl
     from test_service_support import Server
 
     results = []
-    for trial in range(trials):
-        cache = work / f"svc-{procs}-{trial}"  # a fresh cache: content addressing would make a rerun free
+    for _ in range(trials):
+        cache = work / f"svc-{procs}-{time.time_ns()}"  # a fresh cache: content addressing would make a rerun free
         server = Server(cache, [src.parent], args=["--workers", "1", "--num-proc", str(procs)]).start()
         try:
             with httpx.Client(base_url=server.url, timeout=60) as c:
@@ -106,10 +107,14 @@ def run_service(src: Path, work: Path, procs: int, trials: int) -> list[tuple[fl
     return results
 
 
+PIPELINES = ("plain tokenizer(batch) loop", "pretokenize() as the service runs it",
+             "service end-to-end (POST -> succeeded)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=4, help="copies of the 2,500-row sample (default 4)")
-    parser.add_argument("--trials", type=int, default=2, help="best of N per measurement (default 2)")
+    parser.add_argument("--trials", type=int, default=2, help="interleaved trials; best of N per pipeline (default 2)")
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-service", action="store_true", help="skip the end-to-end service runs")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pretokenize_throughput.json"))
@@ -136,14 +141,19 @@ def main(argv: list[str] | None = None) -> int:
             pool = mp.get_context("spawn").Pool(procs, initializer=_init_worker) if procs > 1 else None
             if pool is not None:
                 pool.map(_count_tokens, [texts[:8]] * procs)  # warm: spawn + tokenizer load not timed
-            plain = min(plain_loop(texts, procs, pool) for _ in range(args.trials))
+            # Interleaved trials (plain, pretokenize, service, plain, ...), best of each: the machine's load
+            # drifts by tens of percent over a minute, so back-to-back blocks would compare different loads.
+            runs: dict[str, list[tuple[float, int]]] = {name: [] for name in PIPELINES}
+            for _ in range(args.trials):
+                runs[PIPELINES[0]].append(plain_loop(texts, procs, pool))
+                runs[PIPELINES[1]].append(run_pretokenize(src, work, procs, tok))
+                if not args.no_service:
+                    runs[PIPELINES[2]] += run_service(src, work, procs, 1)
             if pool is not None:
                 pool.close()
                 pool.join()
-            pt = min(run_pretokenize(src, work, procs, tok) for _ in range(args.trials))
-            entries = [("plain tokenizer(batch) loop", plain), ("pretokenize() as the service runs it", pt)]
-            if not args.no_service:
-                entries.append(("service end-to-end (POST -> succeeded)", min(run_service(src, work, procs, args.trials))))
+            entries = [(name, min(r)) for name, r in runs.items() if r]
+            plain = entries[0][1]
             for name, (seconds, tokens) in entries:
                 table.append({"pipeline": name, "processes": procs, "rows": n, "tokens": tokens,
                               "seconds": round(seconds, 3), "rows_per_s": round(n / seconds, 1),
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"created_unix": round(time.time(), 3), "machine": {"cpu_count": os.cpu_count(),
               "platform": platform.platform(), "python": platform.python_version()},
               "data": {"source": "pf_trl.data.samples.SHAREGPT_SAMPLE", "repeat": args.repeat, "rows": n},
-              "trials": args.trials, "target_vs_plain_loop": 0.8,
+              "trials": args.trials, "trial_order": "interleaved", "target_vs_plain_loop": 0.8,
               "note": "compare rows/s: the plain loop counts every token of prompt+completion, pretokenize and the "
                       "service count the tokens kept in the shards (max_seq_len 1024 truncation, no-loss rows dropped); "
                       "vs_plain_loop is the ratio of wall times on the same rows and processes",

@@ -10,6 +10,7 @@ existing output is never touched unless ``overwrite=True``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from pf_trl._version import __version__
 from pf_trl.data import formats
@@ -188,7 +190,7 @@ def _tokenize_batch(
     input_format: str,
     config: PretokenizeConfig,
     index_offset: int,
-) -> dict[str, list]:
+) -> pa.Table:
     """datasets.map function: one batch of source rows -> token rows plus bookkeeping columns."""
     indices = [i + index_offset for i in indices]  # row numbers of the source, for error messages
     fields = config.fields
@@ -233,7 +235,9 @@ def _tokenize_batch(
         out["_drop"].append(drop)
         out["_truncated"].append(truncated)
         out["_loss"].append(loss)
-    return out
+    # An Arrow table, not a dict: datasets then writes it as is instead of converting every list element
+    # through its own typed-sequence path (a quarter of the non-tokenizer time).
+    return pa.Table.from_pydict(out, schema=_processing_schema())
 
 
 def _resolve_format(ds, config: PretokenizeConfig) -> str:
@@ -432,6 +436,11 @@ def pretokenize(
         shutil.rmtree(work, ignore_errors=True)
         if bars_were_on:
             datasets.enable_progress_bars()
+
+
+@functools.lru_cache(maxsize=1)
+def _processing_schema() -> pa.Schema:
+    return _processing_features().arrow_schema
 
 
 def _processing_features():
