@@ -1,5 +1,10 @@
 """torchrun --nproc_per_node 2 (gloo, CPU): disjoint balanced batches, equal step counts, and the same losses and
-weights as one process training on the same global batches (gradient accumulation over the two ranks' batches)."""
+weights as one process training on the same global batches (gradient accumulation over the two ranks' batches).
+
+FSDP: accelerate runs FSDP only on accelerator devices (on CPU it trains plain DDP even when ``fsdp`` is set; pf-trl
+warns, tested below), so the trainer cannot run sharded here. What pf-trl adds under FSDP2 is its loss forward
+(backbone, then the LM head's weight used directly in the chunked cross-entropy); that is tested with torch's own
+``fully_shard`` applied as accelerate's FSDP2 plugin applies it (each decoder layer, then the root)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent(
     r'''
@@ -63,10 +70,15 @@ SCRIPT = textwrap.dedent(
     args = PaddingFreeConfig(output_dir=out, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
                              learning_rate=1e-3, seed=0, max_steps=3, padding_free="internal", max_length=None,
                              use_cpu=True, max_tokens_per_batch=600, dataloader_num_workers=0,
-                             gradient_accumulation_steps=2 if mode == "single" else 1)
+                             gradient_accumulation_steps=2 if mode == "single" else 1,
+                             **({"fsdp": "full_shard auto_wrap",
+                                 "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+                                if mode == "fsdp_on_cpu" else {}))
     model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
     tr = T(model, args=args, train_dataset=ds, processing_class=load_tokenizer())
     tr.train()
+    from torch.distributed.tensor import DTensor
+    sharded = sum(isinstance(p, DTensor) for p in tr.model.parameters())
     sampler = tr._pf_train_sampler
     res = {
         "rank": rank,
@@ -76,11 +88,74 @@ SCRIPT = textwrap.dedent(
         "micro_tokens": seen,
         "batches": [list(map(int, b)) for b in (list(sampler) if mode != "single" else [])][:3],
         "real_tokens": tr.state.log_history[-1]["train_real_tokens"],
+        "sharded_parameters": sharded,
     }
     with open(os.path.join(out, f"result_{mode}_{rank}.json"), "w") as f:
         json.dump(res, f)
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in tr.model.state_dict().items()}, os.path.join(out, f"weights_{mode}.pt"))
+    '''
+)
+
+
+FSDP2_SCRIPT = textwrap.dedent(
+    r'''
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from pf_trl.attention import enable_padding_free
+    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.models import build_model
+    from pf_trl.trainer.trainer import install_pf_loss_forward
+
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    VOCAB = 128
+    TINY = dict(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(0)
+
+    def example(n):
+        ids = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+        return {"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]}
+
+    per_rank = [[example(n) for n in (9, 1, 14, 30)], [example(n) for n in (5, 11, 7, 3, 25)]]
+    collate = PaddingFreeCollator()
+    batches = [collate(b) for b in per_rank]
+    n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # the step's supervised tokens, all ranks
+
+    def prepared():
+        model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
+        enable_padding_free(model, mode="internal", backend="sdpa")
+        install_pf_loss_forward(model, "chunked", 16)  # small chunks: several chunks per row
+        return model
+
+    ref = prepared()  # every rank: one process over both ranks' batches
+    ref_loss = sum(ref(**b, pf_loss=True)["loss_sum"] for b in batches) / n_items
+    ref_loss.backward()
+
+    model = prepared()
+    for layer in model.model.layers:  # what accelerate's FSDP2 plugin does with transformer_layer_cls_to_wrap
+        fully_shard(layer)
+    fully_shard(model)
+    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    res = model(**batches[rank], pf_loss=True)
+    loss = res["loss_sum"] / n_items * world  # FSDP averages gradients over ranks, as the trainer assumes
+    loss.backward()
+    total = res["loss_sum"].detach().clone()
+    dist.all_reduce(total)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+    if rank == 0:
+        err = {n: float((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-12)) for n in ref_grads}
+        json.dump({"sharded": sharded, "params": len(ref_grads), "loss": float(total / n_items), "ref_loss": float(ref_loss),
+                   "max_rel_grad_err": max(err.values()), "worst": max(err, key=err.get), "keys_equal": grads.keys() == ref_grads.keys()},
+                  open(os.path.join(out, "fsdp_result.json"), "w"))
+    dist.barrier()  # a rank that tears gloo down while its peer still works aborts ("terminate called ...")
+    dist.destroy_process_group()
     '''
 )
 
@@ -92,22 +167,38 @@ def _env():
     return env
 
 
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory, sample_shards):
+    """One process, GA 2 over the two ranks' interleaved batches: the reference of the two-rank runs."""
+    out = tmp_path_factory.mktemp("dist_single")
+    script = out / "dist_train.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(sample_shards), str(out), "single"], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "result_single_0.json").read_text()), torch.load(out / "weights_single.pt")
+
+
 @pytest.mark.slow
-def test_torchrun_two_ranks_match_single_process(tmp_path, sample_shards):
+@pytest.mark.parametrize("mode,port", [("ddp", 29533), ("fsdp_on_cpu", 29534)])
+def test_torchrun_two_ranks_match_single_process(tmp_path, sample_shards, single_process_run, mode, port):
+    """``fsdp_on_cpu``: accelerate ignores ``fsdp`` off accelerators and trains DDP; pf-trl must say so, and the
+    run must still be exact."""
     script = tmp_path / "dist_train.py"
     script.write_text(SCRIPT)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun not found"
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", "29533", str(script), str(sample_shards), str(tmp_path), "ddp"]
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(port), str(script), str(sample_shards), str(tmp_path),
+           mode]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    single = subprocess.run([sys.executable, str(script), str(sample_shards), str(tmp_path), "single"], env=_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr[-4000:]
+    s, w_single = single_process_run
 
-    r0, r1 = (json.loads((tmp_path / f"result_ddp_{r}.json").read_text()) for r in (0, 1))
-    s = json.loads((tmp_path / "result_single_0.json").read_text())
+    r0, r1 = (json.loads((tmp_path / f"result_{mode}_{r}.json").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
+    assert r0["sharded_parameters"] == 0
+    warned = "fsdp was requested, but accelerate runs" in proc.stderr
+    assert warned == (mode == "fsdp_on_cpu"), proc.stderr[-3000:]
     assert r0["steps"] == r1["steps"] == s["steps"] == 3
     # disjoint batches on the two ranks, balanced within the budget
     idx0 = {i for b in r0["batches"] for i in b}
@@ -120,7 +211,24 @@ def test_torchrun_two_ranks_match_single_process(tmp_path, sample_shards):
     assert r0["real_tokens"] == r1["real_tokens"] == s["real_tokens"]  # reduced over ranks
     np.testing.assert_allclose(r0["losses"], s["losses"], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(r1["losses"], s["losses"], rtol=2e-5, atol=2e-5)
-    w_ddp = torch.load(tmp_path / "weights_ddp.pt")
-    w_single = torch.load(tmp_path / "weights_single.pt")
+    w_dist = torch.load(tmp_path / f"weights_{mode}.pt")
     for name, value in w_single.items():
-        torch.testing.assert_close(w_ddp[name], value, rtol=1e-4, atol=2e-5, msg=name)
+        torch.testing.assert_close(w_dist[name], value, rtol=1e-4, atol=2e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_pf_loss_matches_single_process(tmp_path):
+    """Two ranks, each its own packed row, every parameter an FSDP2 DTensor: the step's loss and the reduced
+    gradients equal one process over both rows (loss / all supervised tokens, x world size as the trainer does)."""
+    script = tmp_path / "fsdp_loss.py"
+    script.write_text(FSDP2_SCRIPT)
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29535", str(script), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads((tmp_path / "fsdp_result.json").read_text())
+    assert r["sharded"] == r["params"] > 0, "FSDP2 did not shard the parameters"
+    assert r["keys_equal"]
+    assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
+    assert r["max_rel_grad_err"] <= 1e-4, r  # a missing world-size factor gives 0.5

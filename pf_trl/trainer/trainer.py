@@ -169,6 +169,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finally:
             args.padding_free = saved
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            # accelerate routes FSDP only on accelerator devices; elsewhere (e.g. CPU) it trains plain DDP silently
+            logger.warning("pf-trl: fsdp was requested, but accelerate runs %s on this device: every rank holds the "
+                           "whole model (plain data parallel), nothing is sharded", self.accelerator.distributed_type)
         self._pf_init_metrics()
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_resume_dir: str | None = None
