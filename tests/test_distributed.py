@@ -94,6 +94,9 @@ SCRIPT = textwrap.dedent(
         json.dump(res, f)
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in tr.model.state_dict().items()}, os.path.join(out, f"weights_{mode}.pt"))
+    if torch.distributed.is_initialized():  # both ranks tear gloo down together (see FSDP2_SCRIPT)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     '''
 )
 
@@ -164,7 +167,20 @@ def _env():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only, whatever the host name resolves to
     return env
+
+
+def _torchrun(script, *args: str) -> list[str]:
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    assert torchrun, "torchrun not found"
+    # --tee 3: each rank's output prefixed with its rank, so a failure says which rank stopped where
+    # --standalone: a rendezvous on localhost at a free port (no fixed port that another run may hold)
+    return [torchrun, "--standalone", "--nproc_per_node", "2", "--tee", "3", str(script), *args]
+
+
+def _failure(proc) -> str:
+    return f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -180,18 +196,15 @@ def single_process_run(tmp_path_factory, sample_shards):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,port", [("ddp", 29533), ("fsdp_on_cpu", 29534)])
-def test_torchrun_two_ranks_match_single_process(tmp_path, sample_shards, single_process_run, mode, port):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp_on_cpu"])
+def test_torchrun_two_ranks_match_single_process(tmp_path, sample_shards, single_process_run, mode):
     """``fsdp_on_cpu``: accelerate ignores ``fsdp`` off accelerators and trains DDP; pf-trl must say so, and the
     run must still be exact."""
     script = tmp_path / "dist_train.py"
     script.write_text(SCRIPT)
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    assert torchrun, "torchrun not found"
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(port), str(script), str(sample_shards), str(tmp_path),
-           mode]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run(_torchrun(script, str(sample_shards), str(tmp_path), mode), env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, _failure(proc)
     s, w_single = single_process_run
 
     r0, r1 = (json.loads((tmp_path / f"result_{mode}_{r}.json").read_text()) for r in (0, 1))
@@ -222,11 +235,10 @@ def test_fsdp2_sharded_pf_loss_matches_single_process(tmp_path):
     gradients equal one process over both rows (loss / all supervised tokens, x world size as the trainer does)."""
     script = tmp_path / "fsdp_loss.py"
     script.write_text(FSDP2_SCRIPT)
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29535", str(script), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run(_torchrun(script, str(tmp_path)), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, _failure(proc)
     r = json.loads((tmp_path / "fsdp_result.json").read_text())
     assert r["sharded"] == r["params"] > 0, "FSDP2 did not shard the parameters"
     assert r["keys_equal"]
