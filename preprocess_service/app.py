@@ -11,7 +11,6 @@ import shutil
 import time
 import uuid
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import anyio

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest

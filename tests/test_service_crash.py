@@ -9,7 +9,6 @@ import os
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from test_service_support import Server, files_under, generated_rows, wait_state, write_rows

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shlex
 
-import numpy as np
 import pytest
 
 SEED_CMD = (

@@ -14,7 +14,6 @@ preprocessing service instead.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
