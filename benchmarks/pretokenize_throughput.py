@@ -80,31 +80,28 @@ def run_pretokenize(src: Path, work: Path, procs: int, tok) -> tuple[float, int]
     return elapsed, manifest["counts"]["tokens"]
 
 
-def run_service(src: Path, work: Path, procs: int, trials: int) -> list[tuple[float, int]]:
+def run_service(src: Path, work: Path, procs: int) -> tuple[float, int]:
     import httpx
     from test_service_support import Server
 
-    results = []
-    for _ in range(trials):
-        cache = work / f"svc-{procs}-{time.time_ns()}"  # a fresh cache: content addressing would make a rerun free
-        server = Server(cache, [src.parent], args=["--workers", "1", "--num-proc", str(procs)]).start()
-        try:
-            with httpx.Client(base_url=server.url, timeout=60) as c:
-                t0 = time.perf_counter()
-                r = c.post("/v1/datasets", json={"source": {"path": src.name}})
-                assert r.status_code == 202, r.text
-                dataset_id = r.json()["id"]
-                while True:
-                    status = c.get(f"/v1/datasets/{dataset_id}").json()
-                    if status["state"] in ("succeeded", "failed"):
-                        break
-                    time.sleep(0.05)
-                elapsed = time.perf_counter() - t0
-                assert status["state"] == "succeeded", status
-                results.append((elapsed, status["manifest"]["counts"]["tokens"]))
-        finally:
-            server.stop()
-    return results
+    cache = work / f"svc-{procs}-{time.time_ns()}"  # a fresh cache: content addressing would make a rerun free
+    server = Server(cache, [src.parent], args=["--workers", "1", "--num-proc", str(procs)]).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            t0 = time.perf_counter()
+            r = c.post("/v1/datasets", json={"source": {"path": src.name}})
+            assert r.status_code == 202, r.text
+            dataset_id = r.json()["id"]
+            while True:
+                status = c.get(f"/v1/datasets/{dataset_id}").json()
+                if status["state"] in ("succeeded", "failed"):
+                    break
+                time.sleep(0.05)
+            elapsed = time.perf_counter() - t0
+            assert status["state"] == "succeeded", status
+            return elapsed, status["manifest"]["counts"]["tokens"]
+    finally:
+        server.stop()
 
 
 PIPELINES = ("plain tokenizer(batch) loop", "pretokenize() as the service runs it",
@@ -148,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[PIPELINES[0]].append(plain_loop(texts, procs, pool))
                 runs[PIPELINES[1]].append(run_pretokenize(src, work, procs, tok))
                 if not args.no_service:
-                    runs[PIPELINES[2]] += run_service(src, work, procs, 1)
+                    runs[PIPELINES[2]].append(run_service(src, work, procs))
             if pool is not None:
                 pool.close()
                 pool.join()

@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 SCRIPT = textwrap.dedent(
     r'''
     import json, os, sys
@@ -235,9 +233,7 @@ def test_fsdp2_sharded_pf_loss_matches_single_process(tmp_path):
     gradients equal one process over both rows (loss / all supervised tokens, x world size as the trainer does)."""
     script = tmp_path / "fsdp_loss.py"
     script.write_text(FSDP2_SCRIPT)
-    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(_torchrun(script, str(tmp_path)), env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(_torchrun(script, str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _failure(proc)
     r = json.loads((tmp_path / "fsdp_result.json").read_text())
     assert r["sharded"] == r["params"] > 0, "FSDP2 did not shard the parameters"
