@@ -14,19 +14,31 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 import anyio
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pf_trl._version import __version__
-from preprocess_service.jobs import DURATION_BUCKETS, STATES, JobStore, Supervisor
+from preprocess_service.jobs import SECRET_ENV, Supervisor
+from preprocess_service.store import (
+    DURATION_BUCKETS,
+    IDEMPOTENCY_TTL_S,
+    STATES,
+    TERMINAL,
+    IdempotencyMismatch,
+    log_event,
+    open_store,
+    setup_event_log,
+)
 from preprocess_service.schemas import (
     PROBLEM_JSON,
     PROBLEM_RESPONSES,
     DatasetList,
     DatasetRequest,
     DatasetStatus,
+    DatasetEvent,
     Health,
     LengthStats,
     PretokenizeOptions,
@@ -75,19 +87,24 @@ def _validation_message(err: dict[str, Any]) -> dict[str, str]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.load()
     os.environ.update(settings.child_env())  # before datasets/transformers are imported in this process
+    for name in SECRET_ENV:  # read into settings already: no child process (tokenizer pools...) inherits them
+        os.environ.pop(name, None)
+    setup_event_log(settings.log_level)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         settings.make_dirs()
         lock = open(settings.lock_path, "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise SettingsError(f"another pf-trl service already runs on cache dir {settings.cache_dir}; "
-                                "use one service per cache dir") from exc
-        for leftover in settings.tmp_dir.iterdir():  # temp builds of a previous run: never published
+        if not settings.database_url:  # SQLite: one service per cache dir; PostgreSQL: replicas share it
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise SettingsError(f"another pf-trl service already runs on cache dir {settings.cache_dir}; "
+                                    "use one service per cache dir (or PostgreSQL, --database-url, for "
+                                    "several replicas)") from exc
+        for leftover in settings.scratch_dir.iterdir():  # temp builds of this replica's last run: never published
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-        store = JobStore(settings.db_path)
+        store = open_store(settings)
         store.clear_workers()
         actions = store.reconcile(datasets_dir=settings.datasets_dir, max_attempts=settings.max_attempts,
                                   heartbeat_timeout_s=settings.heartbeat_timeout_s, startup=True)
@@ -95,6 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             logger.warning("job %s was running when the service stopped: %s", job_id, action)
         supervisor = Supervisor(settings, store)
         supervisor.start()
+        log_event("service_started", **{**settings.describe(), "version": __version__})
         app.state.store, app.state.supervisor = store, supervisor
         app.state.submitter = Submitter(settings, store)
         app.state.started = time.time()
@@ -112,7 +130,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             supervisor.stop()
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            log_event("service_stopped", replica=settings.replica_id)
+            if not settings.database_url:
+                fcntl.flock(lock, fcntl.LOCK_UN)
             lock.close()
 
     app = FastAPI(
@@ -166,8 +186,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         req = json.loads(row["request"])
         state, error = row["state"], None
-        if state == "failed":
-            error = {"type": row["error_type"] or "internal", "message": row["error"] or "unknown"}
+        if state in ("failed", "cancelled"):
+            error = {"type": row["error_type"] or ("cancelled" if state == "cancelled" else "internal"),
+                     "message": row["error"] or "unknown"}
         elif state == "succeeded" and not is_shards_dir(settings.datasets_dir / row["id"]):
             state, error = "failed", {"type": "io_error", "message": "the dataset directory vanished from the cache; "
                                       "POST the same request again to rebuild it"}
@@ -183,7 +204,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         manifest = json.loads(row["manifest"]) if (row["manifest"] and with_manifest) else None
         shown = req.get("source_shown", {})
         return DatasetStatus(
-            id=row["id"], state=state, created_unix=row["created_at"], started_unix=row["started_at"],
+            id=row["id"], state=state, done=state in TERMINAL, created_unix=row["created_at"], started_unix=row["started_at"],
             finished_unix=row["finished_at"], updated_unix=row["updated_at"], attempts=row["attempts"],
             worker_pid=row["worker_pid"] if state == "running" else None, progress=progress, error=error,
             source={"path": shown.get("path"), "upload_id": shown.get("upload_id"), "sha256": req["source_sha256"],
@@ -192,7 +213,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             options=req["options"],
             shards_path=str(settings.shards_path(row["id"])) if state == "succeeded" else None,
             manifest=manifest if state == "succeeded" else None,
-            links={"self": f"/v1/datasets/{row['id']}", "lengths": f"/v1/datasets/{row['id']}/lengths"},
+            links={"self": f"/v1/datasets/{row['id']}", "lengths": f"/v1/datasets/{row['id']}/lengths",
+                   "events": f"/v1/datasets/{row['id']}/events", "cancel": f"/v1/datasets/{row['id']}/cancel"},
         )
 
     def get_row(dataset_id: str) -> dict[str, Any]:
@@ -202,18 +224,56 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                "it, or GET /v1/datasets to list the known ones", kind="unknown-dataset", field="dataset_id")
         return row
 
+    def existing_row(dataset_id: str) -> dict[str, Any]:
+        """Dependency: the 404 comes before a stream starts."""
+        return get_row(dataset_id)
+
     # ------------------------------------------------------------------------------------- routes
     @app.post("/v1/datasets", response_model=DatasetStatus, status_code=202, tags=["datasets"],
               responses={200: {"model": DatasetStatus, "description": "already built: the manifest, no work"},
                          202: {"description": "queued or running (Location: the status URL)"},
                          **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 503)}})
-    def create_dataset(body: DatasetRequest, response: Response) -> DatasetStatus:
+    def create_dataset(body: DatasetRequest, response: Response,
+                       idempotency_key: str | None = Header(
+                           None, alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
+                           description="IETF httpapi Idempotency-Key (a string, quoted or not): the same key with "
+                           "the same body answers with the same job, even after it was deleted and rebuilt; "
+                           "the same key with another body is a 422. Keys are remembered for "
+                           f"{int(IDEMPOTENCY_TTL_S // 3600)} hours.")) -> DatasetStatus:
         """Tokenize a source into a shards dataset (content-addressed: the same request is the same job)."""
+        store = app.state.store
+        key = idempotency_key.strip('"') if idempotency_key else None
+        fingerprint = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        if key:
+            try:
+                known = store.idempotent(key, fingerprint)
+            except IdempotencyMismatch as exc:
+                raise _key_reused(key) from exc
+            row = store.get(known) if known else None
+            if row is not None and row["state"] not in ("failed", "cancelled"):
+                return _answer(status_of(row), response)
         row, _created = app.state.submitter.submit(body)
-        status = status_of(row)
-        response.headers["Location"] = f"/v1/datasets/{row['id']}"
+        if key:
+            try:
+                store.remember_key(key, fingerprint, row["id"])
+            except IdempotencyMismatch as exc:  # a concurrent request won the key with another body
+                raise _key_reused(key) from exc
+        return _answer(status_of(row), response)
+
+    def _key_reused(key: str) -> ServiceError:
+        return ServiceError(422, "Unprocessable Content", f"Idempotency-Key {key!r} was already used with another "
+                            "request body; use a new key for a new request", kind="idempotency-key-reused",
+                            field="header.idempotency-key")
+
+    def _answer(status: DatasetStatus, response: Response) -> DatasetStatus:
+        response.headers["Location"] = f"/v1/datasets/{status.id}"
+        response.headers["ETag"] = etag_of(status)
         response.status_code = 200 if status.state == "succeeded" else 202
         return status
+
+    def etag_of(status: DatasetStatus) -> str:
+        return '"' + hashlib.sha256(status.model_dump_json().encode()).hexdigest()[:32] + '"'
+
 
     @app.post("/v1/uploads", response_model=UploadInfo, status_code=201, tags=["datasets"],
               openapi_extra={"requestBody": {"required": True, "content": {
@@ -225,7 +285,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                          ..., description="How to read the bytes (the upload id keeps it as its suffix)")) -> UploadInfo:
         """Upload a source file as the raw request body (at most max_upload_bytes); use its `upload_id`."""
         limit = settings.max_upload_bytes
-        part = settings.tmp_dir / f"upload-{uuid.uuid4().hex}.part"
+        part = settings.scratch_dir / f"upload-{uuid.uuid4().hex}.part"
         digest, size = hashlib.sha256(), 0
         try:
             with open(part, "wb") as f:
@@ -254,7 +314,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/datasets", response_model=DatasetList, tags=["datasets"])
     def list_datasets(limit: int = Query(50, ge=1, le=200), cursor: str | None = Query(None, max_length=20),
-                      state: Literal["queued", "running", "succeeded", "failed"] | None = None) -> DatasetList:
+                      state: Literal["queued", "running", "succeeded", "failed", "cancelled"] | None = None) -> DatasetList:
         """Datasets in creation order, `limit` per page; follow `next_cursor`. Manifests are left out."""
         after = 0
         if cursor is not None:
@@ -268,10 +328,73 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            next_cursor=str(page[-1]["seq"]) if len(rows) > limit else None)
 
     @app.get("/v1/datasets/{dataset_id}", response_model=DatasetStatus, tags=["datasets"],
-             responses={404: PROBLEM_RESPONSES[404]})
-    def get_dataset(dataset_id: str) -> DatasetStatus:
-        """State, progress, error (when failed), manifest and shards path (when succeeded)."""
-        return status_of(get_row(dataset_id))
+             responses={304: {"description": "If-None-Match matched the current ETag: unchanged, no body"},
+                        404: PROBLEM_RESPONSES[404]})
+    def get_dataset(dataset_id: str, if_none_match: str | None = Header(
+            None, alias="If-None-Match", max_length=1024,
+            description="An ETag from an earlier answer: 304 Not Modified while the status is unchanged")):
+        """State, progress, error (when failed or cancelled), manifest and shards path (when succeeded).
+        Carries an `ETag`; send it back as `If-None-Match` to get 304 while nothing changed."""
+        status = status_of(get_row(dataset_id))
+        tag = etag_of(status)
+        if if_none_match and (if_none_match.strip() == "*" or
+                              tag in [t.strip().removeprefix("W/") for t in if_none_match.split(",")]):
+            return Response(status_code=304, headers={"ETag": tag})
+        return Response(status.model_dump_json(), media_type="application/json", headers={"ETag": tag})
+
+    @app.get("/v1/datasets/{dataset_id}/events", response_class=EventSourceResponse, tags=["datasets"],
+             responses={200: {"description": "text/event-stream of DatasetEvent: `event:` is the kind (queued, "
+                              "started, progress, requeued, succeeded, failed, cancelled, deleted), `id:` the "
+                              "resume point, `data:` a DatasetEvent. The stream ends after a terminal event.",
+                              "content": {"text/event-stream": {"schema": DatasetEvent.model_json_schema()}}},
+                        404: PROBLEM_RESPONSES[404]})
+    async def dataset_events(dataset_id: str, _row: dict = Depends(existing_row), last_event_id: str | None = Header(
+            None, alias="Last-Event-ID", max_length=20,
+            description="Resume after this event id (what EventSource sends on reconnect)")):
+        """Server-Sent Events of this dataset's state changes and progress, from its creation (or after
+        `Last-Event-ID`), ending with its terminal event (succeeded, failed, cancelled or deleted)."""
+        store = app.state.store
+        after = int(last_event_id) if last_event_id and last_event_id.isascii() and last_event_id.isdigit() else 0
+        while True:
+            events = await anyio.to_thread.run_sync(store.events, dataset_id, after)
+            for ev in events:
+                after = int(ev["seq"])
+                data = json.loads(ev["data"])
+                yield ServerSentEvent(event=ev["kind"], id=str(after), data=DatasetEvent(
+                    id=dataset_id, kind=ev["kind"], **data).model_dump(exclude_none=True))
+                if ev["kind"] in (*TERMINAL, "deleted"):
+                    return
+            if not events:
+                row = await anyio.to_thread.run_sync(store.get, dataset_id)
+                if row is None:  # deleted, and its events with it
+                    yield ServerSentEvent(event="deleted", data=DatasetEvent(id=dataset_id, kind="deleted",
+                                                                              state="deleted").model_dump(exclude_none=True))
+                    return
+                if row["state"] in TERMINAL and not store.events(dataset_id, 0):  # a job older than events
+                    status = status_of(row, with_manifest=False)
+                    yield ServerSentEvent(event=row["state"], data=DatasetEvent(
+                        id=dataset_id, kind=row["state"], state=row["state"], **status.progress.model_dump(
+                            include={"rows_done", "rows_total", "tokens_done"})).model_dump(exclude_none=True))
+                    return
+            await anyio.sleep(0.25)
+
+    @app.post("/v1/datasets/{dataset_id}/cancel", response_model=DatasetStatus, tags=["datasets"],
+              responses={404: PROBLEM_RESPONSES[404], 409: PROBLEM_RESPONSES[409]})
+    def cancel_dataset(dataset_id: str) -> DatasetStatus:
+        """Stop a queued or running job: state `cancelled`, nothing published, the job kept for inspection
+        (POST the request again to rebuild it). Cancelling a cancelled job is a no-op; a finished one is 409."""
+        before, after = app.state.store.cancel(dataset_id)
+        if before is None:
+            get_row(dataset_id)  # raises the 404
+        if after is None:
+            if before["state"] == "cancelled":
+                return status_of(before)
+            raise ServiceError(409, "Conflict", f"dataset {dataset_id} already {before['state']}; only queued or "
+                               "running jobs can be cancelled (DELETE removes a dataset)", kind="not-cancellable",
+                               field="dataset_id")
+        if before["state"] == "running" and before["replica"] == app.state.store.replica:
+            app.state.supervisor.kill(before["worker_pid"])  # else its replica's worker notices within a second
+        return status_of(after)
 
     @app.get("/v1/datasets/{dataset_id}/lengths", response_model=LengthStats, tags=["datasets"],
              responses={404: PROBLEM_RESPONSES[404], 409: PROBLEM_RESPONSES[409]})
@@ -291,7 +414,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 responses={404: PROBLEM_RESPONSES[404]})
     def delete_dataset(dataset_id: str) -> Response:
         """Forget a dataset: a running job is killed, a built directory removed (open readers keep their files)."""
-        trash = settings.tmp_dir / f"trash-{dataset_id}-{uuid.uuid4().hex[:8]}"
+        trash = settings.scratch_dir / f"trash-{dataset_id}-{uuid.uuid4().hex[:8]}"
 
         def move_away(row: dict[str, Any]) -> None:
             target = settings.datasets_dir / dataset_id
@@ -301,7 +424,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         row = app.state.store.delete(dataset_id, move_away)
         if row is None:
             get_row(dataset_id)  # raises the 404
-        if row["state"] == "running":
+        if row["state"] == "running" and row["replica"] == app.state.store.replica:
             app.state.supervisor.kill(row["worker_pid"])
         shutil.rmtree(trash, ignore_errors=True)
         return Response(status_code=204)
@@ -322,8 +445,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             checks["database"] = f"error: {exc}"
         checks["cache_dir_writable"] = os.access(settings.cache_dir, os.W_OK)
         live = app.state.supervisor.live_pids()
-        ready = [r["pid"] for r in app.state.store.query("SELECT pid FROM workers WHERE ready_at IS NOT NULL")
-                 if r["pid"] in live]
+        ready = app.state.store.ready_worker_pids() & live
         checks["workers_alive"], checks["workers_ready"] = len(live), len(ready)
         checks["free_bytes"] = shutil.disk_usage(settings.cache_dir).free
         ok = checks["database"] == "ok" and checks["cache_dir_writable"] and ready
@@ -343,8 +465,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lines += [f'pf_service_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
         lines += ["# HELP pf_service_jobs_finished_total Jobs that ended, by result.",
                   "# TYPE pf_service_jobs_finished_total counter",
-                  f'pf_service_jobs_finished_total{{result="succeeded"}} {int(counters.get("jobs_succeeded_total", 0))}',
-                  f'pf_service_jobs_finished_total{{result="failed"}} {int(counters.get("jobs_failed_total", 0))}',
+                  *[f'pf_service_jobs_finished_total{{result="{r}"}} {int(counters.get(f"jobs_{r}_total", 0))}'
+                    for r in ("succeeded", "failed", "cancelled", "deleted")],
                   "# HELP pf_service_rows_tokenized_total Source rows of succeeded jobs.",
                   "# TYPE pf_service_rows_tokenized_total counter",
                   f"pf_service_rows_tokenized_total {int(counters.get('rows_tokenized_total', 0))}",
@@ -354,7 +476,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   "# HELP pf_service_rows_in_progress Rows done so far by running jobs.",
                   "# TYPE pf_service_rows_in_progress gauge",
                   f"pf_service_rows_in_progress {running['r']}",
-                  "# HELP pf_service_job_duration_seconds Wall time of finished jobs (claim to end).",
+                  "# HELP pf_service_job_duration_seconds Wall time of ended jobs (claim to succeeded, failed, "
+                  "cancelled or deleted while running).",
                   "# TYPE pf_service_job_duration_seconds histogram"]
         lines += [f'pf_service_job_duration_seconds_bucket{{le="{le}"}} {int(counters.get(f"duration_bucket:{le}", 0))}'
                   for le in DURATION_BUCKETS]

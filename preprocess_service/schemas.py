@@ -15,7 +15,7 @@ from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_BASE = "https://pf-trl.dev/problems/"  # identifiers only; documented in docs/service.md
 
-JobState = Literal["queued", "running", "succeeded", "failed"]
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 UPLOAD_ID_PATTERN = r"^[0-9a-f]{64}\.(jsonl|json|parquet|csv)$"
 
 
@@ -101,7 +101,8 @@ class Progress(BaseModel):
 
 
 class ErrorInfo(BaseModel):
-    type: str = Field(description="invalid_data | disk_full | io_error | interrupted | worker_died | internal")
+    type: str = Field(description="invalid_data | disk_full | io_error | interrupted | worker_died | internal "
+                      "| cancelled")
     message: str
 
 
@@ -118,8 +119,14 @@ class TokenizerInfo(BaseModel):
 
 
 class DatasetStatus(BaseModel):
+    """The one status shape of a dataset job (a long-running operation in the sense of Google AIP-151:
+    ``done`` says it ended; then ``error`` says why it failed or was cancelled, or ``manifest`` and
+    ``shards_path`` are its result; ``progress`` is its metadata while it runs)."""
+
     id: str = Field(description="sha256 (first 32 hex digits) of the source bytes, tokenizer identity and options")
-    state: JobState
+    state: JobState = Field(description="queued -> running -> succeeded | failed | cancelled")
+    done: bool = Field(False, description="True once the state is succeeded, failed or cancelled (it changes no more "
+                       "unless the request is POSTed again after a failure or cancel)")
     created_unix: float
     started_unix: float | None = None
     finished_unix: float | None = None
@@ -134,6 +141,26 @@ class DatasetStatus(BaseModel):
     shards_path: str | None = Field(None, description="The shards directory (set when succeeded), for load_shards")
     manifest: dict[str, Any] | None = None
     links: dict[str, str] = Field(default_factory=dict)
+
+
+class DatasetEvent(BaseModel):
+    """The `data:` of one Server-Sent Event of ``GET /v1/datasets/{id}/events``."""
+
+    id: str = Field(description="the dataset id")
+    kind: Literal["queued", "started", "progress", "requeued", "succeeded", "failed", "cancelled", "deleted"]
+    state: Literal["queued", "running", "succeeded", "failed", "cancelled", "deleted"]
+    rows_done: int | None = None
+    rows_total: int | None = Field(None, description="known from the start when the source tells it (Parquet "
+                                   "metadata, JSONL line count)")
+    tokens_done: int | None = None
+    attempt: int | None = None
+    error_type: str | None = None
+    error: str | None = None
+    seconds: float | None = Field(None, description="job wall time, on terminal events")
+    worker_pid: int | None = None
+    examples: int | None = None
+    recovered: bool | None = None
+    previous_state: str | None = None
 
 
 class DatasetList(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ class Settings:
         heartbeat_timeout_s: a running job whose worker has not written a heartbeat for this long is orphaned.
         preflight_rows: rows of a JSONL/Parquet source tokenized synchronously by POST (0: off).
         min_free_bytes: a job refuses to start (fails, "disk full") with less free space in cache_dir.
+        database_url: ``postgresql://...`` to keep jobs in PostgreSQL (several replicas may share it and one
+            cache volume); None: SQLite in ``cache_dir`` (one replica). A secret: read from
+            ``PF_SERVICE_DATABASE_URL`` or ``--database-url-file``, passed to workers through a pipe.
+        replica_id: this replica's name in the job store (default: the host name, i.e. the pod name).
         debug_progress_delay_s: TEST-ONLY: sleep this long in every progress callback (slows jobs for
             crash tests; 0 in production).
     """
@@ -68,6 +73,8 @@ class Settings:
     preflight_rows: int = 64
     min_free_bytes: int = 64 * 2**20
     log_level: str = "info"
+    database_url: str | None = None
+    replica_id: str = field(default_factory=socket.gethostname)
     debug_progress_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -76,6 +83,12 @@ class Settings:
         self.public_cache_dir = Path(self.public_cache_dir) if self.public_cache_dir else self.cache_dir
         if self.token is not None and not self.token:
             self.token = None
+        if not self.database_url:
+            self.database_url = None
+        elif not self.database_url.startswith(("postgresql://", "postgres://")):
+            raise SettingsError("database_url must start with postgresql:// (PostgreSQL is the only other store; "
+                                "leave it unset for the embedded SQLite store)")
+        self.replica_id = re.sub(r"[^A-Za-z0-9_.-]", "_", self.replica_id or "local")[:64]
         for name in ("workers", "num_proc", "max_attempts"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -113,6 +126,11 @@ class Settings:
         return self.cache_dir / "tmp"
 
     @property
+    def scratch_dir(self) -> Path:
+        """This replica's part of ``tmp/``: with a shared cache (PostgreSQL), replicas never touch each other's."""
+        return self.tmp_dir / f"r-{self.replica_id}" if self.database_url else self.tmp_dir
+
+    @property
     def lock_path(self) -> Path:
         return self.cache_dir / "service.lock"
 
@@ -120,7 +138,7 @@ class Settings:
         return Path(self.public_cache_dir) / "datasets" / dataset_id
 
     def make_dirs(self) -> None:
-        for d in (self.cache_dir, self.datasets_dir, self.uploads_dir, self.tmp_dir):
+        for d in (self.cache_dir, self.datasets_dir, self.uploads_dir, self.tmp_dir, self.scratch_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     def child_env(self) -> dict[str, str]:
@@ -142,6 +160,19 @@ class Settings:
             v = getattr(self, f.name)
             out[f.name] = [str(p) for p in v] if f.name == "data_roots" else (str(v) if isinstance(v, Path) else v)
         return out
+
+    def worker_json(self) -> dict[str, Any]:
+        """What a worker needs (sent through its stdin pipe): everything but the bearer token."""
+        return {**self.to_json(), "token": None}
+
+    def describe(self) -> dict[str, Any]:
+        """The start-up line's fields: no secret (auth on/off, the database without its password)."""
+        from preprocess_service.store import describe_database
+
+        return {"version": None, "data_roots": [str(p) for p in self.data_roots], "cache_dir": str(self.cache_dir),
+                "public_cache_dir": str(self.public_cache_dir), "auth": "on" if self.token else "off",
+                "workers": self.workers, "num_proc": self.num_proc, "database": describe_database(self),
+                "replica": self.replica_id, "host": self.host, "port": self.port}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Settings":

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from preprocess_service.jobs import JobStore, QueueFull
+from preprocess_service.store import JobStore, QueueFull
 from preprocess_service.schemas import DatasetRequest
 from preprocess_service.security import ServiceError, confine
 from preprocess_service.settings import Settings
@@ -52,6 +52,32 @@ def content_sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def count_rows(path: Path) -> int | None:
+    """Rows of a source, where it says so cheaply: Parquet metadata, the non-blank lines of JSON Lines,
+    the Arrow files of a ``save_to_disk`` folder. None for a JSON array or CSV (only parsing tells)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            import datasets
+
+            loaded = datasets.load_from_disk(str(path))
+            return loaded.num_rows if isinstance(loaded, datasets.Dataset) else None
+        suffix = path.suffix.lower()
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(str(path)).metadata.num_rows
+        if suffix in (".jsonl", ".json"):
+            with open(path, "rb") as fh:
+                if fh.read(4096).lstrip().startswith(b"["):
+                    return None
+                fh.seek(0)
+                return sum(1 for line in fh if line.strip())
+    except Exception:  # noqa: BLE001 - a count is a nicety; the job finds real problems
+        return None
+    return None
 
 
 def _unprocessable(field: str, detail: str, kind: str = "invalid-request") -> ServiceError:
@@ -160,7 +186,7 @@ class Submitter:
         suffix = path.suffix.lower()
         if n <= 0 or path.is_dir() or suffix not in (".json", ".jsonl", ".parquet"):
             return
-        work = self.settings.tmp_dir / f"preflight-{uuid.uuid4().hex}"
+        work = self.settings.scratch_dir / f"preflight-{uuid.uuid4().hex}"
         work.mkdir(parents=True)
         head = work / f"head{suffix}"
         try:
@@ -245,6 +271,7 @@ class Submitter:
             if row is not None and row["state"] != "failed" and stands(row):
                 return row, False
             self.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}", config, tok)
+            record["rows_total"] = count_rows(path)  # known before the first progress report
             try:
                 return self.store.submit(job_id, record, max_queued=self.settings.max_queued, exists_ok=stands)
             except QueueFull as exc:

@@ -1,8 +1,11 @@
-"""Worker process: claims queued jobs from SQLite and runs :func:`pf_trl.data.pretokenize.pretokenize`.
+"""Worker process: claims queued jobs from the job store and runs :func:`pf_trl.data.pretokenize.pretokenize`.
 
-Started by the supervisor as ``python -m preprocess_service.worker``. A watchdog thread exits the
+Started by the supervisor as ``python -m preprocess_service.worker``; its settings (with the database
+URL, a secret) arrive as JSON on stdin, never in argv or the environment. A watchdog thread exits the
 process when the API process that started it is gone (its parent pid changes), so a ``kill -9`` of the
-server leaves no worker behind; a heartbeat in the job row lets a restarted server detect orphans.
+server leaves no worker behind; a heartbeat in the job row lets a restarted server (or another replica)
+detect orphans. A job cancelled or deleted elsewhere (another replica) is noticed by the heartbeat or
+the next progress report, and abandoned.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from preprocess_service.jobs import JobStore
 from preprocess_service.settings import Settings
+from preprocess_service.store import JobStore, open_store, setup_event_log
 
 logger = logging.getLogger("preprocess_service.worker")
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class JobAbandoned(Exception):
+    """The job is no longer ours (cancelled, deleted or re-queued elsewhere): stop, publish nothing."""
 
 
 class JobError(Exception):
@@ -59,8 +66,10 @@ class _TokenizerCache:
         self._cache.pop(name, None)
 
 
-def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers: _TokenizerCache, pid: int) -> str:
-    """Run one claimed job to succeeded/failed; returns the final state. Never raises for job errors."""
+def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers: _TokenizerCache, pid: int,
+            abandon: threading.Event | None = None) -> str:
+    """Run one claimed job to succeeded/failed; returns the final state. Never raises for job errors.
+    ``abandon`` (set by the heartbeat when the job is no longer ours) stops it at the next progress report."""
     from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
     from preprocess_service.submit import content_sha256
     from pf_trl.data.shards import ShardsError, is_shards_dir
@@ -68,7 +77,7 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
 
     job_id = job["id"]
     request = json.loads(job["request"])
-    work = settings.tmp_dir / f"w{pid}" / job_id
+    work = settings.scratch_dir / f"w{pid}" / job_id
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     target = settings.datasets_dir / job_id
@@ -96,7 +105,8 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
         config = PretokenizeConfig(**request["options"])
 
         def on_progress(rows_done: int, rows_total: int, tokens_done: int) -> None:
-            store.progress(job_id, pid, rows_done, rows_total, tokens_done)
+            if not store.progress(job_id, pid, rows_done, rows_total, tokens_done) or (abandon and abandon.is_set()):
+                raise JobAbandoned(job_id)
             if delay > 0:  # TEST-ONLY hook (PF_SERVICE_DEBUG_PROGRESS_DELAY_S); 0 in production
                 time.sleep(delay)
 
@@ -112,9 +122,12 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
                     raise
 
         if not store.finish_success(job_id, pid, manifest, publish):
-            logger.info("job %s is no longer ours (deleted or re-queued); output discarded", job_id)
+            logger.info("job %s is no longer ours (cancelled, deleted or re-queued); output discarded", job_id)
             return "discarded"
         return "succeeded"
+    except JobAbandoned:
+        logger.info("job %s is no longer ours (cancelled, deleted or re-queued); stopped", job_id)
+        return "discarded"
     except JobError as exc:
         kind, message = exc.kind, str(exc)
     except (PretokenizeError, TokenizerLoadError, ShardsError) as exc:
@@ -136,23 +149,26 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m preprocess_service.worker")
-    parser.add_argument("--settings", required=True, help="Settings as JSON")
     parser.add_argument("--api-pid", type=int, required=True)
     parser.add_argument("--index", type=int, default=0)
     args = parser.parse_args(argv)
-    settings = Settings.from_json(json.loads(args.settings))
+    # Settings arrive as JSON on stdin (a pipe from the supervisor): secrets never show in argv or environ.
+    settings = Settings.from_json(json.loads(sys.stdin.read()))
+    sys.stdin.close()
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")
+    setup_event_log(settings.log_level)
     threading.Thread(target=_watch_parent, args=(args.api_pid,), daemon=True).start()
     pid = os.getpid()
-    store = JobStore(settings.db_path)
+    store = open_store(settings)
     store.register_worker(pid, args.index)
-    current: dict[str, str | None] = {"job": None}
+    current: dict[str, Any] = {"job": None, "abandon": threading.Event()}
 
     def beat() -> None:
-        beat_store = JobStore(settings.db_path)
         while True:
-            try:
-                beat_store.heartbeat(current["job"], pid)
+            job_id, abandon = current["job"], current["abandon"]
+            try:  # the store keeps one connection per thread: this thread has its own
+                if not store.heartbeat(job_id, pid) and job_id == current["job"]:
+                    abandon.set()
             except Exception:  # noqa: BLE001 - a busy database must not kill the heartbeat
                 pass
             time.sleep(1.0)
@@ -172,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         if job is None:
             time.sleep(0.05)  # an indexed SELECT on an idle queue: cheap, and a new job starts within 50 ms
             continue
+        current["abandon"] = threading.Event()
         current["job"] = job["id"]
         started = time.time()
-        state = run_job(settings, store, job, tokenizers, pid)
+        state = run_job(settings, store, job, tokenizers, pid, current["abandon"])
         current["job"] = None
         logger.info("job %s %s in %.2fs", job["id"], state, time.time() - started)
 

@@ -45,8 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="rows checked synchronously by POST, 0 = off [PF_SERVICE_PREFLIGHT_ROWS] (default 64)")
     add("--token-file", "--token_file", dest="token_file",
         help="file holding the bearer token (else PF_SERVICE_TOKEN; neither: auth off)")
+    add("--database-url", "--database_url", dest="database_url", metavar="postgresql://USER@HOST/DB",
+        help="keep jobs in PostgreSQL so several replicas can share them and one cache volume "
+        "[PF_SERVICE_DATABASE_URL] (default: SQLite in the cache dir, one replica). A password is refused "
+        "here (it would show in ps): use PF_SERVICE_DATABASE_URL, --database-url-file or PGPASSWORD/.pgpass")
+    add("--database-url-file", "--database_url_file", dest="database_url_file",
+        help="file holding the database URL (a mounted Secret)")
+    add("--replica-id", "--replica_id", dest="replica_id",
+        help="this replica's name in the job store [PF_SERVICE_REPLICA_ID] (default: the host name)")
     add("--log-level", "--log_level", dest="log_level", help="[PF_SERVICE_LOG_LEVEL] (default info)")
     return p
+
+
+def _has_password(url: str) -> bool:
+    """``scheme://user:password@host`` or ``?password=``: a secret on the command line."""
+    from urllib.parse import parse_qs, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        return bool(parts.password) or "password" in parse_qs(parts.query)
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"pf-trl serve: error: {exc}; install the service extra: pip install 'pf-trl[service]'", file=sys.stderr)
         return 2
-    overrides = {k: v for k, v in vars(args).items() if k != "token_file"}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("token_file", "database_url_file")}
+    if args.database_url and _has_password(args.database_url):
+        print("pf-trl serve: error: --database-url holds a password, which every user sees in ps; pass the URL in "
+              "PF_SERVICE_DATABASE_URL or --database-url-file, or the password in PGPASSWORD / ~/.pgpass",
+              file=sys.stderr)
+        return 2
+    if args.database_url_file:
+        try:
+            with open(args.database_url_file, encoding="utf-8") as f:
+                overrides["database_url"] = f.read().strip()
+        except OSError as exc:
+            print(f"pf-trl serve: error: cannot read --database-url-file: {exc}", file=sys.stderr)
+            return 2
     if args.token_file:
         try:
             with open(args.token_file, encoding="utf-8") as f:
