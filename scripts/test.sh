@@ -7,6 +7,16 @@ bash scripts/setup.sh || exit 1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PF_TRL_CACHE=${PF_TRL_CACHE:-$PWD/.pf-trl-cache}
 
+# The service's PostgreSQL tests run against a real server that they start themselves from these
+# binaries (installed here if missing). They are required on this path (CI): they skip only when
+# PF_TRL_SKIP_POSTGRES=1 says PostgreSQL is not available on this machine.
+if [[ -z "${PF_TRL_SKIP_POSTGRES:-}" ]]; then
+  if bindir=$(bash scripts/postgres.sh); then
+    export PF_TRL_POSTGRES_BIN=$bindir
+  fi
+  export PF_TRL_REQUIRE_POSTGRES=1
+fi
+
 status=0
 .venv/bin/python -m pytest -q -m "not legacy" "$@" || status=$?
 if [[ -f scripts/test_legacy.sh && -z "${PF_TRL_SKIP_LEGACY:-}" ]]; then

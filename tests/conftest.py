@@ -50,3 +50,13 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL server for the service's PostgreSQL store (tests/test_service_support.py)."""
+    from test_service_support import postgres_or_skip
+
+    server = postgres_or_skip()
+    yield server
+    server.stop()

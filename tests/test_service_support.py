@@ -111,3 +111,113 @@ def generated_rows(n: int, tag: str = "") -> list[dict]:
 
 def files_under(path: Path) -> set[str]:
     return {str(p.relative_to(path)) for p in Path(path).rglob("*")} if Path(path).exists() else set()
+
+
+# ----------------------------------------------------------------------------------- PostgreSQL
+def postgres_bin() -> Path | None:
+    """The directory of PostgreSQL's server binaries (initdb, pg_ctl, postgres), or None."""
+    import glob
+    import shutil
+
+    candidates = [os.environ.get("PF_TRL_POSTGRES_BIN", "")]
+    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    which = shutil.which("pg_ctl")
+    candidates += [str(Path(which).resolve().parent)] if which else []
+    for d in candidates:
+        if d and all(os.access(Path(d) / b, os.X_OK) for b in ("initdb", "pg_ctl", "postgres")):
+            return Path(d)
+    return None
+
+
+class Postgres:
+    """A throwaway PostgreSQL server: ``initdb`` into a private temp dir, started with ``pg_ctl`` on a free
+    loopback port, password auth over TCP. PostgreSQL refuses to run as root, so as root it runs as the
+    ``postgres`` user (Debian's package creates it)."""
+
+    USER, PASSWORD = "pftrl", "pg-s3cret-in-url"
+
+    def __init__(self, bindir: Path):
+        import tempfile
+
+        self.bindir = bindir
+        self.dir = Path(tempfile.mkdtemp(prefix="pf-trl-pg-"))  # not under pytest's 0700 root-owned tree
+        self.port = free_port()
+        self._as_user: tuple[int, int] | None = None
+        if os.geteuid() == 0:
+            import pwd
+
+            entry = pwd.getpwnam("postgres")
+            self._as_user = (entry.pw_uid, entry.pw_gid)
+            os.chown(self.dir, *self._as_user)
+
+    def _run(self, *args: str, timeout: float = 60) -> None:
+        def drop():
+            if self._as_user:
+                os.setgid(self._as_user[1])
+                os.setuid(self._as_user[0])
+
+        proc = subprocess.run([str(a) for a in args], preexec_fn=drop, capture_output=True, text=True,
+                              timeout=timeout, cwd=str(self.dir), env={"PATH": os.environ.get("PATH", ""),
+                                                                       "LANG": "C", "LC_ALL": "C"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"{args[0]} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+    def start(self) -> "Postgres":
+        pwfile = self.dir / "pw"
+        pwfile.write_text(self.PASSWORD)
+        os.chmod(pwfile, 0o600)
+        if self._as_user:
+            os.chown(pwfile, *self._as_user)
+        data = self.dir / "data"
+        self._run(self.bindir / "initdb", "-D", data, "-U", self.USER, "--pwfile", pwfile, "--auth-host",
+                  "scram-sha-256", "--auth-local", "trust", "-E", "UTF8", "--no-sync")
+        pwfile.unlink()
+        self._run(self.bindir / "pg_ctl", "-D", data, "-l", self.dir / "log", "-w", "-t", "60", "-o",
+                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
+                  "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200", "start")
+        return self
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{self.USER}:{self.PASSWORD}@127.0.0.1:{self.port}/{dbname}"
+
+    def create_database(self) -> str:
+        """A fresh, empty database; its URL (password included)."""
+        import uuid
+
+        import psycopg
+
+        name = "t_" + uuid.uuid4().hex[:12]
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.url(name)
+
+    def stop(self) -> None:
+        import shutil
+
+        try:
+            self._run(self.bindir / "pg_ctl", "-D", self.dir / "data", "-m", "immediate", "-w", "stop")
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def postgres_or_skip() -> Postgres:
+    """Start a server; skip with the reason where PostgreSQL is not installed, unless the run requires
+    it (``PF_TRL_REQUIRE_POSTGRES=1``, set by scripts/test.sh, i.e. CI): then fail."""
+    import pytest
+
+    bindir = postgres_bin()
+    missing = None
+    if bindir is None:
+        missing = "PostgreSQL server binaries (initdb, pg_ctl) are not installed"
+    else:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            missing = "psycopg is not installed (pip install 'pf-trl[postgres]')"
+    if missing:
+        if os.environ.get("PF_TRL_REQUIRE_POSTGRES"):
+            pytest.fail(f"{missing}, and this run requires PostgreSQL (PF_TRL_REQUIRE_POSTGRES=1); "
+                        "run bash scripts/postgres.sh to install it")
+        pytest.skip(f"{missing}: the PostgreSQL store's tests need a real server; run `bash scripts/postgres.sh` "
+                    "(or scripts/test.sh, which does) to install it")
+    return Postgres(bindir).start()

@@ -164,11 +164,15 @@ def resolve_service_dataset(data_args: DataArguments, tokenizer):
     if not data_args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
     try:
-        from pf_trl.data.service_client import wait_for_dataset
+        from pf_trl.data.service_client import DatasetServiceError, wait_for_dataset
     except ImportError as exc:  # pragma: no cover - the client ships with pf-trl
         raise TrainCLIError(f"the dataset service client is not available ({exc})") from exc
-    directory = wait_for_dataset(data_args.dataset_service_url, data_args.dataset_id, token=data_args.dataset_service_token,
-                                 timeout_s=data_args.dataset_service_timeout_s, progress=True)
+    try:  # 401 / 404 / unreachable / failed: one line (exit 2), no traceback
+        directory = wait_for_dataset(data_args.dataset_service_url, data_args.dataset_id,
+                                     token=data_args.dataset_service_token,
+                                     timeout_s=data_args.dataset_service_timeout_s, progress=True)
+    except DatasetServiceError as exc:
+        raise TrainCLIError(str(exc)) from exc
     print(f"pf-trl: training data: service dataset {data_args.dataset_id} at {directory} (no tokenization)", flush=True)
     return directory, load_shards(directory, expected_tokenizer=tokenizer_fingerprint(tokenizer))
 

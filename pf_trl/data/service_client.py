@@ -1,15 +1,19 @@
 """Client of the pf-trl preprocessing service (``pf-trl serve``), standard library only (urllib).
 
 - :func:`submit_dataset`: ``POST /v1/datasets`` (what a k8s pretokenize Job runs), returns the status.
-- :func:`wait_for_dataset`: poll ``GET /v1/datasets/{id}`` until it succeeded (with a progress bar),
-  then return the shards directory the service reported, checked to be visible from this machine.
+- :func:`wait_for_dataset`: follow ``GET /v1/datasets/{id}/events`` (Server-Sent Events, resumed with
+  ``Last-Event-ID`` after a dropped connection; polling ``GET /v1/datasets/{id}`` with ``If-None-Match``
+  when the stream is not available) until it succeeded, with a progress bar, then return the shards
+  directory the service reported, checked to be visible from this machine.
 
-The bearer token defaults to ``$PF_SERVICE_TOKEN``. Connection errors and 502/503/504 are retried
-until the deadline (the service may be restarting); 401/403/404/422 and failed jobs raise at once.
+The bearer token defaults to ``$PF_SERVICE_TOKEN``. 502/503/504 and dropped connections are retried
+until the deadline (the service may be restarting); a service never reached within ``connect_timeout_s``,
+401/403/404/422 and failed or cancelled jobs raise at once, each with one line saying what to do.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sys
@@ -37,8 +41,14 @@ def _token(token: str | None) -> str | None:
     return token if token is not None else (os.environ.get("PF_SERVICE_TOKEN") or None)
 
 
-def _request(method: str, url: str, *, body: Any = None, token: str | None = None,
-             timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
+def _request(method: str, url: str, *, body: Any = None, token: str | None = None, timeout: float = 30.0,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    status, payload, _ = _request_full(method, url, body=body, token=token, timeout=timeout, headers=headers)
+    return status, payload
+
+
+def _request_full(method: str, url: str, *, body: Any = None, token: str | None = None, timeout: float = 30.0,
+                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Accept", "application/json, application/problem+json")
@@ -46,13 +56,20 @@ def _request(method: str, url: str, *, body: Any = None, token: str | None = Non
         req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
+            return resp.status, json.loads(resp.read() or b"{}"), dict(resp.headers)
     except urllib.error.HTTPError as exc:
-        return _http_error(exc)
+        if exc.code == 304:
+            return 304, {}, dict(exc.headers)
+        status, payload = _http_error(exc)
+        return status, payload, dict(exc.headers)
     except (urllib.error.URLError, OSError, ValueError) as exc:  # refused, reset, timeout, bad JSON
-        raise DatasetServiceError(f"cannot reach the dataset service at {url}: {exc}", status=None) from exc
+        reason = getattr(exc, "reason", exc)
+        raise DatasetServiceError(f"cannot reach the dataset service at {url} ({reason}); check the URL "
+                                  "(--dataset_service_url) and that the service runs", status=None) from exc
 
 
 def _http_error(exc: urllib.error.HTTPError) -> tuple[int, dict[str, Any]]:
@@ -78,29 +95,93 @@ def _base(url: str) -> str:
     return url.rstrip("/")
 
 
-def submit_dataset(url: str, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
-    """``POST /v1/datasets`` with ``body`` (see the README section 'Preprocessing service'); returns the dataset status (its ``id``,
-    ``state``; ``manifest`` when it was already built). Raises :class:`DatasetServiceError` on 4xx/5xx."""
-    status, payload = _request("POST", f"{_base(url)}/v1/datasets", body=body, token=_token(token))
+def submit_dataset(url: str, body: dict[str, Any], token: str | None = None,
+                   idempotency_key: str | None = None) -> dict[str, Any]:
+    """``POST /v1/datasets`` with ``body`` (see docs/service.md); returns the dataset status (its ``id``,
+    ``state``; ``manifest`` when it was already built). ``idempotency_key``: a retry with the same key and
+    body is answered with the same job. Raises :class:`DatasetServiceError` on 4xx/5xx."""
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+    status, payload = _request("POST", f"{_base(url)}/v1/datasets", body=body, token=_token(token), headers=headers)
     if status not in (200, 202):
         _raise_for(status, payload, "submitting the dataset")
     return payload
 
 
 def get_dataset(url: str, dataset_id: str, token: str | None = None) -> dict[str, Any]:
+    """``GET /v1/datasets/{id}``: the status (see docs/service.md)."""
+    return _get_status(url, dataset_id, token)[0]
+
+
+def _get_status(url: str, dataset_id: str, token: str | None, etag: str | None = None
+                ) -> tuple[dict[str, Any] | None, str | None]:
+    """``(status, etag)``; status None when ``etag`` still matches (304: nothing changed)."""
     quoted = urllib.parse.quote(dataset_id, safe="")
-    status, payload = _request("GET", f"{_base(url)}/v1/datasets/{quoted}", token=_token(token))
+    status, payload, headers = _request_full("GET", f"{_base(url)}/v1/datasets/{quoted}", token=_token(token),
+                                             headers={"If-None-Match": etag} if etag else None)
+    if status == 304:
+        return None, etag
     if status == 404:
         raise DatasetServiceError(f"the service at {url} knows no dataset {dataset_id!r}; submit it first "
                                   "(POST /v1/datasets, or pf_trl.data.service_client.submit_dataset)",
                                   status=404, problem=payload)
     if status != 200:
         _raise_for(status, payload, f"reading dataset {dataset_id}")
-    return payload
+    return payload, headers.get("ETag") or headers.get("etag")
+
+
+def _events(url: str, dataset_id: str, token: str | None, last_event_id: str | None, timeout: float):
+    """Yield ``(id, kind, data)`` from the SSE stream; returns when it ends. Raises
+    :class:`DatasetServiceError` (status 404/405/406 and others) when there is no stream to follow."""
+    quoted = urllib.parse.quote(dataset_id, safe="")
+    req = urllib.request.Request(f"{_base(url)}/v1/datasets/{quoted}/events")
+    req.add_header("Accept", "text/event-stream")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    if last_event_id:
+        req.add_header("Last-Event-ID", last_event_id)
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        status, payload = _http_error(exc)
+        _raise_for(status, payload, f"following dataset {dataset_id}")
+    except (urllib.error.URLError, OSError) as exc:
+        raise DatasetServiceError(f"cannot reach the dataset service at {url} ({getattr(exc, 'reason', exc)}); "
+                                  "check the URL (--dataset_service_url) and that the service runs") from exc
+    with resp:
+        if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            raise DatasetServiceError("the service answered the event stream with "
+                                      f"{resp.headers.get('Content-Type')!r}", status=406)
+        event_id, kind, data = None, "message", []
+        try:
+            for line in _lines(resp):
+                if not line:
+                    if data:
+                        yield event_id, kind, json.loads("\n".join(data))
+                    kind, data = "message", []
+                    continue
+                if line.startswith(":"):  # keep-alive comment
+                    continue
+                name, _, value = line.partition(":")
+                value = value[1:] if value.startswith(" ") else value
+                if name == "id":
+                    event_id = value
+                elif name == "event":
+                    kind = value
+                elif name == "data":
+                    data.append(value)
+        except (OSError, http.client.HTTPException, ValueError):
+            return  # dropped: the caller resumes with Last-Event-ID
+
+
+def _lines(resp):
+    """Lines of an SSE response without their line ends."""
+    for raw in resp:
+        yield raw.decode("utf-8").rstrip("\r\n")
 
 
 def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, timeout_s: float = 3600,
-                     poll_s: float = 2.0, progress: bool = True) -> Path:
+                     poll_s: float = 2.0, progress: bool = True, connect_timeout_s: float = 60.0,
+                     follow_events: bool = True) -> Path:
     """Wait until the service has built ``dataset_id`` and return its local shards directory.
 
     Args:
@@ -108,67 +189,116 @@ def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, tim
         dataset_id: the id returned by ``POST /v1/datasets``.
         token: bearer token (default ``$PF_SERVICE_TOKEN``).
         timeout_s: give up after this many seconds.
-        poll_s: seconds between polls.
+        poll_s: seconds between polls (when the event stream is not available).
         progress: show a tqdm bar of rows tokenized.
+        connect_timeout_s: give up this soon when the service was never reached (a wrong URL, no
+            service); once it answered, outages are retried until ``timeout_s``.
+        follow_events: follow the Server-Sent Events stream (False: poll).
 
     Raises:
-        DatasetServiceError: unknown id, auth failure, the job failed (with its reason), timeout, or the
-            reported shards directory is not visible here (mount the service's cache volume).
+        DatasetServiceError: unknown id, auth failure, the job failed or was cancelled (with its reason),
+            timeout, unreachable, or the reported shards directory is not visible here (mount the
+            service's cache volume).
     """
     base, token = _base(url), _token(token)
-    deadline = time.monotonic() + timeout_s
-    bar = None
-    last_problem = None
+    start = time.monotonic()
+    deadline = start + timeout_s
+    bar = _RowsBar(dataset_id, enabled=progress)
+    last_problem, reached, etag, status, last_event_id = None, False, None, None, None
     try:
         while True:
             try:
-                status = get_dataset(base, dataset_id, token)
-                last_problem = None
+                fresh, etag = _get_status(base, dataset_id, token, etag)
+                status = fresh or status
+                reached, last_problem = True, None
             except DatasetServiceError as exc:  # not reachable (yet) or 502/503/504: retry
                 if exc.status is not None and exc.status not in _RETRYABLE:
                     raise
-                status, last_problem = None, str(exc)
+                if not reached and exc.status is None and time.monotonic() - start >= min(connect_timeout_s, timeout_s):
+                    raise
+                last_problem = str(exc)
             if status is not None:
-                state = status.get("state")
-                if progress and state in ("queued", "running", "succeeded"):
-                    bar = _update_bar(bar, status)
-                if state == "succeeded":
-                    path = Path(status.get("shards_path") or "")
-                    if not status.get("shards_path") or not is_shards_dir(path):
-                        raise DatasetServiceError(
-                            f"dataset {dataset_id} succeeded but its shards directory {path} is not visible from "
-                            "this machine; mount the service's cache volume there (the service's "
-                            "--public-cache-dir says where clients see it)")
-                    return path
-                if state == "failed":
-                    error = status.get("error") or {}
-                    raise DatasetServiceError(
-                        f"dataset {dataset_id} failed ({error.get('type', 'error')}): {error.get('message', 'no reason')}",
-                        problem=status)
+                bar.show(status.get("state"), status.get("progress") or {})
+                done = _finished(dataset_id, status)
+                if done is not None:
+                    return done
+                if follow_events:
+                    try:
+                        for event_id, kind, data in _events(base, dataset_id, token, last_event_id,
+                                                            timeout=max(1.0, min(60.0, deadline - time.monotonic()))):
+                            last_event_id = event_id or last_event_id
+                            bar.show(data.get("state"), data)
+                            if kind in ("succeeded", "failed", "cancelled", "deleted"):
+                                break
+                            if time.monotonic() >= deadline:
+                                break
+                        etag = None  # the stream ended (terminal event or dropped): read the status afresh
+                        continue
+                    except DatasetServiceError as exc:
+                        if exc.status in (401, 403):
+                            raise
+                        if exc.status in (404, 405, 406):  # a service without the stream (or a proxy): poll
+                            follow_events = False
+                        last_problem = str(exc)
             if time.monotonic() >= deadline:
                 where = f"last state {status.get('state')!r}" if status else (last_problem or "no answer")
                 raise DatasetServiceError(f"timed out after {timeout_s:.0f}s waiting for dataset {dataset_id} "
                                           f"({where}); raise timeout_s or check the service")
             time.sleep(max(0.05, min(poll_s, deadline - time.monotonic())))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
-def _update_bar(bar, status: dict[str, Any]):
-    from tqdm.auto import tqdm
+def _finished(dataset_id: str, status: dict[str, Any]) -> Path | None:
+    """The shards path once succeeded; raises for failed / cancelled; None while it runs."""
+    state = status.get("state")
+    if state == "succeeded":
+        path = Path(status.get("shards_path") or "")
+        if not status.get("shards_path") or not is_shards_dir(path):
+            raise DatasetServiceError(
+                f"dataset {dataset_id} succeeded but its shards directory {path} is not visible from "
+                "this machine; mount the service's cache volume there (the service's "
+                "--public-cache-dir says where clients see it)")
+        return path
+    if state in ("failed", "cancelled"):
+        error = status.get("error") or {}
+        raise DatasetServiceError(
+            f"dataset {dataset_id} {state} ({error.get('type', 'error')}): {error.get('message', 'no reason')}",
+            problem=status)
+    return None
 
-    p = status.get("progress") or {}
-    total = p.get("rows_total")
-    if bar is None:
-        bar = tqdm(total=total, desc=f"dataset {status['id'][:12]} ({status['state']})", unit="rows", file=sys.stderr)
-    if total and bar.total != total:
-        bar.total = total
-    bar.set_description(f"dataset {status['id'][:12]} ({status['state']})")
-    bar.n = p.get("rows_done") or 0
-    bar.set_postfix(tokens=p.get("tokens_done") or 0, refresh=False)
-    bar.refresh()
-    return bar
+
+class _RowsBar:
+    """A tqdm bar of rows tokenized. Its rate counts only rows seen progressing here: the first report
+    sets the starting point (``initial``), so joining a half-done or finished job shows no absurd rate."""
+
+    def __init__(self, dataset_id: str, *, enabled: bool):
+        self.dataset_id, self.enabled, self.bar = dataset_id, enabled, None
+
+    def show(self, state: str | None, p: dict[str, Any]) -> None:
+        if not self.enabled or state not in ("queued", "running", "succeeded"):
+            return
+        from tqdm.auto import tqdm
+
+        done, total = p.get("rows_done") or 0, p.get("rows_total")
+        desc = f"dataset {self.dataset_id[:12]} ({state})"
+        if self.bar is None:
+            self.bar = tqdm(total=total, initial=done, desc=desc, unit="rows", file=sys.stderr)
+        bar = self.bar
+        if total and bar.total != total:
+            bar.total = total
+        bar.set_description(desc, refresh=False)
+        bar.set_postfix(tokens=p.get("tokens_done") or 0, refresh=False)
+        if done > bar.n:
+            bar.update(done - bar.n)
+        elif done < bar.n:  # a re-run after a crash starts again from 0
+            bar.reset(total=total)
+            bar.update(done)
+        bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("url")
     s.add_argument("body", help="JSON file with the POST /v1/datasets body ('-' for stdin)")
     s.add_argument("--wait", action="store_true")
+    s.add_argument("--idempotency_key", "--idempotency-key", default=None,
+                   help="Idempotency-Key header: a retried submit (e.g. a restarted Job pod) names the same job")
     s.add_argument("--timeout_s", type=float, default=3600)
     w = sub.add_parser("wait")
     w.add_argument("url")
@@ -191,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "submit":
             raw = sys.stdin.read() if args.body == "-" else Path(args.body).read_text(encoding="utf-8")
-            status = submit_dataset(args.url, json.loads(raw))
+            status = submit_dataset(args.url, json.loads(raw), idempotency_key=args.idempotency_key)
             print(json.dumps({k: status.get(k) for k in ("id", "state", "shards_path")}))
             if args.wait:
                 print(wait_for_dataset(args.url, status["id"], timeout_s=args.timeout_s))
