@@ -268,7 +268,7 @@ class Submitter:
 
         with self._lock(job_id):  # concurrent identical POSTs in this process wait for the first one
             row = self.store.get(job_id)
-            if row is not None and row["state"] != "failed" and stands(row):
+            if row is not None and row["state"] not in ("failed", "cancelled") and stands(row):
                 return row, False
             self.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}", config, tok)
             record["rows_total"] = count_rows(path)  # known before the first progress report

@@ -24,8 +24,7 @@ TOKEN = "s3cret-test-token"
 UPLOAD_LIMIT = 256 * 1024
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory, sample_path):
+def _make_env(tmp_path_factory, sample_path, server_env: dict[str, str]):
     base = tmp_path_factory.mktemp("svc")
     root, outside = base / "data", base / "outside"
     root.mkdir()
@@ -54,9 +53,31 @@ def env(tmp_path_factory, sample_path):
         {"tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}}))
     (rc / "evil.py").write_text(f"open({str(base / 'PWNED')!r}, 'w').write('x')\n")
     (rc / "tokenizer.json").write_text("{}")
-    server = Server(base / "cache", [root], token=TOKEN, args=["--max-upload-bytes", str(UPLOAD_LIMIT)]).start()
-    yield {"base": base, "root": root, "outside": outside, "server": server}
-    server.stop()
+    server = Server(base / "cache", [root], token=TOKEN, args=["--max-upload-bytes", str(UPLOAD_LIMIT)],
+                    env=server_env).start()
+    return {"base": base, "root": root, "outside": outside, "server": server}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, sample_path):
+    """A service on the embedded SQLite store."""
+    made = _make_env(tmp_path_factory, sample_path, {})
+    yield made
+    made["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def env_pg(tmp_path_factory, sample_path, postgres_server):
+    """The same service on the PostgreSQL store (a fresh database)."""
+    made = _make_env(tmp_path_factory, sample_path, {"PF_SERVICE_DATABASE_URL": postgres_server.create_database()})
+    yield made
+    made["server"].stop()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def any_env(request):
+    """The store-dependent tests run on both stores."""
+    return request.getfixturevalue("env" if request.param == "sqlite" else "env_pg")
 
 
 @pytest.fixture()
@@ -152,7 +173,9 @@ def test_list_is_paginated_and_metrics_count(env, client):
     assert int(values["pf_service_job_duration_seconds_count"]) >= 3
 
 
-def test_twenty_concurrent_identical_posts_make_one_job(env, client):
+def test_twenty_concurrent_identical_posts_make_one_job(any_env):
+    env = any_env
+    client = env["server"].client()
     write_rows(env["root"] / "concurrent.jsonl", generated_rows(400, "concurrent"))
     body = {"source": {"path": "concurrent.jsonl"}, "options": {"max_seq_len": 256}}
     results, barrier = [], threading.Barrier(20)
@@ -255,8 +278,21 @@ def _bad_cases():
     ]
 
 
+def _new_scratch(after: set[str], before: set[str]) -> list[str]:
+    """New entries under tmp/ other than worker scratch dirs (w<pid>/, under r-<replica>/ with PostgreSQL)."""
+    out = []
+    for p in after - before:
+        parts = p.split("/")
+        if parts[0].startswith("r-"):
+            parts = parts[1:]
+        if parts and not parts[0].startswith("w"):
+            out.append(p)
+    return out
+
+
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
-def test_bad_input_is_a_clear_problem_and_writes_nothing(env, case):
+def test_bad_input_is_a_clear_problem_and_writes_nothing(any_env, case):
+    env = any_env
     name, method, url, body, headers, status, field, text = case
     server = env["server"]
     cache = server.cache_dir
@@ -278,7 +314,7 @@ def test_bad_input_is_a_clear_problem_and_writes_nothing(env, case):
         assert r.headers["www-authenticate"].startswith("Bearer")
     after = {d: files_under(cache / d) for d in ("datasets", "uploads", "tmp")}
     assert after["datasets"] == before["datasets"] and after["uploads"] == before["uploads"]
-    assert not [p for p in after["tmp"] - before["tmp"] if not p.startswith("w")], after["tmp"]
+    assert not _new_scratch(after["tmp"], before["tmp"]), after["tmp"]
     jobs_after = len(httpx.get(server.url + "/v1/datasets?limit=200", headers=server.headers).json()["items"])
     assert jobs_after == jobs_before
     assert not (env["base"] / "PWNED").exists()  # the remote-code tokenizer's module was never imported
@@ -301,7 +337,9 @@ def test_health_needs_no_token_but_everything_else_does(env):
      "row 100: response template '### Response:' not found"),
     ("late_malformed.jsonl", {}, "line 121"),
 ])
-def test_error_past_the_preflight_fails_the_job_with_reason(env, client, source, options, reason):
+def test_error_past_the_preflight_fails_the_job_with_reason(any_env, source, options, reason):
+    env = any_env
+    client = env["server"].client()
     r = post(client, {"source": {"path": source}, "options": options})
     assert r.status_code == 202, r.text
     final = wait_state(client, r.json()["id"])
@@ -316,7 +354,9 @@ def test_error_past_the_preflight_fails_the_job_with_reason(env, client, source,
         wait_for_dataset(env["server"].url, r.json()["id"], token=TOKEN, poll_s=0.1, progress=False)
 
 
-def test_delete_removes_the_dataset(env, client):
+def test_delete_removes_the_dataset(any_env):
+    env = any_env
+    client = env["server"].client()
     write_rows(env["root"] / "to_delete.jsonl", generated_rows(50, "delete-me"))
     r = post(client, {"source": {"path": "to_delete.jsonl"}})
     dataset_id = r.json()["id"]

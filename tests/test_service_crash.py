@@ -20,17 +20,27 @@ def _alive(pid: int) -> bool:
     return pid_alive(pid)
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_env(request) -> dict[str, str]:
+    """The environment that points a server at a store: nothing (SQLite in its cache dir) or a fresh
+    PostgreSQL database (the URL, password included, reaches the server through its environment)."""
+    if request.param == "sqlite":
+        return {}
+    return {"PF_SERVICE_DATABASE_URL": request.getfixturevalue("postgres_server").create_database()}
+
+
 @pytest.mark.slow
-def test_kill_9_mid_job_then_restart(tmp_path):
+def test_kill_9_mid_job_then_restart(tmp_path, database_env):
     from pf_trl.data.shards import load_shards
 
+    db = database_env
     root, cache = tmp_path / "data", tmp_path / "cache"
     root.mkdir()
     write_rows(root / "earlier.jsonl", generated_rows(300, "earlier"))
     write_rows(root / "big.jsonl", generated_rows(6000, "big"))  # 8 progress chunks of 750 rows
 
     # 1. An earlier dataset, built normally; graceful stop.
-    s1 = Server(cache, [root]).start()
+    s1 = Server(cache, [root], env=db).start()
     with s1.client() as c:
         earlier = c.post("/v1/datasets", json={"source": {"path": "earlier.jsonl"}}).json()["id"]
         assert wait_state(c, earlier)["state"] == "succeeded"
@@ -38,7 +48,7 @@ def test_kill_9_mid_job_then_restart(tmp_path):
     earlier_manifest = json.loads((cache / "datasets" / earlier / "pf_manifest.json").read_text())
 
     # 2. A slow job (TEST-ONLY hook: each progress callback sleeps 3 s), killed with SIGKILL mid-way.
-    s2 = Server(cache, [root], env={"PF_SERVICE_DEBUG_PROGRESS_DELAY_S": "3"}).start()
+    s2 = Server(cache, [root], env={**db, "PF_SERVICE_DEBUG_PROGRESS_DELAY_S": "3"}).start()
     with s2.client() as c:
         r = c.post("/v1/datasets", json={"source": {"path": "big.jsonl"}})
         assert r.status_code == 202
@@ -75,7 +85,7 @@ def test_kill_9_mid_job_then_restart(tmp_path):
     assert sorted(os.listdir(cache / "datasets")) == [earlier]
 
     # 3. Restart: the interrupted job is re-run (attempt 2) and succeeds; the earlier dataset is intact.
-    s3 = Server(cache, [root]).start()
+    s3 = Server(cache, [root], env=db).start()
     try:
         with s3.client() as c:
             final = wait_state(c, big, timeout=120)
@@ -86,19 +96,22 @@ def test_kill_9_mid_job_then_restart(tmp_path):
             again = c.post("/v1/datasets", json={"source": {"path": "earlier.jsonl"}})
             assert again.status_code == 200 and again.json()["manifest"] == earlier_manifest
         assert load_shards(cache / "datasets" / earlier).num_rows == 300
-        assert not [p for p in files_under(cache / "tmp") if not p.startswith("w")]
+        assert not [p for p in files_under(cache / "tmp") if not p.split("/")[-1].startswith(("w", "r-"))]
     finally:
         s3.stop()
 
 
 # ----------------------------------------------------------------------------- store, in-process
-def _store(tmp_path):
-    from preprocess_service.jobs import JobStore
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_settings(request, tmp_path):
+    """``(settings, store)`` on each store: SQLite in the cache dir, or a fresh PostgreSQL database."""
     from preprocess_service.settings import Settings
+    from preprocess_service.store import open_store
 
-    settings = Settings(cache_dir=tmp_path / "cache")
+    url = request.getfixturevalue("postgres_server").create_database() if request.param == "postgres" else None
+    settings = Settings(cache_dir=tmp_path / "cache", database_url=url)
     settings.make_dirs()
-    return settings, JobStore(settings.db_path)
+    return settings, open_store(settings)
 
 
 def _claimed(store, job_id, pid, request=None):
@@ -112,8 +125,8 @@ def _claimed(store, job_id, pid, request=None):
 DEAD_PID = 2**22 + 12345  # above the default pid_max: never a live process
 
 
-def test_reconcile_requeues_then_fails_with_reason(tmp_path):
-    settings, store = _store(tmp_path)
+def test_reconcile_requeues_then_fails_with_reason(store_settings):
+    settings, store = store_settings
     _claimed(store, "a" * 32, DEAD_PID)
     kw = dict(datasets_dir=settings.datasets_dir, max_attempts=2, heartbeat_timeout_s=10.0, startup=True)
     assert store.reconcile(**kw) == [("a" * 32, "requeued")]
@@ -125,8 +138,8 @@ def test_reconcile_requeues_then_fails_with_reason(tmp_path):
     assert "gave up after 2 attempt(s)" in row["error"] and "POST the same request again" in row["error"]
 
 
-def test_reconcile_keeps_a_job_with_a_fresh_heartbeat_and_live_pid(tmp_path):
-    settings, store = _store(tmp_path)
+def test_reconcile_keeps_a_job_with_a_fresh_heartbeat_and_live_pid(store_settings):
+    settings, store = store_settings
     _claimed(store, "b" * 32, os.getpid())  # alive, heartbeat just written
     assert store.reconcile(datasets_dir=settings.datasets_dir, max_attempts=2, heartbeat_timeout_s=10.0,
                            startup=True) == []
@@ -135,10 +148,10 @@ def test_reconcile_keeps_a_job_with_a_fresh_heartbeat_and_live_pid(tmp_path):
         ("b" * 32, "requeued")]
 
 
-def test_reconcile_recovers_a_job_published_before_the_crash(tmp_path, sample_shards):
+def test_reconcile_recovers_a_job_published_before_the_crash(store_settings, sample_shards):
     import shutil
 
-    settings, store = _store(tmp_path)
+    settings, store = store_settings
     _claimed(store, "c" * 32, DEAD_PID)
     shutil.copytree(sample_shards, settings.datasets_dir / ("c" * 32))
     assert store.reconcile(datasets_dir=settings.datasets_dir, max_attempts=1, heartbeat_timeout_s=10.0,
@@ -147,10 +160,10 @@ def test_reconcile_recovers_a_job_published_before_the_crash(tmp_path, sample_sh
     assert row["state"] == "succeeded" and json.loads(row["manifest"])["counts"]["examples"] > 0
 
 
-def test_submit_is_idempotent_and_bounded(tmp_path):
-    from preprocess_service.jobs import QueueFull
+def test_submit_is_idempotent_and_bounded(store_settings):
+    from preprocess_service.store import QueueFull
 
-    settings, store = _store(tmp_path)
+    settings, store = store_settings
     row, created = store.submit("d" * 32, {}, max_queued=1, exists_ok=lambda r: True)
     assert created
     again, created = store.submit("d" * 32, {}, max_queued=1, exists_ok=lambda r: True)
@@ -172,13 +185,13 @@ def _request(settings, src: Path):
 
 
 @pytest.mark.parametrize("how", ["enospc-while-writing", "below-min-free"])
-def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch, sample_shards, how):
+def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch, sample_shards, how, store_settings):
     import shutil
 
     import pf_trl.data.pretokenize as pt
     from preprocess_service.worker import _TokenizerCache, run_job
 
-    settings, store = _store(tmp_path)
+    settings, store = store_settings
     other = settings.datasets_dir / ("0" * 32)
     shutil.copytree(sample_shards, other)
     before = files_under(other)
@@ -202,7 +215,7 @@ def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch
     assert "disk full" in row["error"] and "free space" in row["error"]
     assert not (settings.datasets_dir / ("f" * 32)).exists()
     assert files_under(other) == before
-    assert not [p for p in files_under(settings.tmp_dir) if p.count("/") >= 1], files_under(settings.tmp_dir)
+    assert not [p for p in files_under(settings.scratch_dir) if p.count("/") >= 1], files_under(settings.scratch_dir)
 
 
 def test_settings_from_env_and_flags(tmp_path):
