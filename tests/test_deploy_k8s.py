@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -330,10 +331,102 @@ def test_references_resolve():
 
 
 def test_secret_is_only_an_example():
-    (path, secret), = docs_of("Secret")
+    secrets = {d["metadata"]["name"]: (path, d) for path, d in docs_of("Secret")}
+    assert sorted(secrets) == ["pf-trl-service-database", "pf-trl-service-token"]
+    path, secret = secrets["pf-trl-service-token"]
     assert path.name == "secret.example.yaml"
     assert secret["stringData"]["token"] == "REPLACE_WITH_A_RANDOM_TOKEN"
-    assert path.name not in kustomization().get("resources", [])
+    path, secret = secrets["pf-trl-service-database"]
+    assert path.name == "database-secret.example.yaml" and "REPLACE_WITH_THE_PASSWORD" in secret["stringData"]["url"]
+    for path, _ in secrets.values():
+        assert path.name not in kustomization().get("resources", [])
+        assert path.name not in kustomization(path.parent).get("resources", []) if (
+            path.parent / "kustomization.yaml").exists() else True
+
+
+# --------------------------------------------------------------------- the PostgreSQL option (component)
+def _json_patch(target: dict, ops: list[dict]) -> dict:
+    """The JSON-patch subset the component uses (replace, add with `-`), as kustomize applies it."""
+    out = copy.deepcopy(target)
+    for op in ops:
+        *parents, last = op["path"].strip("/").split("/")
+        node = out
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if op["op"] == "add" and last == "-":
+            node.append(copy.deepcopy(op["value"]))
+        elif op["op"] in ("add", "replace"):
+            node[int(last) if isinstance(node, list) else last] = copy.deepcopy(op["value"])
+        else:  # pragma: no cover
+            raise AssertionError(f"unsupported op {op}")
+    return out
+
+
+def _postgres_deployment() -> dict:
+    comp = kustomization(K8S / "postgres")
+    assert comp["kind"] == "Component"
+    (patch,) = comp["patches"]
+    assert patch["target"] == {"kind": "Deployment", "name": "pf-trl-preprocess"}
+    return _json_patch(doc("Deployment", "pf-trl-preprocess"), yaml.safe_load(patch["patch"]))
+
+
+def _database_configured(container: dict) -> bool:
+    argv = argv_of(container)
+    return "--database-url-file" in argv or "--database-url" in argv or any(
+        e["name"] == "PF_SERVICE_DATABASE_URL" for e in container.get("env", []))
+
+
+def test_more_than_one_replica_only_with_postgres():
+    base = doc("Deployment", "pf-trl-preprocess")
+    assert base["spec"]["replicas"] == 1 and not _database_configured(base["spec"]["template"]["spec"]["containers"][0])
+    pg = _postgres_deployment()
+    (c,) = pg["spec"]["template"]["spec"]["containers"]
+    assert pg["spec"]["replicas"] == 2 and _database_configured(c)
+    assert pg["spec"]["strategy"]["type"] == "RollingUpdate"
+    for d in (base, pg):  # the rule itself, for any variant
+        if d["spec"]["replicas"] > 1:
+            assert _database_configured(d["spec"]["template"]["spec"]["containers"][0])
+
+
+@requires_kv
+def test_postgres_component_validates_and_parses(tmp_path):
+    from pf_trl.cli.serve import build_parser
+
+    pg = _postgres_deployment()
+    kv.validate(pg, K8S_VERSION, strict=True)
+    pod = pg["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    argv = argv_of(c)
+    parser = build_parser()
+    assert_exact_flags(argv[1:], parser)
+    args = parser.parse_args(argv[1:])
+    # The URL is a file from the Secret (never a flag value or an env var), the replica id the pod name.
+    assert args.database_url is None and args.database_url_file == "/etc/pf-trl/database/url"
+    assert not any(e["name"] == "PF_SERVICE_DATABASE_URL" for e in c.get("env", []))
+    mount = next(m for m in c["volumeMounts"] if args.database_url_file.startswith(m["mountPath"] + "/"))
+    assert mount["readOnly"]
+    vol = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    (_, secret), = [(p, d) for p, d in docs_of("Secret") if d["metadata"]["name"] == vol["secret"]["secretName"]]
+    assert args.database_url_file[len(mount["mountPath"]) + 1:] in secret["stringData"]
+    assert vol["secret"]["defaultMode"] & 0o007 == 0  # not world-readable
+    replica = next(e for e in c["env"] if e["name"] == "PF_SERVICE_REPLICA_ID")
+    assert replica["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    cmd = _kustomize_cmd()
+    if cmd is None:
+        return  # rendered by the patch applier above; kustomize itself checks the same where installed
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    rel = Path(os.path.relpath(K8S, overlay))
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [str(rel)],
+                                                                "components": [str(rel / "postgres")]}))
+    proc = subprocess.run([*cmd, str(overlay)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    (rendered,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "Deployment"]
+    kv.validate(rendered, K8S_VERSION, strict=True)
+    assert rendered["spec"]["replicas"] == 2
+    assert rendered["spec"]["template"]["spec"] == {**pg["spec"]["template"]["spec"],
+                                                   "containers": rendered["spec"]["template"]["spec"]["containers"]}
+    assert argv_of(rendered["spec"]["template"]["spec"]["containers"][0]) == argv
 
 
 def test_pod_security_and_resources():

@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "submit":
             raw = sys.stdin.read() if args.body == "-" else Path(args.body).read_text(encoding="utf-8")
-            status = submit_dataset(args.url, json.loads(raw), idempotency_key=args.idempotency_key)
+            key = {"idempotency_key": args.idempotency_key} if args.idempotency_key else {}
+            status = submit_dataset(args.url, json.loads(raw), **key)
             print(json.dumps({k: status.get(k) for k in ("id", "state", "shards_path")}))
             if args.wait:
                 print(wait_for_dataset(args.url, status["id"], timeout_s=args.timeout_s))
