@@ -50,6 +50,7 @@ def _load_module(name: str, path: Path):
 
 with_args_file = _load_module("pf_trl_k8s_with_args_file", K8S / "scripts" / "with_args_file.py")
 merge_shards = _load_module("pf_trl_k8s_merge_shards", K8S / "scripts" / "merge_shards.py")
+pretokenize_slice = _load_module("pf_trl_k8s_pretokenize_slice", K8S / "scripts" / "pretokenize_slice.py")
 
 
 def manifest_files() -> list[Path]:
@@ -560,13 +561,18 @@ def test_indexed_pretokenize_job_parses_with_pretokenize_parser():
 
     job, c, argv = _pretokenize_argv("pf-trl-pretokenize-parts")
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"]
-    assert argv[0] == "pretokenize" and "pretokenize" in COMMANDS
+    # The slice launcher (markers, plan check), then `pf-trl pretokenize` with the argv it builds.
+    assert argv[:2] == ["python", "/etc/pf-trl/scripts/pretokenize_slice.py"] and "pretokenize" in COMMANDS
+    pod = job["spec"]["template"]["spec"]
+    assert mounted_file(pod, c, argv[1]) == K8S / "scripts" / "pretokenize_slice.py"
+    slice_args, source, flags = pretokenize_slice.split_argv(argv[2:])
+    assert slice_args.index == 0 and slice_args.count == job["spec"]["completions"]
     parser = build_parser()
-    assert_exact_flags(argv[1:], parser)
-    args = parser.parse_args(argv[1:])
+    pre_argv = [source, str(Path(slice_args.parts_dir) / f"part-{slice_args.index}"), "--overwrite", *flags]
+    assert_exact_flags(pre_argv, parser)
+    args = parser.parse_args(pre_argv)
     config = config_from_args(args)  # PretokenizeConfig validation (formats, truncation, ...)
     assert args.source == "/data/big/part-0.jsonl" and args.output_dir == "/cache/parts/big/part-0"
-    assert args.overwrite, "a retried index must be able to replace its part"
     # Same tokenization as the service route (so either route gives the trainer the same examples).
     request = json.loads((K8S / "config" / "dataset-request.json").read_text(encoding="utf-8"))
     for key, value in request["options"].items():
@@ -755,3 +761,77 @@ def test_merge_shards_refuses_bad_parts(parts, tokenizer, tmp_path):
     with pytest.raises(merge_shards.MergeError, match="differs"):
         merge_shards.merge(mixed, tmp_path / "o3")
     assert not (tmp_path / "o3").exists()
+
+
+def test_indexed_slices_markers_refusals_and_a_killed_slice(tmp_path, sample_rows, tokenizer, monkeypatch):
+    """The Indexed Job's slices through pretokenize_slice.py: a completion marker per slice, another slice
+    count on the same parts refused, a slice SIGKILLed mid-way re-run whole (no duplicated rows), a done
+    slice not redone, the merge refused until every marker is there and its manifest written last."""
+    import glob
+    import signal
+    import time
+
+    from conftest import write_jsonl
+    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+    from pf_trl.data.shards import load_shards, read_manifest
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "part-0.jsonl", sample_rows[:60])
+    # A bigger slice 1 (short generated rows), so that it is still running when it is killed.
+    write_jsonl(src / "part-1.jsonl", [{"prompt": f"### Instruction:\nSay {i}.\n\n### Response:\n",
+                                        "completion": f"It is {i}."} for i in range(4000)])
+    write_jsonl(src / "part-2.jsonl", sample_rows[60:120])
+    parts, flags = tmp_path / "parts", ["--no_progress", "--max_seq_len", "512"]
+
+    def run(index: int, count: int = 3) -> int:
+        return pretokenize_slice.main([str(parts), "--index", str(index), "--count", str(count), "--",
+                                       str(src / f"part-{index}.jsonl"), *flags])
+
+    assert run(0) == 0
+    marker0 = json.loads((parts / "part-0.done.json").read_text())
+    assert marker0["count"] == 3 and marker0["examples"] == read_manifest(parts / "part-0")["counts"]["examples"]
+    # Another slice count on this parts directory: refused, nothing written.
+    assert run(1, count=4) == 2 and not (parts / "part-1").exists()
+    with pytest.raises(merge_shards.MergeError, match="planned 3 slices"):
+        merge_shards.merge(parts, tmp_path / "early")
+    # Slice 1 killed (SIGKILL) while it writes its temporary output.
+    script = K8S / "scripts" / "pretokenize_slice.py"
+    proc = subprocess.Popen([sys.executable, str(script), str(parts), "--index", "1", "--count", "3", "--",
+                             str(src / "part-1.jsonl"), *flags], cwd=str(ROOT))
+    deadline = time.time() + 240
+    while not glob.glob(str(parts / ".part-1.tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "slice 1 ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (parts / "part-1").exists() and not (parts / "part-1.done.json").exists()
+    assert glob.glob(str(parts / ".part-1.tmp-*"))  # what the killed attempt left: never merged
+    assert run(1) == 0 and run(2) == 0  # the re-run (the Job's retry of index 1) and the last slice
+    assert not glob.glob(str(parts / ".part-1.tmp-*"))
+    created0 = read_manifest(parts / "part-0")["created_unix"]
+    assert run(0) == 0 and read_manifest(parts / "part-0")["created_unix"] == created0  # done: not redone
+    # The merge: refused without every marker; its manifest is written last (a failure there: no output).
+    (parts / "part-2.done.json").rename(tmp_path / "held")
+    with pytest.raises(merge_shards.MergeError, match="slice 2 has no completion marker"):
+        merge_shards.merge(parts, tmp_path / "merged", expect=3)
+    (tmp_path / "held").rename(parts / "part-2.done.json")
+    import pf_trl.data.shards as shards_module
+
+    def no_manifest(*a, **kw):
+        raise OSError("disk full while writing the manifest")
+
+    monkeypatch.setattr(shards_module, "write_manifest", no_manifest)
+    with pytest.raises(OSError):
+        merge_shards.merge(parts, tmp_path / "merged", expect=3)
+    assert not (tmp_path / "merged").exists() and not list(tmp_path.glob(".merged.tmp-*"))
+    monkeypatch.undo()
+    merge_shards.merge(parts, tmp_path / "merged", expect=3)
+    merged = load_shards(tmp_path / "merged")
+    whole_src = write_jsonl(tmp_path / "whole.jsonl", [json.loads(line) for i in range(3)
+                                                       for line in (src / f"part-{i}.jsonl").read_text().splitlines()])
+    whole = load_shards(pretokenize(whole_src, tmp_path / "whole", PretokenizeConfig(max_seq_len=512),
+                                    tokenizer=tokenizer, progress=False) and tmp_path / "whole")
+    assert merged.num_rows == whole.num_rows  # no row twice, none lost
+    assert merged["input_ids"] == whole["input_ids"]
+    assert merged.pf_manifest["counts"]["source_rows"] == 60 + 4000 + 60

@@ -7,7 +7,11 @@ one shards directory (``--training_data_path``), so the parts are concatenated i
 ``datasets.concatenate_datasets`` and written as a new shards directory with a manifest that
 ``pf_trl.load_shards`` accepts: same format version, tokenizer and options in every part (refused
 otherwise), counts summed, length statistics recomputed over all examples. Written atomically (a
-temporary sibling directory renamed into place), like pretokenize itself.
+temporary sibling directory renamed into place), like pretokenize itself, its manifest last.
+
+Parts written by ``pretokenize_slice.py`` (the Indexed Job) carry a plan (``slices.json``) and one
+completion marker per slice (``part-I.done.json``): then every planned slice must have its marker, and
+the marker must describe the part next to it, else the merge is refused (a slice that did not finish).
 """
 
 from __future__ import annotations
@@ -45,6 +49,28 @@ def find_parts(parts_dir: Path, expect: int | None = None) -> list[Path]:
     return [p for _, p in parts]
 
 
+def check_markers(parts_dir: Path, parts: list[Path], expect: int | None) -> None:
+    """With a slice plan: every slice 0..count-1 finished (its marker) and no part beyond the plan."""
+    from pf_trl.data.shards import read_manifest
+
+    plan_path = parts_dir / "slices.json"
+    if not plan_path.exists():
+        return  # parts written some other way (by hand, or by pf-trl pretokenize directly)
+    count = json.loads(plan_path.read_text(encoding="utf-8"))["count"]
+    if expect is not None and count != expect:
+        raise MergeError(f"{parts_dir}: the run planned {count} slices, --expect says {expect}")
+    if len(parts) != count:
+        raise MergeError(f"{parts_dir}: {len(parts)} part directories, the run planned {count} slices")
+    for i, part in enumerate(parts):
+        marker = parts_dir / f"part-{i}.done.json"
+        if not marker.exists():
+            raise MergeError(f"slice {i} has no completion marker {marker.name}: it did not finish; re-run that "
+                             "index of the Job")
+        done = json.loads(marker.read_text(encoding="utf-8"))
+        if done["count"] != count or done["source_sha256"] != read_manifest(part)["source"]["sha256"]:
+            raise MergeError(f"{marker.name} does not describe {part.name} (another run or source); re-run index {i}")
+
+
 def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None = None,
           overwrite: bool = False) -> dict:
     import datasets
@@ -57,6 +83,7 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
     if out.exists() and not overwrite:
         raise MergeError(f"{out} exists; pass --overwrite to replace it")
     parts = find_parts(parts_dir, expect)
+    check_markers(parts_dir, parts, expect)
     loaded = [load_shards(p) for p in parts]
     manifests = [ds.pf_manifest for ds in loaded]
     first = manifests[0]
@@ -98,7 +125,7 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
     try:
         shards = work / "shards"
         merged.save_to_disk(str(shards), max_shard_size=first["options"].get("shard_size", "500MB"))
-        write_manifest(shards, manifest)
+        write_manifest(shards, manifest)  # last: a directory with a manifest is complete
         if out.exists():
             old = work / "old"
             out.rename(old)

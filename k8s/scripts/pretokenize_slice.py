@@ -1,0 +1,138 @@
+"""One index of the Indexed pretokenize Job: slice INDEX of COUNT into PARTS_DIR/part-INDEX, then its
+completion marker.
+
+    python pretokenize_slice.py PARTS_DIR --index I --count N -- SOURCE [pf-trl pretokenize flags]
+
+1. ``PARTS_DIR/slices.json`` is the run's plan (slice count and the pretokenize flags); the first index
+   to get there creates it (``O_EXCL``), every other index checks it: a run with another slice count (or
+   other flags) on the same parts directory is refused, since its parts could not be merged with these.
+2. ``PARTS_DIR/part-I.done.json`` present and matching the part: the slice is already done (a retried
+   index, or the whole Job applied again), nothing is redone.
+3. Else ``pf-trl pretokenize SOURCE PARTS_DIR/part-I --overwrite ...``: written to a temporary sibling and
+   renamed into place, so a slice killed mid-way leaves no part (or the previous complete one) and its
+   re-run replaces it whole (no duplicated rows); then the marker, written last (temp file + rename).
+
+``merge_shards.py`` merges only when every index 0..N-1 has its marker, and writes the merged manifest
+last. Exit status 2 with a one-line reason on a refused run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+PLAN = "slices.json"
+
+
+class SliceError(ValueError):
+    pass
+
+
+def marker_path(parts_dir: Path, index: int) -> Path:
+    return Path(parts_dir) / f"part-{index}.done.json"
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_plan(parts_dir: Path, count: int, flags: list[str]) -> dict:
+    """Create the plan or check it: the same slice count and pretokenize flags as the run that made it."""
+    plan = {"count": count, "pretokenize_flags": flags}
+    path = Path(parts_dir) / PLAN
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        existing = json.loads(path.read_text(encoding="utf-8"))
+        if existing["count"] != count:
+            raise SliceError(f"{parts_dir} holds a run of {existing['count']} slices, this run has {count}: their "
+                             "parts cannot be merged; use a new parts directory (or delete this one)") from None
+        if existing["pretokenize_flags"] != flags:
+            raise SliceError(f"{parts_dir} holds a run with other pretokenize flags ({existing['pretokenize_flags']}); "
+                             "use a new parts directory (or delete this one)") from None
+        return existing
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(plan, f, indent=2, sort_keys=True)
+    return plan
+
+
+def read_marker(parts_dir: Path, index: int) -> dict | None:
+    path = marker_path(parts_dir, index)
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def run_slice(parts_dir: str | Path, index: int, count: int, source: str, flags: list[str]) -> dict:
+    """Tokenize one slice (or find it done); returns its marker."""
+    from pf_trl.cli.pretokenize import main as pretokenize_main
+    from pf_trl.data.shards import ShardsError, read_manifest
+
+    parts_dir = Path(parts_dir)
+    if not 0 <= index < count:
+        raise SliceError(f"--index {index} is outside 0..{count - 1} (--count {count})")
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    check_plan(parts_dir, count, flags)
+    part = parts_dir / f"part-{index}"
+    done = read_marker(parts_dir, index)
+    if done is not None and part.is_dir():
+        try:
+            if read_manifest(part)["source"]["sha256"] == done["source_sha256"]:
+                return done  # already complete: a retry does nothing
+        except (ShardsError, KeyError, OSError):
+            pass
+    marker_path(parts_dir, index).unlink(missing_ok=True)  # about to rewrite the part: not done until the end
+    for stale in parts_dir.glob(f".part-{index}.tmp-*"):  # a killed attempt's temporary output
+        shutil.rmtree(stale, ignore_errors=True)
+    rc = pretokenize_main([source, str(part), "--overwrite", *flags])
+    if rc != 0:
+        raise SliceError(f"pf-trl pretokenize failed on slice {index} (exit {rc}); see its message above")
+    manifest = read_manifest(part)
+    marker = {"index": index, "count": count, "source": source, "source_sha256": manifest["source"]["sha256"],
+              "examples": manifest["counts"]["examples"], "source_rows": manifest["counts"]["source_rows"]}
+    write_json_atomic(marker_path(parts_dir, index), marker)  # last: the slice counts as done from here
+    return marker
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pretokenize_slice.py", description=__doc__.split("\n\n")[0],
+                                 allow_abbrev=False)
+    ap.add_argument("parts_dir")
+    ap.add_argument("--index", type=int, required=True, help="this slice ($JOB_COMPLETION_INDEX)")
+    ap.add_argument("--count", type=int, required=True, help="slices in the run (the Job's completions)")
+    ap.epilog = "After `--`: SOURCE and the pf-trl pretokenize flags (not the output dir, which is PARTS_DIR/part-I)."
+    return ap
+
+
+def split_argv(argv: list[str]) -> tuple[argparse.Namespace, str, list[str]]:
+    """``PARTS --index I --count N -- SOURCE [flags]`` -> (slice args, source, pretokenize flags)."""
+    if "--" not in argv:
+        raise SliceError("give the source after `--`: pretokenize_slice.py PARTS --index I --count N -- SOURCE [flags]")
+    cut = argv.index("--")
+    args = build_parser().parse_args(argv[:cut])
+    rest = argv[cut + 1:]
+    if not rest or rest[0].startswith("-"):
+        raise SliceError("give the source after `--`: pretokenize_slice.py PARTS --index I --count N -- SOURCE [flags]")
+    return args, rest[0], rest[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args, source, flags = split_argv(sys.argv[1:] if argv is None else argv)
+        marker = run_slice(args.parts_dir, args.index, args.count, source, flags)
+    except (SliceError, OSError, ValueError) as exc:
+        print(f"pretokenize_slice: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(marker))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
