@@ -379,8 +379,11 @@ def test_client_errors_are_clear(env):
         wait_for_dataset(url, "feedface", token=TOKEN, progress=False)
     with pytest.raises(DatasetServiceError, match="unauthorized"):
         wait_for_dataset(url, "feedface", token="wrong", progress=False)
-    with pytest.raises(DatasetServiceError, match="timed out"):
-        wait_for_dataset("http://127.0.0.1:9", "feedface", token=TOKEN, timeout_s=0.5, poll_s=0.1, progress=False)
+    # Never reached (a wrong URL, no service): one line saying so, after connect_timeout_s (not timeout_s).
+    with pytest.raises(DatasetServiceError, match=r"cannot reach the dataset service at http://127.0.0.1:9.*check "
+                       r"the URL \(--dataset_service_url\)"):
+        wait_for_dataset("http://127.0.0.1:9", "feedface", token=TOKEN, timeout_s=3600, connect_timeout_s=0.5,
+                         poll_s=0.1, progress=False)
     with pytest.raises(DatasetServiceError, match="HTTP 422.*does not exist"):
         submit_dataset(url, {"source": {"path": "missing.jsonl"}}, token=TOKEN)
 

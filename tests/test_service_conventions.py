@@ -232,6 +232,15 @@ def test_client_follows_the_stream_not_the_poll(pg_env):
     # poll_s=60: a polling client would sleep 60 s after its first look; the stream ends within seconds.
     path = wait_for_dataset(server.url, dataset_id, token=TOKEN, poll_s=60, timeout_s=120, progress=False)
     assert time.monotonic() - t0 < 45 and path.name == dataset_id
+    # A job that takes longer than timeout_s: "timed out" with the last state, stream or not.
+    from pf_trl.data.service_client import DatasetServiceError
+
+    with server.client() as c:
+        slow = c.post("/v1/datasets", json={"source": {"path": "slow.jsonl"}, "options": {"max_seq_len": 90}}).json()
+    for follow in (True, False):
+        with pytest.raises(DatasetServiceError, match="timed out after 2s waiting for dataset .*last state"):
+            wait_for_dataset(server.url, slow["id"], token=TOKEN, timeout_s=2, poll_s=0.2, progress=False,
+                             follow_events=follow)
     # ...and polling (with If-None-Match) still works where the stream is not used.
     assert wait_for_dataset(server.url, dataset_id, token=TOKEN, follow_events=False, progress=False) == path
 

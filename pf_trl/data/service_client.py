@@ -222,7 +222,7 @@ def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, tim
                 done = _finished(dataset_id, status)
                 if done is not None:
                     return done
-                if follow_events:
+                if follow_events and time.monotonic() < deadline:
                     try:
                         for event_id, kind, data in _events(base, dataset_id, token, last_event_id,
                                                             timeout=max(1.0, min(60.0, deadline - time.monotonic()))):
