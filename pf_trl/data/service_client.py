@@ -180,7 +180,7 @@ def _lines(resp):
 
 
 def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, timeout_s: float = 3600,
-                     poll_s: float = 2.0, progress: bool = True, connect_timeout_s: float = 60.0,
+                     poll_s: float = 2.0, progress: bool = True, connect_timeout_s: float = 120.0,
                      follow_events: bool = True) -> Path:
     """Wait until the service has built ``dataset_id`` and return its local shards directory.
 
@@ -192,7 +192,7 @@ def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, tim
         poll_s: seconds between polls (when the event stream is not available).
         progress: show a tqdm bar of rows tokenized.
         connect_timeout_s: give up this soon when the service was never reached (a wrong URL, no
-            service); once it answered, outages are retried until ``timeout_s``.
+            service, or one still starting); once it answered, outages are retried until ``timeout_s``.
         follow_events: follow the Server-Sent Events stream (False: poll).
 
     Raises:
@@ -214,8 +214,12 @@ def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, tim
             except DatasetServiceError as exc:  # not reachable (yet) or 502/503/504: retry
                 if exc.status is not None and exc.status not in _RETRYABLE:
                     raise
-                if not reached and exc.status is None and time.monotonic() - start >= min(connect_timeout_s, timeout_s):
-                    raise
+                if not reached and exc.status is None:
+                    if time.monotonic() - start >= min(connect_timeout_s, timeout_s):
+                        raise
+                    if progress and last_problem is None:  # say once why nothing happens yet
+                        print(f"waiting for the dataset service (up to {min(connect_timeout_s, timeout_s):.0f}s): "
+                              f"{exc}", file=sys.stderr)
                 last_problem = str(exc)
             if status is not None:
                 bar.show(status.get("state"), status.get("progress") or {})
