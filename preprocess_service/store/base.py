@@ -128,8 +128,11 @@ class JobStore:
         try:
             yield conn
         except BaseException:
-            conn.execute("ROLLBACK")
             self._local.pending = []
+            try:
+                conn.execute("ROLLBACK")
+            except Exception:  # noqa: BLE001 - a broken connection: the original error is the one to raise
+                pass
             raise
         conn.execute("COMMIT")
         pending, self._local.pending = self._local.pending, []
