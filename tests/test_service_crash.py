@@ -231,3 +231,36 @@ def test_settings_from_env_and_flags(tmp_path):
         Settings.load(env={**env, "PF_SERVICE_MAX_UPLOAD_BYTES": "lots"})
     with pytest.raises(SettingsError, match="overlaps the cache dir"):
         Settings.load(env={**env, "PF_SERVICE_CACHE_DIR": str(root / "cache")})
+
+
+def test_concurrent_claims_never_take_a_job_twice(store_settings):
+    """Two replicas' stores (PostgreSQL: SKIP LOCKED; SQLite: the write lock), four claiming threads each:
+    every queued job is claimed exactly once."""
+    import threading
+
+    from preprocess_service.store import open_store
+
+    settings, store = store_settings
+    for i in range(40):
+        store.submit(f"{i:032x}", {"i": i}, max_queued=100, exists_ok=lambda r: True)
+    other = open_store(settings)
+    if settings.database_url:
+        other.replica = "replica-b"  # a second replica on the same database
+    claimed: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def claimer(s, pid: int) -> None:
+        while (job := s.claim(pid)) is not None:
+            with lock:
+                claimed.append((job["id"], s.replica))
+
+    threads = [threading.Thread(target=claimer, args=(s, 1000 + k)) for k, s in enumerate([store, other] * 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [job_id for job_id, _ in claimed]
+    assert sorted(ids) == sorted(f"{i:032x}" for i in range(40)) and len(set(ids)) == 40
+    assert store.counts_by_state()["running"] == 40
+    started = [e for i in range(40) for e in store.events(f"{i:032x}") if e["kind"] == "started"]
+    assert len(started) == 40  # one start event per job
