@@ -352,7 +352,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             None, alias="Last-Event-ID", max_length=20,
             description="Resume after this event id (what EventSource sends on reconnect)")):
         """Server-Sent Events of this dataset's state changes and progress, from its creation (or after
-        `Last-Event-ID`), ending with its terminal event (succeeded, failed, cancelled or deleted)."""
+        `Last-Event-ID`), ending with its terminal event (succeeded, failed, cancelled or deleted). A client
+        that resumes after the terminal event gets it once more (without an id) and the stream ends."""
         store = app.state.store
         after = int(last_event_id) if last_event_id and last_event_id.isascii() and last_event_id.isdigit() else 0
         while True:
@@ -370,7 +371,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     yield ServerSentEvent(event="deleted", data=DatasetEvent(id=dataset_id, kind="deleted",
                                                                               state="deleted").model_dump(exclude_none=True))
                     return
-                if row["state"] in TERMINAL and not store.events(dataset_id, 0):  # a job older than events
+                if row["state"] in TERMINAL:  # its terminal event is behind Last-Event-ID (or predates events)
                     status = status_of(row, with_manifest=False)
                     yield ServerSentEvent(event=row["state"], data=DatasetEvent(
                         id=dataset_id, kind=row["state"], state=row["state"], **status.progress.model_dump(

@@ -166,6 +166,9 @@ def test_events_stream_resumes_and_ends_at_the_terminal_state(pg_env):
         # Resume after the second event: exactly the rest.
         rest = _sse(c, dataset_id, last_event_id=events[1][0])
         assert rest == events[2:]
+        # Resuming after the terminal event: that event once more (no id), then the end; not an endless stream.
+        (again,) = _sse(c, dataset_id, last_event_id=events[-1][0], timeout=30)
+        assert again[0] is None and again[1] == "succeeded" and again[2]["rows_done"] == 3000
         assert c.get(f"/v1/datasets/{dataset_id}").json()["done"] is True
         assert c.get("/v1/datasets/feedface/events").status_code == 404
 
@@ -200,6 +203,11 @@ def test_metrics_count_every_end_state_and_the_log_has_json_lines(pg_env):
         gone = c.post("/v1/datasets", json={"source": {"path": "to_delete.jsonl"}}).json()["id"]
         wait_state(c, gone)
         assert c.delete(f"/v1/datasets/{gone}").status_code == 204
+        assert c.get(f"/v1/datasets/{gone}/events").status_code == 404
+        # POSTed again after the DELETE: a new history (not the old `deleted` event first).
+        assert c.post("/v1/datasets", json={"source": {"path": "to_delete.jsonl"}}).json()["id"] == gone
+        kinds = [k for _, k, _ in _sse(c, gone)]
+        assert kinds[0] == "queued" and kinds[-1] == "succeeded" and "deleted" not in kinds, kinds
         text = c.get("/metrics").text
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     for result in ("succeeded", "failed", "cancelled", "deleted"):

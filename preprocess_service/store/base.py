@@ -221,11 +221,12 @@ class JobStore:
             if queued >= max_queued:
                 raise QueueFull(queued)
             rows_total = request.get("rows_total")
+            self.execute(db, "DELETE FROM job_events WHERE job_id = ?", (job_id,))  # a new history (after a
+            # failure, a cancel, or a DELETE whose `deleted` event is kept for streams still open)
             if row is None:
                 self.execute(db, "INSERT INTO jobs (id, state, request, created_at, updated_at, rows_total) "
                              "VALUES (?, 'queued', ?, ?, ?, ?)", (job_id, body, now, now, rows_total))
             else:
-                self.execute(db, "DELETE FROM job_events WHERE job_id = ?", (job_id,))  # a new generation
                 self.execute(
                     db, "UPDATE jobs SET state='queued', request=?, created_at=?, updated_at=?, started_at=NULL, "
                     "finished_at=NULL, heartbeat_at=NULL, rows_done=0, rows_total=?, tokens_done=0, attempts=0, "
