@@ -279,6 +279,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pf_trl.attention.errors import PaddingFreeError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         _parser().print_help()
@@ -289,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer = build(model_args, data_args, config)
     except TrainCLIError as exc:
         print(f"pf-trl train: error: {exc}", file=sys.stderr)
+        return 2
+    except PaddingFreeError as exc:  # pf-trl refuses the model (with its reason) before training: one line
+        print(f"pf-trl train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     metrics = dict(result.metrics)
