@@ -57,3 +57,12 @@ def gemma3_270m(cache_dir: str | Path | None = None) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)  # atomic: a half-written folder is never taken for a cache hit
     return folder
+
+
+PRETRAINED = {"pf-trl/gemma-3-270m": gemma3_270m}
+
+
+def resolve_pretrained(name_or_path: str) -> str:
+    """``pf-trl/gemma-3-270m`` -> its cached folder (built on first use); anything else unchanged."""
+    build = PRETRAINED.get(name_or_path)
+    return str(build()) if build is not None else name_or_path

@@ -29,13 +29,16 @@ def fresh_matrix():
 def test_committed_matrix_is_fresh(fresh_matrix):
     stable = coverage._stable(fresh_matrix)
     committed = json.loads(support.SUPPORT_PATH.read_text())
-    changed = sorted(
-        t for t in set(stable["models"]) | set(committed["models"])
-        if stable["models"].get(t) != committed["models"].get(t)
-    )
+
+    def same(t):  # statuses and reasons; measured numbers are masked (float noise differs across CPUs)
+        a, b = (json.dumps(m["models"].get(t), sort_keys=True) for m in (stable, committed))
+        return coverage.comparable(a) == coverage.comparable(b)
+
+    changed = sorted(t for t in set(stable["models"]) | set(committed["models"]) if not same(t))
     assert not changed, f"stale support matrix for {changed[:10]}: run `python -m pf_trl.attention.coverage --write`"
-    assert stable == committed
-    assert coverage.DOCS_PATH.read_text() == coverage.render_markdown(stable), "docs/models.md is stale"
+    assert committed["transformers"] == transformers.__version__
+    docs = coverage.comparable(coverage.DOCS_PATH.read_text())
+    assert docs == coverage.comparable(coverage.render_markdown(stable)), "docs/models.md is stale"
 
 
 def test_sweep_targets(fresh_matrix):
@@ -155,7 +158,7 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}) for _ in range(4)))
     for extra in ([], ["--allow_unverified"]):
-        code = main(["--model_name_or_path", str(folder), "--tokenizer_name_or_path", str(folder),
+        code = main(["--model_name_or_path", str(folder),
                      "--training_data_path", str(data), "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
                      "--report_to", "none", "--use_cpu", *extra])
         err = capsys.readouterr().err.strip().splitlines()

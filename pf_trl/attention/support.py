@@ -78,16 +78,16 @@ def decide(model_type: str | None, class_name: str, mode: str, *, allow_unverifi
     swept_with = matrix().get("transformers")
     if found is not None and found["status"] == "exact":
         return "exact"
-    train_padded = "Train it padded (padding_free='none')"
     if found is not None and found["status"] in KNOWN_BAD:
-        what = {"refused": "refuses it", "mismatch": "does not reproduce its padded loss",
-                "crash": "fails on it"}[found["status"]]
         other = "internal" if mode == "huggingface" else "huggingface"
         alt = entry(model_type, other)
-        hint = f" or use padding_free='{other}', which is exact on it" if alt and alt["status"] == "exact" else ""
+        reason = found.get("reason", "").rstrip(". ")
+        todo = "" if "padding_free='none'" in reason else " Train it padded (padding_free='none')."
+        if alt and alt["status"] == "exact":
+            todo += f" padding_free='{other}' is exact on it."
         raise UnsupportedModelError(
-            f"{model_type} ({class_name}) in mode '{mode}': pf-trl's coverage sweep (transformers {swept_with}) "
-            f"shows that padding-free training {what}: {found.get('reason', '')}. {train_padded}{hint}."
+            f"{model_type} ({class_name}) cannot be trained padding-free in mode '{mode}' (pf-trl's coverage sweep, "
+            f"transformers {swept_with}: {found['status']}): {reason}.{todo}"
         )
     if allow_unverified:
         logger.warning("pf-trl: %s has no sweep evidence in mode %s; relying on the runtime self-check", model_type, mode)

@@ -9,7 +9,6 @@ vocabulary are moved inside it. Sub-configs (``text_config``, ``attn_config``...
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 VOCAB = 256
@@ -85,6 +84,11 @@ _FILL_NONE = {"head_dim": HEAD_DIM, "num_key_value_heads": 2, "num_experts_per_t
 _VOCABS = ("vocab_size", "decoder_vocab_size", "unpadded_vocab_size", "ngram_vocab_size_base")
 _WINDOWS = ("sliding_window", "sliding_window_size", "attention_window_size", "local_attention_window_len")
 WINDOW = 4
+# config defaults transformers ships that cannot build a model as they are (checked on 5.24)
+_TYPE_FIXES: dict[str, dict[str, Any]] = {
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # DbrxAttention reads both unguarded
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "num_dense_layers": 1},
+}
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 
 
@@ -153,7 +157,7 @@ def shrink_values(values: dict[str, Any]) -> dict[str, Any]:
             elif _is_layer_index_list(value, n_layers) and any(k in key for k in ("idx", "indices", "layers")):
                 out[key] = [remap[i] for i in value if i in remap]
             elif key == "per_layer_config" and isinstance(value, dict):
-                out[key] = {remap[int(i)]: c for i, c in value.items() if int(i) in remap}
+                out[key] = {remap[int(i)]: {**c, **shrink_values(c)} for i, c in value.items() if int(i) in remap}
     if _is_int(values.get("qk_rope_head_dim")) and _is_int(values.get("head_dim")):
         out["head_dim"] = out.get("qk_rope_head_dim", values["qk_rope_head_dim"])  # MLA: head_dim is the rope part
     if _is_int(values.get("rotary_dim")) and values["rotary_dim"] > HEAD_DIM // 2:
@@ -181,17 +185,17 @@ def tiny_config(model_type: str):
 
     config_cls = CONFIG_MAPPING[model_type]
     base = config_cls()
-    return _shrink_config(config_cls, base)
+    return _shrink_config(config_cls, base, _TYPE_FIXES.get(model_type, {}))
 
 
-def _shrink_config(config_cls, base):
+def _shrink_config(config_cls, base, fixes: dict[str, Any]):
     values = base.to_dict()
     overrides = shrink_values(values)
     for key, value in values.items():
-        if isinstance(value, dict) and (key.endswith("_config") or key in ("attn_config", "ffn_config")):
-            sub = copy.deepcopy(value)
-            sub.update(shrink_values(value))
-            overrides[key] = sub
+        if isinstance(value, dict) and key.endswith("_config") and key != "per_layer_config":
+            overrides[key] = shrink_values(value)  # the sub-config class fills in its own defaults
+    for key, value in fixes.items():
+        overrides[key] = {**overrides.get(key, {}), **value} if isinstance(value, dict) else value
     overrides.pop("model_type", None)
     overrides.pop("transformers_version", None)
     overrides.pop("architectures", None)

@@ -235,7 +235,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     if config.fp16 and not cuda:
         raise TrainCLIError("--fp16 needs a CUDA device; drop it on CPU")
 
-    attn = "sdpa"
+    attn = None  # transformers picks: sdpa where the architecture supports it, else eager
     if config.use_flash_attn:
         if flash_attn_available():
             attn = "flash_attention_2"
