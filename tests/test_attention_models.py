@@ -337,7 +337,7 @@ def test_huggingface_mode_self_check_refuses_an_implementation_that_leaks():
     AttentionMaskInterface.register("pf_test_leaky", lambda *a, **kw: None)
     model = make_model("llama", "sdpa")
     model.set_attn_implementation("pf_test_leaky")
-    with pytest.raises(PaddingFreeError, match="does not isolate"):
+    with pytest.raises(PaddingFreeError, match="self-check failed"):
         enable_padding_free(model, mode="huggingface")
 
 
