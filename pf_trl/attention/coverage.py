@@ -345,6 +345,9 @@ NOTES = [
     "layers, so they are refused (their self-check fails or transformers refuses the packed row).",
     "- Multimodal rotary positions (mrope: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are refused: their positions do not "
     "restart per packed example.",
+    "- The sweep builds each type from its config class's defaults (shrunk). A checkpoint whose config enables "
+    "something the defaults leave off (ALiBi in Falcon, other layer types) is still guarded by the runtime "
+    "self-check, which runs on the user's own model.",
     "- Phi-3 LongRoPE picks its short or long rotary factor from the largest position in the batch. A long neighbour "
     "(beyond `original_max_position_embeddings`) switches a short example to the long factor in a padded batch and in "
     "a packed row alike: padding-free equals padded exactly (checked), and neither equals the example run alone.",

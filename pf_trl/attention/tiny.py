@@ -87,6 +87,8 @@ WINDOW = 4
 # config defaults transformers ships that cannot build a model as they are (checked on 5.24)
 _TYPE_FIXES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # DbrxAttention reads both unguarded
+    # the Lfm2Config default has attention layers only; LFM2 checkpoints interleave short-convolution layers
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "num_dense_layers": 1},
 }
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
