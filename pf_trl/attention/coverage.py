@@ -390,8 +390,6 @@ def render_markdown(matrix: dict[str, Any]) -> str:
             if res["status"] != "exact":
                 reasons.append(f"{mode}: {res.get('reason', '')}")
         reason = " / ".join(dict.fromkeys(reasons)).replace("|", "\\|").replace("\n", " ")
-        if len(reason) > 400:
-            reason = reason[:397] + "..."
         lines.append(
             f"| `{model_type}` | `{entry['class']}` | {entry['huggingface']['status']} | "
             f"{entry['internal']['status']} | {reason} |"
