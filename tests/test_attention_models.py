@@ -319,9 +319,10 @@ def test_unknown_and_custom_models_raise():
     with pytest.raises(UnsupportedModelError, match="not a transformers model"):
         enable_padding_free(Plain())
 
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
-        enable_padding_free(gpt2, mode="internal")
+    # an architecture the coverage sweep found inexact (ALiBi built from the attention mask): refused with its reason
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(UnsupportedModelError, match="bloom"):
+        enable_padding_free(bloom, mode="internal")
 
 
 def test_huggingface_mode_self_check_refuses_an_implementation_that_leaks():
@@ -336,7 +337,7 @@ def test_huggingface_mode_self_check_refuses_an_implementation_that_leaks():
     AttentionMaskInterface.register("pf_test_leaky", lambda *a, **kw: None)
     model = make_model("llama", "sdpa")
     model.set_attn_implementation("pf_test_leaky")
-    with pytest.raises(PaddingFreeError, match="does not isolate"):
+    with pytest.raises(PaddingFreeError, match="self-check failed"):
         enable_padding_free(model, mode="huggingface")
 
 

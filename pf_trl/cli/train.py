@@ -239,7 +239,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     if config.fp16 and not cuda:
         raise TrainCLIError("--fp16 needs a CUDA device; drop it on CPU")
 
-    attn = "sdpa"
+    attn = None  # transformers picks: sdpa where the architecture supports it, else eager
     if config.use_flash_attn:
         if flash_attn_available():
             attn = "flash_attention_2"
@@ -283,6 +283,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pf_trl.attention.errors import PaddingFreeError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         _parser().print_help()
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer = build(model_args, data_args, config)
     except TrainCLIError as exc:
         print(f"pf-trl train: error: {exc}", file=sys.stderr)
+        return 2
+    except PaddingFreeError as exc:  # pf-trl refuses the model (with its reason) before training: one line
+        print(f"pf-trl train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     metrics = dict(result.metrics)

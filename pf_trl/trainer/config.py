@@ -80,6 +80,11 @@ class PaddingFreeConfig(SFTConfig):
         default=False,
         metadata={"help": "Use flash-attn; without it installed pf-trl's varlen attention is used (one-line notice)."},
     )
+    allow_unverified: bool = field(
+        default=False,
+        metadata={"help": "Accept a model type that pf-trl's coverage sweep has no evidence for (docs/models.md), "
+                  "relying on the runtime self-check alone. Types the sweep found inexact stay refused."},
+    )
 
     def __post_init__(self):
         self.padding_free = normalize_padding_free(self.padding_free)

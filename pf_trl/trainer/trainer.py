@@ -152,7 +152,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 )
             from pf_trl.attention import enable_padding_free
 
-            enable_padding_free(model, mode=self.pf_mode, backend=args.attention_backend)
+            enable_padding_free(model, mode=self.pf_mode, backend=args.attention_backend,
+                                allow_unverified=args.allow_unverified)
             pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else processing_class.eos_token_id
             data_collator = data_collator or PaddingFreeCollator(
                 pad_to_multiple_of=args.pad_to_multiple_of, pad_token_id=int(pad_id or 0)

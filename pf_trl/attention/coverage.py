@@ -1,0 +1,461 @@
+"""The coverage sweep: every causal-LM type of the installed transformers, padded vs one packed row, both modes.
+
+For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny model is built from the type's own defaults
+(:mod:`pf_trl.attention.tiny`) and five examples (one of a single token) are run:
+
+- reference: right-padded batch with ``attention_mask``, no ``position_ids`` (the model's own position convention):
+  per-example loss from the logits, and the model's own ``loss`` with its gradients;
+- negative control: the same examples in one row *without* per-example positions (what cross-example attention
+  looks like); if it does not move the per-example loss by more than ``LEAK_MIN``, the comparison could not see a
+  leak and the type is ``inconclusive``;
+- per mode (``huggingface``, ``internal``), with no evidence consulted (admission by pf-trl's structural checks and
+  its self-check alone, as ``allow_unverified=True`` does for an unknown type):
+  - model path: ``model(**PaddingFreeCollator()(examples))`` as a user would call it (config default
+    ``use_cache=True``: the KV-cache hole), per-example loss vs the reference;
+  - trainer path: ``PaddingFreeSFTTrainer.compute_loss`` on the collated batch, loss and gradients vs the model's
+    own padded loss.
+
+Status per type and mode: ``exact``, ``refused`` (pf-trl refused it before training, with its reason), ``mismatch``
+(admitted but not equal: the matrix then refuses it), ``crash`` (an error that is not a refusal), ``unbuilt`` (no
+tiny config could be built: no evidence), ``inconclusive``.
+
+``python -m pf_trl.attention.coverage --write`` regenerates ``pf_trl/attention/support.json`` (read at run time by
+:mod:`pf_trl.attention.support`) and ``docs/models.md``; ``--check`` exits 1 when the committed files are stale.
+Runs one type at a time in this process (a few minutes on 2 CPU cores); nothing is cached between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pf_trl.attention import support
+from pf_trl.attention.errors import PaddingFreeError
+
+MODES = ("huggingface", "internal")
+LENGTHS = (9, 1, 14, 5, 11)  # uneven, one single-token example, longer than the tiny sliding window (4)
+LOSS_ATOL = 1e-5  # per-example mean loss, float32
+GRAD_RTOL = 1e-4  # per-parameter relative gradient error, float32
+LEAK_MIN = 1e-3  # the negative control must move some example's loss by at least this much
+
+# the attention is exact (model path) but the trainer's loss is not: pf-trl's loss path computes cross-entropy on
+# hidden states x output embeddings and misses what the model's head does on top
+TRAINER_ONLY = (
+    "the packed attention is exact, but pf-trl's loss path (hidden states x output embeddings) does not reproduce this "
+    "model's head (logit scaling or softcapping, a head transform, an auxiliary loss)"
+)
+
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def _examples(config, n_vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    from pf_trl.attention.tiny import special_token_ids
+
+    avoid = special_token_ids(config)
+    allowed = torch.tensor([i for i in range(min(n_vocab, 256)) if i not in avoid and i >= 3])
+    g = torch.Generator().manual_seed(seed)
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)] for n in LENGTHS]
+
+
+def _vocab(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "vocab_size", None) or getattr(config, "vocab_size", 0) or 0)
+
+
+def _no_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def _per_example_nll(logits: torch.Tensor, exs, starts) -> list[float | None]:
+    out: list[float | None] = []
+    for e, (row, start) in zip(exs, starts):
+        if len(e) < 2:
+            out.append(None)
+            continue
+        lg = logits[row, start : start + len(e) - 1].float()
+        out.append(float(torch.nn.functional.cross_entropy(lg, e[1:].to(lg.device))))
+    return out
+
+
+def _max_diff(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b) if x is not None and y is not None)
+
+
+def _first_error_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _padded(exs, pad_id: int):
+    n = max(len(e) for e in exs)
+    ids = torch.full((len(exs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(exs), n, dtype=torch.long)
+    labels = torch.full((len(exs), n), -100, dtype=torch.long)
+    for i, e in enumerate(exs):
+        ids[i, : len(e)] = e
+        mask[i, : len(e)] = 1
+        labels[i, : len(e)] = e
+    return ids, mask, labels
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _grad_error(test: dict, ref: dict) -> float:
+    worst = 0.0
+    for name, g in ref.items():
+        other = test.get(name)
+        denom = float(g.norm())
+        if other is None:
+            if denom > 1e-8:
+                return float("inf")
+            continue
+        if denom < 1e-8:
+            worst = max(worst, float(other.norm()))
+            continue
+        worst = max(worst, float((other - g).norm()) / denom)
+    extra = set(test) - set(ref)
+    if any(float(test[n].norm()) > 1e-8 for n in extra):
+        return float("inf")
+    return worst
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The sweep builds ~200 models: keep transformers' per-model warnings out of the output."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    pf_logger = logging.getLogger("pf_trl")
+    pf_level = pf_logger.level
+    pf_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+        pf_logger.setLevel(pf_level)
+
+
+# --------------------------------------------------------------------------------------------- one type
+
+
+class _Sweep:
+    """State shared across types (the tokenizer and a one-row dataset the trainer's constructor wants)."""
+
+    def __init__(self) -> None:
+        import datasets
+
+        from pf_trl.data.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer()
+        self.dataset = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]], "labels": [[5, 6, 7]]})
+        self.tmp = tempfile.mkdtemp(prefix="pf-trl-coverage-")
+
+    def trainer(self, model, mode: str):
+        from pf_trl.trainer.config import PaddingFreeConfig
+        from pf_trl.trainer.trainer import PaddingFreeSFTTrainer
+
+        args = PaddingFreeConfig(
+            output_dir=self.tmp, padding_free=mode, report_to=[], use_cpu=True, save_strategy="no",
+            logging_strategy="no", disable_tqdm=True, allow_unverified=True,
+        )
+        return PaddingFreeSFTTrainer(model=model, args=args, processing_class=self.tokenizer, train_dataset=self.dataset)
+
+
+def _reference(base, exs, pad_id: int) -> dict[str, Any]:
+    model = copy.deepcopy(base)
+    ids, mask, labels = _padded(exs, pad_id)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    per_example = _per_example_nll(out.logits.detach(), exs, [(i, 0) for i in range(len(exs))])
+    out.loss.backward()
+    return {"per_example": per_example, "loss": float(out.loss), "grads": _grads(model)}
+
+
+def _packed_batch(exs):
+    from pf_trl.collator import PaddingFreeCollator
+
+    return PaddingFreeCollator()([{"input_ids": e} for e in exs])
+
+
+def _starts(exs):
+    starts, pos = [], 0
+    for e in exs:
+        starts.append((0, pos))
+        pos += len(e)
+    return starts
+
+
+def _leak(base, exs, ref) -> float:
+    """Negative control: one row, positions running on across examples (cross-example attention)."""
+    model = copy.deepcopy(base)
+    ids = torch.cat(exs)[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False).logits
+    return _max_diff(_per_example_nll(logits, exs, _starts(exs)), ref["per_example"])
+
+
+def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
+    from pf_trl.attention import enable_padding_free
+
+    batch = _packed_batch(exs)
+    # model path: admission (structural checks + self-check, no evidence), then a direct call with config defaults
+    model = copy.deepcopy(base)
+    try:
+        enable_padding_free(model, mode=mode, allow_unverified=True)
+    except PaddingFreeError as exc:
+        return {"status": "refused", "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - anything else is a crash, recorded as such
+        return {"status": "crash", "reason": f"enable_padding_free: {_first_error_line(exc)}"}
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    except PaddingFreeError as exc:
+        return {"status": "refused", "reason": f"late (on the first batch): {exc}"}
+    except Exception as exc:  # noqa: BLE001
+        return {"status": "crash", "reason": f"packed forward: {_first_error_line(exc)}"}
+    model_err = _max_diff(_per_example_nll(logits, exs, _starts(exs)), ref["per_example"])
+    result: dict[str, Any] = {"model_err": model_err}
+    # trainer path: PaddingFreeSFTTrainer.compute_loss on the collated batch, loss and gradients
+    model = copy.deepcopy(base)
+    try:
+        trainer = sweep.trainer(model, mode)
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+    except PaddingFreeError as exc:
+        return {**result, "status": "refused", "reason": f"trainer: {exc}"}
+    except Exception as exc:  # noqa: BLE001
+        return {**result, "status": "crash", "reason": f"trainer: {_first_error_line(exc)}"}
+    result["loss_err"] = abs(float(loss) - ref["loss"])
+    result["grad_err"] = _grad_error(_grads(trainer.model), ref["grads"])
+    bad = []
+    if model_err > LOSS_ATOL:
+        bad.append(f"model path: per-example loss off by {model_err:.2g}")
+    if result["loss_err"] > LOSS_ATOL:
+        bad.append(f"trainer path: loss off by {result['loss_err']:.2g}")
+    if result["grad_err"] > GRAD_RTOL:
+        bad.append(f"trainer path: gradients off by {result['grad_err']:.2g} (relative)")
+    if bad:
+        if model_err <= LOSS_ATOL:
+            bad.append(TRAINER_ONLY)
+        else:
+            bad.append(support.diagnose(base).strip())
+        return {**result, "status": "mismatch", "reason": "; ".join(b for b in bad if b)}
+    return {**result, "status": "exact"}
+
+
+def sweep_type(sweep: _Sweep, model_type: str) -> dict[str, Any]:
+    """Both modes of one ``model_type``: ``{"class", "leak", "huggingface": {...}, "internal": {...}}``."""
+    from pf_trl.attention.tiny import causal_lm_class, tiny_model
+
+    entry: dict[str, Any] = {"class": causal_lm_class(model_type).__name__}
+    try:
+        base = tiny_model(model_type)
+    except Exception as exc:  # noqa: BLE001
+        reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
+        return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
+    base.train()
+    _no_dropout(base)
+    exs = _examples(base.config, _vocab(base.config))
+    pad_id = int(exs[0][0])  # any id: padded positions are masked and unlabelled
+    try:
+        ref = _reference(base, exs, pad_id)
+        entry["leak"] = _leak(base, exs, ref)
+    except Exception as exc:  # noqa: BLE001 - the model itself fails padded: no reference, no evidence
+        reason = f"the padded reference fails on a tiny {model_type}: {_first_error_line(exc)}"
+        return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
+    for mode in MODES:
+        res = _run_mode(sweep, base, exs, ref, mode)
+        if res["status"] == "exact" and entry["leak"] < LEAK_MIN:
+            res = {**res, "status": "inconclusive",
+                   "reason": f"the negative control moved the loss by only {entry['leak']:.2g}: a leak would not show"}
+        entry[mode] = res
+    return entry
+
+
+def run_sweep(model_types: list[str] | None = None, *, progress: bool = True) -> dict[str, Any]:
+    """Sweep ``model_types`` (default: every causal-LM type of the installed transformers); returns the matrix."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = sorted(model_types or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    entries: dict[str, Any] = {}
+    started = time.time()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only spin against each other on a shared machine
+    with _quiet(), support.use_matrix({}), contextlib.redirect_stdout(io.StringIO()) if not progress else contextlib.nullcontext():
+        sweep = _Sweep()
+        for i, model_type in enumerate(types):
+            t0 = time.time()
+            torch.manual_seed(0)
+            entries[model_type] = sweep_type(sweep, model_type)
+            if progress:
+                states = " ".join(f"{m}={entries[model_type][m]['status']}" for m in MODES)
+                print(f"[{i + 1}/{len(types)}] {model_type}: {states} ({time.time() - t0:.1f}s)", file=sys.stderr)
+    torch.set_num_threads(threads)
+    return {
+        "transformers": transformers.__version__,
+        "generated_by": "python -m pf_trl.attention.coverage --write",
+        "tolerances": {"loss_atol": LOSS_ATOL, "grad_rtol": GRAD_RTOL, "leak_min": LEAK_MIN},
+        "seconds": round(time.time() - started, 1),
+        "models": entries,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+def counts(matrix: dict[str, Any], mode: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for entry in matrix["models"].values():
+        status = entry[mode]["status"]
+        out[status] = out.get(status, 0) + 1
+    return dict(sorted(out.items()))
+
+
+NOTES = [
+    "Notes:",
+    "",
+    "- *Trainer path only* mismatches (\"the packed attention is exact, but pf-trl's loss path ... does not "
+    "reproduce this model's head\"): logit scaling / softcapping (Cohere, Cohere2, MiniCPM3, nanochat, VaultGemma), "
+    "head transforms (BERT-style LM heads), auxiliary losses. They are refused until pf-trl's loss path reproduces "
+    "them; regenerate this file then.",
+    "- Recurrent / linear-attention / convolutional hybrids (Mamba, Bamba, Jamba, Falcon-H1, Zamba, Qwen3-Next, "
+    "granitemoehybrid...) carry state along the packed row; pf-trl does not pass `seq_idx` / `cu_seq_lens` to those "
+    "layers, so they are refused (their self-check fails or transformers refuses the packed row).",
+    "- Multimodal rotary positions (mrope: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are refused: their positions do not "
+    "restart per packed example.",
+    "- The sweep builds each type from its config class's defaults (shrunk). A checkpoint whose config enables "
+    "something the defaults leave off (ALiBi in Falcon, other layer types) is still guarded by the runtime "
+    "self-check, which runs on the user's own model.",
+    "- Phi-3 LongRoPE picks its short or long rotary factor from the largest position in the batch. A long neighbour "
+    "(beyond `original_max_position_embeddings`) switches a short example to the long factor in a padded batch and in "
+    "a packed row alike: padding-free equals padded exactly (checked), and neither equals the example run alone.",
+]
+
+
+def render_markdown(matrix: dict[str, Any]) -> str:
+    """docs/models.md: the generated support table."""
+    lines = [
+        "# Supported models",
+        "",
+        "<!-- generated by `python -m pf_trl.attention.coverage --write`; do not edit by hand -->",
+        "",
+        f"Every causal-LM type of transformers {matrix['transformers']} (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), swept "
+        "with a tiny model built from the type's own config defaults: five examples padded vs one packed row, the "
+        "model path (a direct `model(...)` call with the config's `use_cache`) and the trainer path "
+        "(`PaddingFreeSFTTrainer.compute_loss`: loss and gradients), in both modes. A negative control (the same "
+        "row without per-example positions) proves each comparison would see a leak.",
+        "",
+        "`exact`: supported by default. Everything else is refused before training with the reason below "
+        "(`unbuilt` / `inconclusive` / unknown types: pass `allow_unverified=True` to rely on the runtime "
+        "self-check).",
+        "",
+        f"Tolerances: per-example loss {LOSS_ATOL:g} (float32), gradients {GRAD_RTOL:g} relative, negative control "
+        f">= {LEAK_MIN:g}.",
+        "",
+        "| mode | " + " | ".join(sorted({s for m in MODES for s in counts(matrix, m)})) + " |",
+    ]
+    statuses = sorted({s for m in MODES for s in counts(matrix, m)})
+    lines.append("|---|" + "---|" * len(statuses))
+    for mode in MODES:
+        c = counts(matrix, mode)
+        lines.append(f"| {mode} | " + " | ".join(str(c.get(s, 0)) for s in statuses) + " |")
+    lines += ["", *NOTES]
+    lines += ["", "| model_type | class | huggingface | internal | reason (when not exact) |", "|---|---|---|---|---|"]
+    for model_type, entry in sorted(matrix["models"].items()):
+        reasons = []
+        for mode in MODES:
+            res = entry[mode]
+            if res["status"] != "exact":
+                reasons.append(f"{mode}: {res.get('reason', '')}")
+        reason = " / ".join(dict.fromkeys(reasons)).replace("|", "\\|").replace("\n", " ")
+        lines.append(
+            f"| `{model_type}` | `{entry['class']}` | {entry['huggingface']['status']} | "
+            f"{entry['internal']['status']} | {reason} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _stable(matrix: dict[str, Any]) -> dict[str, Any]:
+    """What the committed files hold: statuses and reasons, not timings or float noise."""
+    out = {k: v for k, v in matrix.items() if k != "seconds"}
+    models = {}
+    for model_type, entry in matrix["models"].items():
+        e = {"class": entry["class"]}
+        if "leak" in entry:
+            e["leak"] = float(f"{entry['leak']:.1g}")
+        for mode in MODES:
+            res = entry[mode]
+            e[mode] = {"status": res["status"]}
+            if res.get("reason"):
+                e[mode]["reason"] = res["reason"]
+        models[model_type] = e
+    out["models"] = models
+    return out
+
+
+def comparable(text: str) -> str:
+    """A generated file with its measured numbers masked: fresh vs committed must not hinge on float noise."""
+    import re
+
+    return re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pf_trl.attention.coverage", description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="regenerate support.json and docs/models.md")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed files differ from a fresh sweep")
+    parser.add_argument("--types", nargs="*", help="only these model types (print, never write)")
+    args = parser.parse_args(argv)
+    import json
+
+    matrix = run_sweep(args.types)
+    for mode in MODES:
+        print(f"{mode}: {counts(matrix, mode)}", file=sys.stderr)
+    stable = _stable(matrix)
+    text = json.dumps(stable, indent=1, sort_keys=True) + "\n"
+    docs = render_markdown(stable)
+    if args.types:
+        print(text)
+        return 0
+    if args.write:
+        support.SUPPORT_PATH.write_text(text)
+        DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
+        DOCS_PATH.write_text(docs)
+        print(f"wrote {support.SUPPORT_PATH} and {DOCS_PATH} ({matrix['seconds']} s)", file=sys.stderr)
+        return 0
+    if args.check:
+        stale = []
+        if not support.SUPPORT_PATH.is_file() or comparable(support.SUPPORT_PATH.read_text()) != comparable(text):
+            stale.append(str(support.SUPPORT_PATH))
+        if not DOCS_PATH.is_file() or comparable(DOCS_PATH.read_text()) != comparable(docs):
+            stale.append(str(DOCS_PATH))
+        if stale:
+            print(f"stale: {', '.join(stale)}; run `python -m pf_trl.attention.coverage --write`", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
