@@ -38,7 +38,7 @@ from trl import SFTTrainer
 
 from pf_trl.collator import PaddingFreeCollator
 from pf_trl.sampler import TokenBudgetBatchSampler
-from pf_trl.trainer.config import PaddingFreeConfig, normalize_padding_free
+from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
 from pf_trl.trainer.loss import linear_cross_entropy, resolve_fused_loss
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY, TokenAccountingMixin
 
@@ -132,9 +132,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         if args is None:
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
-            values = {k: v for k, v in args.to_dict().items() if k in PaddingFreeConfig.__dataclass_fields__}
-            values["padding_free"] = normalize_padding_free(values.get("padding_free", "huggingface"))
-            args = PaddingFreeConfig(**values)
+            args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
