@@ -12,6 +12,9 @@ first in the callback list, so the printer and the reporting integrations (Tenso
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 import time
 from typing import Any
 
@@ -20,7 +23,36 @@ from transformers import TrainerCallback
 
 from pf_trl.trainer.metrics import _SUM_KEYS, PeakRSS, TokenMeter, _reduce, train_flops
 
-__all__ = ["TokenMetricsCallback"]
+__all__ = ["SamplerStateCallback", "TokenMetricsCallback"]
+
+logger = logging.getLogger("pf_trl.trainer")
+
+
+class SamplerStateCallback(TrainerCallback):
+    """Keeps pf-trl's train sampler in step with the Trainer: selects its epoch at each epoch's start, and writes its
+    position into each checkpoint (read back on resume by ``PaddingFreeSFTTrainer``).
+
+    ``on_epoch_begin`` reaches the sampler itself: once ``skip_first_batches`` has wrapped the dataloader on resume,
+    ``set_epoch`` is not forwarded to a batch sampler. The epoch is ``floor(state.epoch)``, which is also right for a
+    run resumed inside an epoch (``state.epoch`` is then fractional).
+    """
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = self.trainer._pf_train_sampler
+        if sampler is not None:
+            sampler.set_epoch(int(math.floor(state.epoch or 0)))
+
+    def on_save(self, args, state, control, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        if state.is_hyper_param_search:  # checkpoints then live in a per-trial folder that callbacks are not told
+            logger.warning("pf-trl: hyperparameter search: the sampler position is not saved with the checkpoint; "
+                           "a resume from it restarts the epoch's batches from Trainer's step count only")
+            return
+        self.trainer._pf_write_sampler_state(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
 
 
 class TokenMetricsCallback(TrainerCallback):

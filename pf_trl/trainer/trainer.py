@@ -38,6 +38,7 @@ from trl import SFTTrainer
 
 from pf_trl.collator import PaddingFreeCollator
 from pf_trl.sampler import TokenBudgetBatchSampler
+from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
 from pf_trl.trainer.loss import linear_cross_entropy, resolve_fused_loss
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY, TokenAccountingMixin
@@ -172,6 +173,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             logger.warning("pf-trl: fsdp was requested, but accelerate runs %s on this device: every rank holds the "
                            "whole model (plain data parallel), nothing is sharded", self.accelerator.distributed_type)
         self._pf_init_metrics()
+        self.add_callback(SamplerStateCallback(self))
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_resume_dir: str | None = None
         self.pf_token_budget: int | None = args.max_tokens_per_batch
@@ -299,12 +301,6 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     # ------------------------------------------------------------------ epochs, checkpoints, resume
 
-    def _run_epoch(self, *args, **kwargs):
-        epoch = kwargs.get("epoch", args[1] if len(args) > 1 else None)
-        if self._pf_train_sampler is not None and epoch is not None:
-            self._pf_train_sampler.set_epoch(int(epoch))  # accelerate's skip wrapper does not forward set_epoch
-        return super()._run_epoch(*args, **kwargs)
-
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true"):
             from transformers.trainer_utils import get_last_checkpoint
@@ -327,14 +323,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         step = self.state.global_step
         return {"epoch": step // per_epoch, "batches_yielded": min((step % per_epoch) * ga, n)}
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self._pf_train_sampler is None or not self.args.should_save:
-            return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if not os.path.isdir(folder):
+    def _pf_write_sampler_state(self, folder: str) -> None:
+        """Write the train sampler's position into checkpoint ``folder`` (called by :class:`SamplerStateCallback`)."""
+        if self._pf_train_sampler is None or not self.args.should_save or not os.path.isdir(folder):
             return
         pos = self._pf_sampler_position()
         sampler = self._pf_train_sampler
