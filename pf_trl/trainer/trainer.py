@@ -16,7 +16,10 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
   optimizer step is the mean over all its supervised tokens -- exactly what a padded run computes.
 - eval loss: token-weighted mean over all supervised tokens (transformers averages per-batch means; the padded
   mode of this trainer reports the token-weighted mean too, so the two are comparable).
-- resume: the sampler state is written to each checkpoint (``pf_trl_sampler_state.json``). On resume it is
+- epochs: the sampler yields the same number of batches in every epoch (fixed once from the lengths), so Trainer's
+  step count, taken from the first ``len()``, covers every example of every epoch exactly once.
+- resume: the sampler state is written to each checkpoint (``pf_trl_sampler_state.json``, by
+  :class:`~pf_trl.trainer.callbacks.SamplerStateCallback` in ``on_save``). On resume it is
   validated against the new sampler (same data lengths, budget, seed, world size) and its epoch restored;
   Trainer's own ``skip_first_batches`` then skips the consumed batches of that epoch (at the batch-sampler level:
   index lists only, no data is loaded). The sampler itself is *not* fast-forwarded, so nothing is skipped twice
