@@ -13,15 +13,27 @@ How an epoch is planned (identically on every rank, from a numpy Generator seede
 2. cut the shuffled order into windows of ``window`` examples and pack each window with
    best-fit-decreasing (BFD). Bins of a window left filled below ``carry_below`` are opened again and
    their examples are carried into the next window, where more small examples can fill them;
-3. make the number of bins divisible by ``num_replicas``: with ``drop_last=False`` split the bins
-   holding the most tokens in two (every index still appears exactly once, no batch is empty); with
-   ``drop_last=True`` drop the bins holding the fewest tokens;
+3. bring the number of bins to the run's fixed count (below), so that every epoch has the same number of
+   batches per rank. Shuffling changes how well a window packs, so the raw count drifts by a bin or two
+   between epochs, while the HF Trainer fixes its step count from the first ``len()`` (an epoch with more
+   batches would lose its tail, one with fewer would start the next epoch early). Above the count: merge the
+   two least-filled bins while they fit together, then pack the same shuffled order again with a window
+   twice as large, until the count is reached (a window of the whole dataset packs into the global
+   best-fit-decreasing count, which the fixed count is never below, so this ends). Below it: with
+   ``drop_last=False`` split the bins holding the most tokens in two (every index still appears exactly
+   once, no batch is empty); with ``drop_last=True`` the count is rounded down instead of up and the bins
+   holding the fewest tokens are dropped;
 4. sort the bins by tokens and group ``num_replicas`` consecutive ones into a *step* (so the ranks of
    a step carry near-equal work and DDP waits little), then shuffle the steps (so the batch order over
    the epoch is random: early steps are not all short examples);
 5. inside each step give the largest bin to the rank with the fewest tokens so far. This keeps the
    gap between any two ranks' token totals, at every point of the epoch, at most the largest
    within-step spread of bin tokens, hence at most ``max_tokens``.
+
+The fixed count is derived once, from the lengths and the options alone: the bin count of epoch 0's
+packing (or the global best-fit-decreasing count, if that is larger), rounded up to a multiple of
+``num_replicas`` (down with ``drop_last=True``). So ``len()`` is the same for every epoch and on every
+rank, and a resumed run (whatever its epoch) computes the same count.
 
 Resume: :meth:`TokenBudgetBatchSampler.state_dict` records the epoch, seed, how many batches this
 rank has yielded and a fingerprint of everything the plan depends on; :meth:`load_state_dict` makes
@@ -46,7 +58,7 @@ import numpy as np
 
 __all__ = ["TokenBudgetBatchSampler"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: a fixed batch count for every epoch (plans differ from version 1)
 # BFD keys are ``remaining_capacity << _SHIFT | bin_id`` so one sorted list of ints replaces a
 # balanced tree of (capacity, bin) pairs: bisect on plain ints is fast in CPython.
 _SHIFT = 32
@@ -67,9 +79,13 @@ class _EpochPlan:
     offsets: np.ndarray  # bin b is flat[offsets[b]:offsets[b + 1]]
     tokens: np.ndarray  # tokens per bin
     steps: np.ndarray  # [num_steps, num_replicas] bin ids: steps[s, r] is rank r's batch s
-    num_split: int  # bins split to make the count divisible by num_replicas
+    num_packed: int  # bins of the first packing (window ``window``), before the count was fixed
+    window: int  # the window of the packing kept (larger than ``window`` when the first one had too many bins)
+    num_merged: int  # pairs of least-filled bins merged to reach the fixed count
+    num_split: int  # bins split to reach the fixed count
     num_dropped_bins: int  # bins dropped by drop_last
     num_dropped_examples: int
+    dropped_bin_tokens: np.ndarray  # tokens of each dropped bin
 
 
 def _best_fit_decreasing(idx: np.ndarray, lens: np.ndarray, capacity: int) -> list[list[int]]:
@@ -128,8 +144,8 @@ class TokenBudgetBatchSampler:
         seed: base seed; the plan of an epoch depends only on ``(seed, epoch)`` and the arguments.
         num_replicas: number of data-parallel ranks (world size).
         rank: this process's rank, in ``[0, num_replicas)``.
-        drop_last: if the epoch's bin count is not divisible by ``num_replicas``, drop the bins with
-            the fewest tokens instead of splitting the largest ones.
+        drop_last: round the fixed bin count down to a multiple of ``num_replicas`` and drop the bins
+            with the fewest tokens to reach it, instead of rounding up and splitting the largest ones.
         window: examples per packing window; ``None`` picks about 128 bins' worth (clamped to
             [512, 16384] examples). Bigger windows fill slightly better and pack slightly slower.
         carry_below: after a window is packed, bins filled below this fraction of ``max_tokens``
@@ -141,9 +157,9 @@ class TokenBudgetBatchSampler:
             ``max_tokens`` (the message names its index and length), ``max_tokens <= 0``, a rank
             out of range, or fewer examples than ``num_replicas``.
 
-    With ``drop_last=False`` the plan raises ``ValueError`` in the degenerate case where equal batch
-    counts per rank are impossible without duplicating an index (almost every example needs its own
-    bin and there are fewer examples than the next multiple of ``num_replicas``); use
+    With ``drop_last=False``, ``len()`` and iteration raise ``ValueError`` in the degenerate case where
+    equal batch counts per rank are impossible without duplicating an index (almost every example needs
+    its own bin and there are fewer examples than the next multiple of ``num_replicas``); use
     ``drop_last=True`` or a larger ``max_tokens`` then.
     """
 
@@ -200,6 +216,7 @@ class TokenBudgetBatchSampler:
         self._yielded = 0  # batches yielded in the current epoch on this rank
         self._plan_cache: _EpochPlan | None = None
         self._fingerprint: str | None = None
+        self._base_count: int | None = None  # bins of epoch 0's packing (or the global BFD count if larger)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -257,11 +274,14 @@ class TokenBudgetBatchSampler:
         # SeedSequence of (seed, epoch): independent streams per epoch, same on every process.
         return np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
 
-    def _pack(self, rng: np.random.Generator) -> list[list[int]]:
+    def _order(self, rng: np.random.Generator) -> np.ndarray:
+        n = len(self.lengths)
+        return rng.permutation(n) if self.shuffle else np.arange(n)
+
+    def _pack(self, order: np.ndarray, window: int) -> list[list[int]]:
+        """Windowed best-fit-decreasing over ``order`` (see the module docstring, step 2)."""
         lengths = self.lengths
-        n = len(lengths)
-        order = rng.permutation(n) if self.shuffle else np.arange(n)
-        window = self.window
+        n = len(order)
         carry_tokens = self.carry_below * self.max_tokens
         max_carry = max(1, window // 2)
         bins: list[list[int]] = []
@@ -297,32 +317,84 @@ class TokenBudgetBatchSampler:
             bins.extend(win_bins)
         return bins
 
-    def _fix_divisibility(self, bins: list[list[int]]) -> tuple[list[list[int]], int, int]:
-        """Make ``len(bins)`` a multiple of ``num_replicas``; returns (bins, num_split, num_dropped)."""
-        r = self.num_replicas
-        extra = (-len(bins)) % r
-        if extra == 0:
-            return bins, 0, 0
-        lengths = self.lengths
-        loads = [int(lengths[b].sum()) for b in bins]
+    # ------------------------------------------------------------------ the fixed batch count
+
+    def _base_bin_count(self) -> int:
+        """Bins of epoch 0's packing, or the global best-fit-decreasing count if that is larger (cached).
+
+        The global count is what a window spanning the whole dataset packs into, whatever the shuffle (BFD
+        decides on lengths only), so every epoch can be brought down to at most this count.
+        """
+        if self._base_count is None:
+            first = len(self._pack(self._order(self._rng(0)), self.window))
+            lengths = np.sort(self.lengths)[::-1]
+            global_bfd = len(_best_fit_decreasing(np.arange(len(lengths)), lengths, self.max_tokens))
+            self._base_count = max(first, global_bfd)
+        return self._base_count
+
+    def _target_bins(self) -> int:
+        """The number of bins of every epoch (all ranks): the base count rounded to a multiple of ``num_replicas``."""
+        r, base = self.num_replicas, self._base_bin_count()
         if self.drop_last:
+            return (base // r) * r
+        target = -(-base // r) * r
+        if target > len(self.lengths):
+            raise ValueError(
+                f"cannot give all {r} ranks the same number of batches without duplicating an example: the data packs "
+                f"into {base} bin(s), {target} are needed and there are only {len(self.lengths)} examples (max_tokens="
+                f"{self.max_tokens}); use drop_last=True, a larger max_tokens or fewer ranks"
+            )
+        return target
+
+    def _merge_least_filled(self, bins: list[list[int]], target: int) -> tuple[list[list[int]], int]:
+        """Merge the two least-filled bins while they fit together and there are more than ``target`` bins.
+
+        If the two least-filled bins do not fit together, no two bins do.
+        """
+        if len(bins) <= target:
+            return bins, 0
+        lengths = self.lengths
+        heap = [(int(lengths[b].sum()), j) for j, b in enumerate(bins)]
+        heapq.heapify(heap)
+        alive = list(bins)
+        merged = 0
+        while len(bins) - merged > target and len(heap) >= 2:
+            (ta, a), (tb, b) = heapq.heappop(heap), heapq.heappop(heap)
+            if ta + tb > self.max_tokens:
+                break
+            alive[a] = alive[a] + alive[b]
+            alive[b] = []
+            heapq.heappush(heap, (ta + tb, a))
+            merged += 1
+        return [b for b in alive if b], merged
+
+    def _fit_count(self, bins: list[list[int]], target: int) -> tuple[list[list[int]], int, np.ndarray]:
+        """Bring ``len(bins)`` (at least ``target`` when drop_last is off) to ``target``.
+
+        Returns (bins, num_split, tokens of the dropped bins).
+        """
+        lengths = self.lengths
+        none = np.zeros(0, dtype=np.int64)
+        if len(bins) > target:
+            if not self.drop_last:  # cannot happen: the global BFD count is <= target (see _base_bin_count)
+                raise AssertionError(f"packing left {len(bins)} bins above the fixed count {target}")
             # Drop the bins with the fewest tokens: loses the least data. Ties: packing order (random).
-            drop = len(bins) % r
-            keep = sorted(range(len(bins)), key=lambda j: loads[j])[drop:]
-            keep.sort()
-            return [bins[j] for j in keep], 0, drop
+            loads = [int(lengths[b].sum()) for b in bins]
+            order = sorted(range(len(bins)), key=lambda j: loads[j])
+            drop = len(bins) - target
+            keep = sorted(order[drop:])
+            dropped = np.asarray([loads[j] for j in order[:drop]], dtype=np.int64)
+            return [bins[j] for j in keep], 0, dropped
+        extra = target - len(bins)
+        if extra == 0:
+            return bins, 0, none
         # Split the bins holding the most tokens (among those with >= 2 examples) in two, one at a time:
-        # each split adds one bin, keeps coverage exactly-once and never creates an empty batch.
-        heap = [(-loads[j], j) for j in range(len(bins)) if len(bins[j]) >= 2]
+        # each split adds one bin, keeps coverage exactly-once and never creates an empty batch. Possible
+        # while target <= number of examples (checked by _target_bins, or implied by drop_last's rounding down).
+        heap = [(-int(lengths[b].sum()), j) for j, b in enumerate(bins) if len(b) >= 2]
         heapq.heapify(heap)
         bins = list(bins)
         for _ in range(extra):
-            if not heap:
-                raise ValueError(
-                    f"cannot give all {r} ranks the same number of batches without duplicating an example: the epoch "
-                    f"packs into {len(bins)} bin(s) that cannot be split further (dataset: {len(lengths)} examples, "
-                    f"max_tokens={self.max_tokens}); use drop_last=True, a larger max_tokens or fewer ranks"
-                )
             _, j = heapq.heappop(heap)
             a, b = _split_in_two(bins[j], lengths)
             bins[j] = a
@@ -330,12 +402,22 @@ class TokenBudgetBatchSampler:
             for k in (j, len(bins) - 1):
                 if len(bins[k]) >= 2:
                     heapq.heappush(heap, (-int(lengths[bins[k]].sum()), k))
-        return bins, extra, 0
+        return bins, extra, none
 
     def _build_plan(self, epoch: int) -> _EpochPlan:
+        target = self._target_bins()
         rng = self._rng(epoch)
-        bins = self._pack(rng)
-        bins, num_split, num_dropped_bins = self._fix_divisibility(bins)
+        order = self._order(rng)
+        n = len(self.lengths)
+        window = self.window
+        bins = self._pack(order, window)
+        num_packed = len(bins)
+        bins, num_merged = self._merge_least_filled(bins, target)
+        while len(bins) > target and not self.drop_last and window < n:
+            # Too many bins for the fixed count: pack the same order with a larger window (fills better).
+            window = min(2 * window, n)
+            bins, num_merged = self._merge_least_filled(self._pack(order, window), target)
+        bins, num_split, dropped_tokens = self._fit_count(bins, target)
         r = self.num_replicas
         sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
         offsets = np.zeros(len(bins) + 1, dtype=np.int64)
@@ -353,8 +435,9 @@ class TokenBudgetBatchSampler:
             if self.shuffle:
                 groups = groups[rng.permutation(num_steps)]
             steps = self._assign_ranks(groups, tokens)
-        dropped_examples = len(self.lengths) - int(offsets[-1])
-        return _EpochPlan(epoch, flat, offsets, tokens, steps, num_split, num_dropped_bins, dropped_examples)
+        dropped_examples = n - int(offsets[-1])
+        return _EpochPlan(epoch, flat, offsets, tokens, steps, num_packed, window, num_merged, num_split,
+                          len(dropped_tokens), dropped_examples, dropped_tokens)
 
     @staticmethod
     def _assign_ranks(groups: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -405,11 +488,12 @@ class TokenBudgetBatchSampler:
             yield flat[offsets[b] : offsets[b + 1]].tolist()
 
     def __len__(self) -> int:
-        """Batches this rank yields over the whole current epoch (same on every rank).
+        """Batches this rank yields in one epoch: the same for every epoch and on every rank.
 
+        Fixed from the lengths and options (see the module docstring), without planning the current epoch.
         Stays the full count after :meth:`load_state_dict`; see :attr:`num_remaining_batches`.
         """
-        return int(self._plan().steps.shape[0])
+        return self._target_bins() // self.num_replicas
 
     @property
     def num_remaining_batches(self) -> int:
@@ -468,6 +552,9 @@ class TokenBudgetBatchSampler:
             "mean_tokens_per_batch": float(plan.tokens.mean()) if plan.tokens.size else 0.0,
             "tokens_per_rank": [int(t) for t in per_rank],
             "rank_token_spread": int(per_rank.max() - per_rank.min()) if per_rank.size else 0,
+            "num_packed_bins": plan.num_packed,
+            "packing_window": plan.window,
+            "num_merged_bins": plan.num_merged,
             "num_split_bins": plan.num_split,
             "num_dropped_bins": plan.num_dropped_bins,
             "num_dropped_examples": plan.num_dropped_examples,

@@ -240,3 +240,72 @@ def test_fsdp2_sharded_pf_loss_matches_single_process(tmp_path):
     assert r["keys_equal"]
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
     assert r["max_rel_grad_err"] <= 1e-4, r  # a missing world-size factor gives 0.5
+
+
+SAVE_SCRIPT = textwrap.dedent(
+    r'''
+    """`pf-trl train` under torchrun, with Trainer.save_model made a collective as it is under FSDP / ZeRO-3."""
+    import json, os, sys
+    import torch.distributed as dist
+    from pf_trl.cli.main import main
+    from pf_trl.trainer import PaddingFreeSFTTrainer
+
+    out = sys.argv[1]
+    original = PaddingFreeSFTTrainer.save_model
+
+    def collective_save_model(self, *args, **kwargs):
+        # FSDP's full-state-dict gather / ZeRO-3's consolidation: every rank must take part. gloo's barrier fails
+        # (or hangs until the timeout) when a rank never arrives, so a rank-0-only call cannot pass this test.
+        dist.monitored_barrier(timeout=__import__("datetime").timedelta(seconds=60))
+        with open(os.path.join(out, f"save_calls_{dist.get_rank()}.txt"), "a") as f:
+            f.write((args[0] if args else kwargs.get("output_dir") or "final") + "\n")
+        return original(self, *args, **kwargs)
+
+    PaddingFreeSFTTrainer.save_model = collective_save_model
+    rc = main(["train", *sys.argv[2:]])
+    if rc != 0:
+        os._exit(rc)  # no teardown barrier: the other rank may be inside a collective that this one never joins
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(rc)
+    '''
+)
+
+
+@pytest.mark.slow
+def test_torchrun_cli_saves_checkpoint_and_final_model_on_every_rank(tmp_path, sample_shards):
+    """`pf-trl train` on 2 ranks (gloo) saves a checkpoint and the final model; the save is entered by every rank,
+    as FSDP / ZeRO-3 need (before: rank 0 only, which hangs there)."""
+    from pf_trl.data.shards import load_shards
+
+    from pf_trl.data.pretokenize import pretokenize
+
+    rows = tmp_path / "train.jsonl"
+    with open(rows, "w") as f:
+        for row in load_shards(sample_shards).select(range(24)):
+            f.write(json.dumps({"input_ids": row["input_ids"][:128], "labels": row["labels"][:128]}) + "\n")
+    # shards built once here: two ranks building the same cache entry at once is a separate race (cli data path)
+    data = tmp_path / "shards"
+    pretokenize(rows, data, progress=False)
+    out = tmp_path / "run"
+    script = tmp_path / "train_save.py"
+    script.write_text(SAVE_SCRIPT)
+    tiny = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
+    args = ["--training_data_path", str(data), "--output_dir", str(out), "--model_overrides", tiny,
+            "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "4",
+            "--report_to", "none", "--padding_free", "internal", "--use_cpu", "True", "--max_seq_len", "128",
+            "--disable_tqdm", "True", "--save_only_model", "True"]
+    env = {**_env(), "PF_TRL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(_torchrun(script, str(tmp_path), *args), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, _failure(proc)
+    calls = [(tmp_path / f"save_calls_{r}.txt").read_text().split() for r in (0, 1)]
+    assert calls[0] == calls[1] and len(calls[0]) == 3, calls  # checkpoint-1, checkpoint-2, final: on both ranks
+    for folder in (out / "checkpoint-1", out / "checkpoint-2", out):
+        assert (folder / "model.safetensors").is_file(), sorted(p.name for p in folder.iterdir())
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out)
+    last = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+    for (name, a), (_, b) in zip(final.state_dict().items(), last.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)  # the final model is the trained one (step 2)

@@ -58,11 +58,10 @@ def all_ranks(cfg: dict, **overrides) -> list[list[list[int]]]:
             out.append(list(sampler))
         except ValueError as exc:
             assert "cannot give all" in str(exc)
-            # Legitimate only when the epoch has fewer examples than the next multiple of num_replicas
-            # above its bin count: then no duplicate-free equal split exists.
-            bins = sampler._pack(sampler._rng(sampler.epoch))
+            # Legitimate only when there are fewer examples than the next multiple of num_replicas above
+            # the run's base bin count: then no duplicate-free equal split exists.
             r = sampler.num_replicas
-            assert len(cfg["lengths"]) < math.ceil(len(bins) / r) * r
+            assert len(cfg["lengths"]) < math.ceil(sampler._base_bin_count() / r) * r
             assume(False)
     return out
 
@@ -155,21 +154,44 @@ def test_resume_reproduces_remaining_batches(cfg, data):
 
 @PROPS
 @given(configs())
-def test_drop_last_drops_only_smallest_leftover_bins(cfg):
+def test_drop_last_drops_only_smallest_bins(cfg):
     ranks = all_ranks(cfg, drop_last=True)
     sampler = make(cfg, drop_last=True)
     lengths = np.asarray(cfg["lengths"])
-    bins = sampler._pack(sampler._rng(sampler.epoch))  # the packing before the divisibility fix
     r = cfg["num_replicas"]
+    stats = sampler.stats()
     seen = [i for batches in ranks for b in batches for i in b]
     assert len(seen) == len(set(seen)), "never an index twice"
-    assert len({len(b) for b in ranks}) == 1
-    assert len(seen) == len(lengths) - sampler.stats()["num_dropped_examples"]
-    kept = {tuple(sorted(b)) for batches in ranks for b in batches}
-    dropped = [b for b in bins if tuple(sorted(b)) not in kept]
-    assert len(dropped) == len(bins) % r == sampler.stats()["num_dropped_bins"]
-    all_tokens = sorted(int(lengths[b].sum()) for b in bins)
-    assert sorted(int(lengths[b].sum()) for b in dropped) == all_tokens[: len(dropped)]
+    assert {len(b) for b in ranks} == {len(sampler)}
+    assert len(sampler) == sampler._base_bin_count() // r, "drop_last rounds the fixed count down"
+    assert len(seen) == len(lengths) - stats["num_dropped_examples"]
+    dropped = sampler._plan().dropped_bin_tokens
+    assert len(dropped) == stats["num_dropped_bins"]
+    assert int(dropped.sum()) == int(lengths.sum()) - int(lengths[seen].sum())
+    if len(dropped) and seen:
+        kept_tokens = [int(lengths[b].sum()) for batches in ranks for b in batches]
+        assert dropped.max() <= min(kept_tokens), "only the bins with the fewest tokens are dropped"
+
+
+@PROPS
+@given(configs(), st.lists(st.integers(0, 50), min_size=2, max_size=4, unique=True))
+def test_same_batch_count_every_epoch_each_example_once(cfg, epochs):
+    """Every epoch of a run: the same per-rank batch count (what Trainer fixes from the first len()), and with
+    drop_last=False every example exactly once over all ranks."""
+    all_ranks(cfg, drop_last=False)  # skips provably impossible configs
+    samplers = [make(cfg, r, drop_last=False) for r in range(cfg["num_replicas"])]
+    counts = set()
+    for epoch in epochs:
+        per_rank = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            per_rank.append(list(sampler))
+            counts.add(len(per_rank[-1]))
+            counts.add(len(sampler))
+        seen = sorted(i for batches in per_rank for b in batches for i in b)
+        assert seen == list(range(len(cfg["lengths"]))), f"epoch {epoch}: every index exactly once"
+        assert all(sum(cfg["lengths"][i] for i in b) <= cfg["max_tokens"] for batches in per_rank for b in batches)
+    assert len(counts) == 1, f"per-rank batch counts differ between epochs {epochs}: {counts}"
 
 
 @PROPS
@@ -238,6 +260,35 @@ def test_packing_is_fast():
         TokenBudgetBatchSampler(lengths, 8192, seed=seed).efficiency  # noqa: B018  (plans the epoch)
         best = min(best, time.perf_counter() - started)
     assert best < 0.1, f"2.5k examples took {best * 1000:.0f} ms to plan"
+
+
+def test_fixed_count_on_long_tailed_data_whose_packings_differ():
+    """The case Trainer got wrong: 3,000 long-tailed examples whose packing yields a different bin count in
+    different epochs; the sampler now gives every epoch the same count, splitting or re-packing as needed."""
+    lengths = sharegpt_like_lengths(3000, seed=2)
+    sampler = TokenBudgetBatchSampler(lengths, 1024, seed=0)
+    raw, lens, windows = [], [], []
+    for epoch in range(6):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        stats = sampler.stats()
+        raw.append(stats["num_packed_bins"])
+        windows.append(stats["packing_window"])
+        lens.append(len(batches))
+        assert sorted(i for b in batches for i in b) == list(range(3000))
+        assert stats["efficiency"] >= 0.99
+    assert len(set(raw)) > 1, "negative control: the windowed packing alone differs between epochs"
+    assert set(lens) == {len(sampler)} == {raw[0]}
+    assert max(windows) > sampler.window, "an epoch with one bin too many is packed again with a larger window"
+
+
+def test_len_is_fixed_without_planning_the_epoch():
+    lengths = sharegpt_like_lengths(2000, seed=1)
+    sampler = TokenBudgetBatchSampler(lengths, 2048, num_replicas=3, seed=5)
+    sampler.set_epoch(7)
+    n = len(sampler)
+    assert sampler._plan_cache is None, "len() comes from the lengths, not from the current epoch's plan"
+    assert n == len(list(sampler))
 
 
 def test_split_fixup_keeps_exactly_once_coverage():
@@ -320,6 +371,8 @@ def test_incompatible_state_raises():
         base.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="batches_yielded"):
         base.load_state_dict({**state, "batches_yielded": len(base) + 1})
+    with pytest.raises(ValueError, match="version 1"):  # version 1 planned epochs differently
+        base.load_state_dict({**state, "version": 1})
     # a compatible sampler on another rank accepts it (the state is rank-independent)
     TokenBudgetBatchSampler(lengths, 4096, num_replicas=2, rank=1, seed=3).load_state_dict(state)
 

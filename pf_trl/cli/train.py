@@ -312,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.is_world_process_zero():
             print("***** eval metrics *****")
             print(format_metrics(ev))
-    if config.save_strategy != "no" and trainer.is_world_process_zero():
+    if config.save_strategy != "no":
+        # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the weights is a collective (a rank-0-only call hangs);
+        # Trainer.save_model writes on the main process only (args.should_save) and lets the others join the gather
         trainer.save_model()
     return 0
 

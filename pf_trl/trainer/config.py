@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import logging
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
 from trl import SFTConfig
 
 from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
+
+logger = logging.getLogger("pf_trl.trainer")
 
 PADDING_FREE_MODES = ("huggingface", "internal", "none")
 _TRUE = ("true", "yes", "1", "on")
@@ -119,3 +126,52 @@ class PaddingFreeConfig(SFTConfig):
     @property
     def is_padding_free(self) -> bool:
         return self.padding_free != "none"
+
+
+def _plain_value(value: Any) -> Any:
+    """A field value as its dataclass ``__post_init__`` accepts it again: enums by value, containers copied.
+
+    Objects (``AcceleratorConfig``, a ``ParallelismConfig``, a quantization config inside ``model_init_kwargs``) are
+    kept as objects, and strings as they are: ``TrainingArguments.to_dict()`` would mask every ``*_token`` field.
+    """
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list):
+        return [_plain_value(v) for v in value]
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied (e.g. a device mesh) is shared, not lost
+        return value
+
+
+def to_padding_free_config(args: Any) -> PaddingFreeConfig:
+    """Convert a ``TrainingArguments`` / ``SFTConfig`` (or subclass) into a :class:`PaddingFreeConfig`, field by field.
+
+    Every init field the two classes share is copied with its value (``eos_token``, ``pad_token``, ``hub_token``
+    included; ``to_dict()`` would replace them with ``'<EOS_TOKEN>'`` etc.). Fields that ``PaddingFreeConfig`` does
+    not have (a user subclass's own) are named in a warning. The argument object is not modified.
+
+    ``padding_free``: a plain ``SFTConfig`` carries TRL's bool, ``False`` by default. Handing it to the padding-free
+    trainer asks for padding-free training, so both ``True`` and ``False`` become ``"huggingface"`` (the default of
+    :class:`PaddingFreeConfig`), said in a log line; padded training is ``PaddingFreeConfig(padding_free="none")``.
+    """
+    if isinstance(args, PaddingFreeConfig):
+        return args
+    ours = {f.name for f in dataclasses.fields(PaddingFreeConfig) if f.init}
+    theirs = [f.name for f in dataclasses.fields(args) if f.init]
+    values = {name: _plain_value(getattr(args, name)) for name in theirs if name in ours}
+    dropped = sorted(set(theirs) - ours)
+    if dropped:
+        logger.warning("pf-trl: %s fields not in PaddingFreeConfig are ignored: %s", type(args).__name__, ", ".join(dropped))
+    given = values.pop("padding_free", None)
+    if isinstance(given, str):
+        values["padding_free"] = given  # a mode string (e.g. a subclass that already speaks pf-trl's modes)
+    elif given is False:
+        logger.warning(
+            "pf-trl: args is a %s with padding_free=False (TRL's default); PaddingFreeSFTTrainer trains padding-free "
+            "(padding_free='huggingface'). For padded batches pass PaddingFreeConfig(padding_free='none').",
+            type(args).__name__,
+        )
+    else:
+        logger.info("pf-trl: args is a %s; converted to PaddingFreeConfig (padding_free='huggingface')", type(args).__name__)
+    return PaddingFreeConfig(**values)

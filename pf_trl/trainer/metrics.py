@@ -40,7 +40,6 @@ import time
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 from transformers.trainer_utils import TrainerMemoryTracker
 
 IGNORE_INDEX = -100
@@ -243,31 +242,19 @@ def _reduce(values: list[float], device, op: str = "sum") -> list[float]:
     return t.tolist()
 
 
-class MeterCallback(TrainerCallback):
-    """Marks optimizer-step boundaries and the training window for :class:`TokenAccountingMixin`."""
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._pf_on_train_begin()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._pf_meter.end_step()
-
-
 class TokenAccountingMixin:
-    """Mix into a (SFT)Trainer before it: counts tokens in ``compute_loss``, adds honest keys in ``log``,
-    token-weighted eval loss. Used by :class:`~pf_trl.trainer.PaddingFreeSFTTrainer` and by the bench's padded / TRL
-    baselines (:class:`MeasuredSFTTrainer`), so every mode is measured by the same code."""
+    """Mix into a (SFT)Trainer before it: counts tokens in ``compute_loss`` and reports them through
+    :class:`~pf_trl.trainer.callbacks.TokenMetricsCallback` (honest keys in the logs, token-weighted eval loss).
+    Used by :class:`~pf_trl.trainer.PaddingFreeSFTTrainer` and by the bench's padded / TRL baselines
+    (:class:`MeasuredSFTTrainer`), so every mode is measured by the same code.
+
+    Besides ``compute_loss`` (a documented override point) it overrides one private Trainer method,
+    ``_track_num_input_tokens``, and swaps the class of ``_memory_tracker``; docs/training.md says why.
+    """
 
     def _pf_init_metrics(self) -> None:
-        self._pf_meter = TokenMeter()
-        self._pf_peak = PeakRSS()
-        self._pf_t_last = time.perf_counter()
-        self._pf_eval_sum = 0.0
-        self._pf_eval_count = 0
-        self._pf_flop_params = model_flop_params(self.model)
+        from pf_trl.trainer.callbacks import TokenMetricsCallback
+
         device = self.args.device
         dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
         if getattr(self.args, "bf16", False):
@@ -275,19 +262,18 @@ class TokenAccountingMixin:
         elif getattr(self.args, "fp16", False):
             dtype = torch.float16
         peak = getattr(self.args, "peak_tflops", None)
-        self._pf_peak_tflops = float(peak) if peak else detect_peak_tflops(device, dtype)
-        self.add_callback(MeterCallback(self))
+        self.pf_metrics = TokenMetricsCallback(model_flop_params(self.model),
+                                               float(peak) if peak else detect_peak_tflops(device, dtype))
+        # first in the list: the printer and the reporting integrations then log the keys it adds
+        self.callback_handler.callbacks.insert(0, self.pf_metrics)
         # transformers' tracker busy-polls RSS in a thread; keep its keys, drop the busy loop
         tracker = getattr(self, "_memory_tracker", None)
         if tracker is not None and type(tracker) is TrainerMemoryTracker:
             tracker.__class__ = LightMemoryTracker  # keeps the init-stage numbers it already holds
 
-    def _pf_on_train_begin(self) -> None:
-        self._pf_meter.reset_totals()
-        if torch.cuda.is_available() and self.args.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.args.device)
-        self._pf_peak.start()
-        self._pf_t_last = time.perf_counter()
+    @property
+    def _pf_meter(self) -> TokenMeter:
+        return self.pf_metrics.meter
 
     # ------------------------------------------------------------------ counting
 
@@ -310,90 +296,15 @@ class TokenAccountingMixin:
         return result
 
     def _pf_eval_add(self, loss_sum: torch.Tensor, count: int) -> None:
-        self._pf_eval_sum += float(loss_sum)
-        self._pf_eval_count += int(count)
+        self.pf_metrics.add_eval(loss_sum, count)
 
     def _track_num_input_tokens(self, inputs):
+        # private Trainer method, no public hook: transformers counts a packed row's pad segment ("all") or any
+        # token equal to the pad id ("non_padding"); num_input_tokens_seen counts real tokens here in both modes
         if self.args.include_num_input_tokens_seen == "no":
             return
         t = torch.tensor(self._pf_meter.last_real, device=self.args.device, dtype=torch.int64)
         self.state.num_input_tokens_seen += int(self.accelerator.gather(t).sum().item())
-
-    # ------------------------------------------------------------------ eval
-
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
-        self._pf_eval_sum, self._pf_eval_count = 0.0, 0
-        output = super().evaluation_loop(
-            dataloader, description, prediction_loss_only=prediction_loss_only, ignore_keys=ignore_keys,
-            metric_key_prefix=metric_key_prefix,
-        )
-        total, count = _reduce([self._pf_eval_sum, float(self._pf_eval_count)], self.args.device)
-        if count > 0:
-            # token-weighted mean over all supervised tokens (transformers averages per-batch means instead)
-            output.metrics[f"{metric_key_prefix}_loss"] = total / count
-            output.metrics[f"{metric_key_prefix}_supervised_tokens"] = int(count)
-        return output
-
-    # ------------------------------------------------------------------ logging
-
-    def _pf_rates(self, counts: dict[str, float], seconds: float, prefix: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        seconds = max(seconds, 1e-9)
-        out[f"{prefix}real_tokens_per_second"] = round(counts["real"] / seconds, 3)
-        out[f"{prefix}supervised_tokens_per_second"] = round(counts["supervised"] / seconds, 3)
-        out[f"{prefix}padding_share"] = round(1.0 - counts["real"] / counts["processed"], 6) if counts["processed"] else 0.0
-        p, layers, hidden = self._pf_flop_params
-        flops = train_flops(p, layers, hidden, counts["real"], counts["sum_sq"])
-        out[f"{prefix}tflops"] = round(flops / seconds / 1e12, 6)
-        if self._pf_peak_tflops:
-            world = max(1, self.args.world_size)
-            out[f"{prefix}mfu"] = round(flops / seconds / (self._pf_peak_tflops * 1e12 * world), 6)
-        return out
-
-    def _pf_gather(self, counts: dict[str, float], steps: list[int], max_micro: int):
-        device = self.args.device
-        summed = _reduce([float(counts[k]) for k in _SUM_KEYS], device)
-        counts = dict(zip(_SUM_KEYS, summed))
-        steps = _reduce([float(s) for s in steps], device)
-        max_micro = _reduce([float(max_micro)], device, op="max")[0]
-        return counts, steps, max_micro
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        meter = getattr(self, "_pf_meter", None)
-        if meter is not None and "train_runtime" in logs:
-            peak = self._pf_peak.stop()
-            counts, steps, max_micro = self._pf_gather(meter.totals, meter.step_tokens, meter.max_micro)
-            runtime = float(logs["train_runtime"])
-            logs.update(self._pf_rates(counts, runtime, "train_"))
-            logs["train_real_tokens"] = int(counts["real"])
-            logs["train_supervised_tokens"] = int(counts["supervised"])
-            logs["train_processed_tokens"] = int(counts["processed"])
-            logs["train_examples"] = int(counts["examples"])
-            # transformers derives samples/s from batch_size x steps; count the examples really trained on
-            logs["train_samples_per_second"] = round(counts["examples"] / max(runtime, 1e-9), 3)
-            if steps:
-                logs["train_tokens_per_step_mean"] = round(sum(steps) / len(steps), 2)
-                logs["train_tokens_per_step_max"] = int(max(steps))
-            logs["train_micro_batch_tokens_max"] = int(max_micro)
-            if self.args.include_num_input_tokens_seen != "no" or getattr(self.args, "include_tokens_per_second", False):
-                logs["train_tokens_per_second"] = logs["train_real_tokens_per_second"]
-            logs["train_mem_cpu_peak"] = int(peak)
-            logs["train_mem_cpu_peak_delta"] = int(peak - self._pf_peak.start_rss)
-            if torch.cuda.is_available() and self.args.device.type == "cuda":
-                logs["train_mem_gpu_peak"] = int(torch.cuda.max_memory_allocated(self.args.device))
-        elif meter is not None and "loss" in logs and not any(k.startswith("eval_") for k in logs):
-            now = time.perf_counter()
-            counts, steps, max_micro = self._pf_gather(meter.interval, meter.interval_steps, meter.interval_max_micro)
-            logs.update(self._pf_rates(counts, now - self._pf_t_last, ""))
-            if steps:
-                logs["tokens_per_step_mean"] = round(sum(steps) / len(steps), 2)
-                logs["tokens_per_step_max"] = int(max(steps))
-            logs["micro_batch_tokens_max"] = int(max_micro)
-            if counts["scored"] > 0:
-                logs["mean_token_accuracy"] = round(counts["correct"] / counts["scored"], 6)
-            meter.reset_interval()
-            self._pf_t_last = now
-        super().log(logs, start_time)
 
 
 def _measured_sft_trainer_cls():

@@ -16,7 +16,10 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
   optimizer step is the mean over all its supervised tokens -- exactly what a padded run computes.
 - eval loss: token-weighted mean over all supervised tokens (transformers averages per-batch means; the padded
   mode of this trainer reports the token-weighted mean too, so the two are comparable).
-- resume: the sampler state is written to each checkpoint (``pf_trl_sampler_state.json``). On resume it is
+- epochs: the sampler yields the same number of batches in every epoch (fixed once from the lengths), so Trainer's
+  step count, taken from the first ``len()``, covers every example of every epoch exactly once.
+- resume: the sampler state is written to each checkpoint (``pf_trl_sampler_state.json``, by
+  :class:`~pf_trl.trainer.callbacks.SamplerStateCallback` in ``on_save``). On resume it is
   validated against the new sampler (same data lengths, budget, seed, world size) and its epoch restored;
   Trainer's own ``skip_first_batches`` then skips the consumed batches of that epoch (at the batch-sampler level:
   index lists only, no data is loaded). The sampler itself is *not* fast-forwarded, so nothing is skipped twice
@@ -38,7 +41,8 @@ from trl import SFTTrainer
 
 from pf_trl.collator import PaddingFreeCollator
 from pf_trl.sampler import TokenBudgetBatchSampler
-from pf_trl.trainer.config import PaddingFreeConfig, normalize_padding_free
+from pf_trl.trainer.callbacks import SamplerStateCallback
+from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
 from pf_trl.trainer.loss import linear_cross_entropy, resolve_fused_loss
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY, TokenAccountingMixin
 
@@ -132,9 +136,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         if args is None:
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
-            values = {k: v for k, v in args.to_dict().items() if k in PaddingFreeConfig.__dataclass_fields__}
-            values["padding_free"] = normalize_padding_free(values.get("padding_free", "huggingface"))
-            args = PaddingFreeConfig(**values)
+            args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
@@ -175,6 +177,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             logger.warning("pf-trl: fsdp was requested, but accelerate runs %s on this device: every rank holds the "
                            "whole model (plain data parallel), nothing is sharded", self.accelerator.distributed_type)
         self._pf_init_metrics()
+        self.add_callback(SamplerStateCallback(self))
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_resume_dir: str | None = None
         self.pf_token_budget: int | None = args.max_tokens_per_batch
@@ -302,12 +305,6 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     # ------------------------------------------------------------------ epochs, checkpoints, resume
 
-    def _run_epoch(self, *args, **kwargs):
-        epoch = kwargs.get("epoch", args[1] if len(args) > 1 else None)
-        if self._pf_train_sampler is not None and epoch is not None:
-            self._pf_train_sampler.set_epoch(int(epoch))  # accelerate's skip wrapper does not forward set_epoch
-        return super()._run_epoch(*args, **kwargs)
-
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true"):
             from transformers.trainer_utils import get_last_checkpoint
@@ -330,14 +327,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         step = self.state.global_step
         return {"epoch": step // per_epoch, "batches_yielded": min((step % per_epoch) * ga, n)}
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self._pf_train_sampler is None or not self.args.should_save:
-            return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if not os.path.isdir(folder):
+    def _pf_write_sampler_state(self, folder: str) -> None:
+        """Write the train sampler's position into checkpoint ``folder`` (called by :class:`SamplerStateCallback`)."""
+        if self._pf_train_sampler is None or not self.args.should_save or not os.path.isdir(folder):
             return
         pos = self._pf_sampler_position()
         sampler = self._pf_train_sampler
