@@ -128,21 +128,24 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
     """
 
     def __init__(self, model, args: PaddingFreeConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, **kwargs):
+                 eval_dataset=None, processing_class=None, pretokenize_config=None, **kwargs):
         if args is None:
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
             values = {k: v for k, v in args.to_dict().items() if k in PaddingFreeConfig.__dataclass_fields__}
             values["padding_free"] = normalize_padding_free(values.get("padding_free", "huggingface"))
             args = PaddingFreeConfig(**values)
+        processing_class = _pf_resolve_tokenizer(model, processing_class)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
             model = build_model(model, seed=args.seed)
-        if processing_class is None:
-            from pf_trl.data.tokenizer import load_tokenizer
-
-            processing_class = load_tokenizer()
+        train_dataset = _pf_prepare_dataset(train_dataset, processing_class, args, pretokenize_config, "training")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: _pf_prepare_dataset(v, processing_class, args, pretokenize_config, f"evaluation {k}")
+                            for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = _pf_prepare_dataset(eval_dataset, processing_class, args, pretokenize_config, "evaluation")
         self.pf_mode = args.padding_free
         if self.pf_mode != "none":
             if data_collator is not None and not isinstance(data_collator, PaddingFreeCollator):
@@ -370,6 +373,64 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         # position stays at 0: Trainer's skip_first_batches skips the consumed batches itself.
         sampler.load_state_dict({**saved["sampler"], "batches_yielded": 0})
         self._pf_resumed_state = saved
+
+
+# ---------------------------------------------------------------------- data preparation (pf_trl.data.sources)
+
+
+def _pf_resolve_tokenizer(model, processing_class):
+    """``processing_class`` or the model's own tokenizer (folder), the embedded one for embedded/in-memory models;
+    its vocabulary must fit the model's embeddings (same rules as ``pf-trl train``)."""
+    from pf_trl.data.tokenizer import resolve_tokenizer
+
+    if processing_class is not None and not hasattr(processing_class, "backend_tokenizer") and not isinstance(
+        processing_class, str
+    ):
+        return processing_class  # a processor (multimodal): not pf-trl's to check
+    return resolve_tokenizer(model, processing_class)
+
+
+def _pf_pretokenize_config(args, pretokenize_config):
+    """The data options: the caller's :class:`PretokenizeConfig`, else derived from the trainer config."""
+    from pf_trl.data.pretokenize import PretokenizeConfig
+
+    if pretokenize_config is not None:
+        return pretokenize_config
+    return PretokenizeConfig(
+        text_field=args.dataset_text_field or "text",
+        max_seq_len=int(args.max_length or 1024),
+        completion_only_loss=args.completion_only_loss is not False,
+    )
+
+
+def _pf_prepare_dataset(dataset, tokenizer, args, pretokenize_config, what: str):
+    """Raw rows (or a path) -> pf-trl shards through the same data path as ``pf-trl train``; tokenized rows keep
+    their ids, with TRL's ``completion_mask`` / ``assistant_masks`` folded into ``labels`` before any column is
+    dropped."""
+    if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset") and not _has_masks(dataset):
+        return dataset
+    from pf_trl.data import sources
+
+    if isinstance(dataset, (str, os.PathLike)) or (hasattr(dataset, "column_names") and not _is_tokenized(dataset)):
+        import datasets
+
+        if isinstance(dataset, datasets.IterableDataset):
+            return dataset  # streamed rows: left to TRL
+        config = _pf_pretokenize_config(args, pretokenize_config)
+        try:
+            return sources.load_training_data(dataset, tokenizer, config, progress=False,
+                                              say=lambda msg: logger.info("pf-trl: %s", msg), what=what)
+        except sources.DataSourceError as exc:
+            raise ValueError(str(exc)) from exc
+    if _has_masks(dataset):
+        return sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
+    return dataset
+
+
+def _has_masks(dataset) -> bool:
+    from pf_trl.data.sources import mask_columns_present
+
+    return bool(mask_columns_present(dataset))
 
 
 def _is_tokenized(dataset) -> bool:
