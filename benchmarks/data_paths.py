@@ -16,6 +16,7 @@ train dataloader: what is actually trained. A format a path refuses is reported 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -107,14 +108,14 @@ def run(n: int) -> dict[str, Any]:
             try:
                 model = build_model("pf-trl/tiny-llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
                                     num_attention_heads=2, num_key_value_heads=1)
-                kwargs: dict[str, Any] = {}
-                if name == "text":
-                    kwargs["response_template"] = "### Response:"
                 config = PaddingFreeConfig(output_dir=str(Path(tmp) / "api"), report_to="none", save_strategy="no")
-                for k, v in kwargs.items():  # only on versions whose config knows the field
-                    if hasattr(config, k):
-                        setattr(config, k, v)
-                trainer = PaddingFreeSFTTrainer(model, args=config, train_dataset=datasets.Dataset.from_list(rows))
+                kwargs: dict[str, Any] = {}
+                if name == "text" and "pretokenize_config" in inspect.signature(PaddingFreeSFTTrainer).parameters:
+                    from pf_trl.data.pretokenize import PretokenizeConfig
+
+                    kwargs["pretokenize_config"] = PretokenizeConfig(response_template="### Response:")
+                trainer = PaddingFreeSFTTrainer(model, args=config, train_dataset=datasets.Dataset.from_list(rows),
+                                                **kwargs)
                 entry["api"] = count_dataloader(trainer)
             except BaseException as exc:  # noqa: BLE001
                 entry["api"] = {"error": first_line(exc)}

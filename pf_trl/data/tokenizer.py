@@ -19,13 +19,15 @@ from typing import Any
 DEFAULT_TOKENIZER = "pf-trl/mistral-7b-v0.1"
 _EMBEDDED_ALIASES = {DEFAULT_TOKENIZER, "default", "mistral-7b-v0.1"}
 
-# Mistral-instruct v0.1 style template: the loss mask for chat data is derived from the rendered
-# text (see formats.py), so the template needs no `{% generation %}` markers.
+# Mistral-instruct v0.1 style template. The assistant turn (with its leading space, which sentencepiece folds into
+# the first answer token, and EOS) sits in a `{% generation %}` block: the spans pf-trl supervises and TRL's
+# `assistant_only_loss` / `return_assistant_tokens_mask` both come from it.
 MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
     "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{% generation %}{{ ' ' + message['content'] + eos_token }}"
+    "{% endgeneration %}"
     "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
     "{% endfor %}"
 )
@@ -94,7 +96,7 @@ def _embedded_tokenizer_dir() -> Path:
     from transformers import LlamaTokenizer
 
     source = embedded_tokenizer_file()
-    key = _sha256_file(source)[:16]
+    key = hashlib.sha256((_sha256_file(source) + MISTRAL_CHAT_TEMPLATE).encode()).hexdigest()[:16]
     target = cache_root() / "tokenizers" / f"mistral-7b-v0.1-{key}"
     if (target / "tokenizer_config.json").is_file():
         return target
