@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,8 @@ def precheck(argv: list[str], *, say=print) -> None:
         else:
             default_tokenizer_for(name)
     except TokenizerLoadError as exc:
-        raise TrainCLIError(str(exc)) from exc
+        flag = "--tokenizer_name_or_path" if args.tokenizer_name_or_path else "--model_name_or_path"
+        raise TrainCLIError(f"{flag}: {exc}") from exc
     if args.chat_template and not Path(args.chat_template).expanduser().is_file():
         raise TrainCLIError(f"--chat_template {args.chat_template}: no such file; pass a Jinja template file")
     if args.dataset_service_url:
@@ -229,6 +231,8 @@ def _probe_service(args: argparse.Namespace, say) -> None:
 
     if not args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
+    if not str(args.dataset_service_url).startswith(("http://", "https://")):
+        raise TrainCLIError(f"--dataset_service_url {args.dataset_service_url!r} must start with http:// or https://")
     try:
         timeout = float(args.dataset_service_timeout_s)
     except (TypeError, ValueError):
@@ -445,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         _parser().print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # TRL's SFTConfig defaults gradient_checkpointing=True, which transformers 5 flags as deprecated on every run:
+    # noise the user did not cause and cannot silence with a flag
+    warnings.filterwarnings("ignore", message=r".*`gradient_checkpointing` is deprecated", category=FutureWarning)
     try:
         precheck(argv)  # before transformers / TRL are imported (seconds) and before the model loads
         model_args, data_args, config = parse_args(argv)
