@@ -5,8 +5,10 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
 - data: train and eval dataloaders batch with :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (rank-aware: each
   rank gets disjoint, token-balanced batches and the same number of them) and collate with
   :class:`~pf_trl.collator.PaddingFreeCollator` (one ``[1, T]`` row, ``position_ids``, flash kwargs, no
-  ``attention_mask``). Columns are reduced to ``input_ids`` / ``labels`` before collation; ``position_ids`` and the
-  flash kwargs are produced by the collator after that, so column removal cannot drop them.
+  ``attention_mask``). Raw rows go through :mod:`pf_trl.data.sources` (the CLI's data path: same ids, same masks);
+  TRL's ``completion_mask`` / ``assistant_masks`` columns become ``labels`` first, then columns are reduced to
+  ``input_ids`` / ``labels`` before collation; ``position_ids`` and the flash kwargs are produced by the collator
+  after that, so column removal cannot drop them.
 - attention: :func:`pf_trl.attention.enable_padding_free` is applied to the model (self-checked; it also forces
   ``use_cache=False`` on packed inputs, so evaluation does not depend on the caller remembering it).
 - loss: hidden states from the backbone, then cross-entropy over the supervised positions only, in chunks
@@ -123,8 +125,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     Args are those of ``SFTTrainer``; ``args`` should be a :class:`PaddingFreeConfig` (a plain ``SFTConfig`` or
     ``TrainingArguments`` is converted). ``model`` is a loaded ``PreTrainedModel``, an embedded pf-trl name
-    (``pf-trl/tiny-llama``) or a local folder: pf-trl never downloads. ``processing_class`` defaults to the embedded
-    tokenizer.
+    (``pf-trl/tiny-llama``) or a local folder: pf-trl never downloads. ``processing_class`` defaults to the model
+    folder's tokenizer (the embedded one for embedded / in-memory models) and must fit the model's embeddings.
+    ``train_dataset`` / ``eval_dataset`` may be shards, raw rows in any format of ``docs/data.md``, a path or a
+    ``DatasetDict``; ``pretokenize_config`` (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data
+    options the trainer config does not carry (response template, field names, format).
     """
 
     def __init__(self, model, args: PaddingFreeConfig | None = None, data_collator=None, train_dataset=None,
@@ -140,12 +145,13 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             from pf_trl.models import build_model
 
             model = build_model(model, seed=args.seed)
-        train_dataset = _pf_prepare_dataset(train_dataset, processing_class, args, pretokenize_config, "training")
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: _pf_prepare_dataset(v, processing_class, args, pretokenize_config, f"evaluation {k}")
-                            for k, v in eval_dataset.items()}
-        else:
-            eval_dataset = _pf_prepare_dataset(eval_dataset, processing_class, args, pretokenize_config, "evaluation")
+        if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes
+            train_dataset = _pf_prepare_dataset(train_dataset, processing_class, args, pretokenize_config, "training")
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {k: _pf_prepare_dataset(v, processing_class, args, pretokenize_config, f"evaluation {k}")
+                                for k, v in eval_dataset.items()}
+            else:
+                eval_dataset = _pf_prepare_dataset(eval_dataset, processing_class, args, pretokenize_config, "evaluation")
         self.pf_mode = args.padding_free
         if self.pf_mode != "none":
             if data_collator is not None and not isinstance(data_collator, PaddingFreeCollator):
