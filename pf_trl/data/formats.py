@@ -112,7 +112,8 @@ def detect_format(
         if not response_template:
             raise FormatError(
                 f"column {fields.text!r} found but no response_template: pass --response_template "
-                "(e.g. '### Response:') so pf-trl knows where the loss starts"
+                "(e.g. '### Response:'; in Python PretokenizeConfig(response_template=...)) so pf-trl knows where the "
+                "loss starts"
             )
         return "text"
     raise FormatError(
