@@ -180,8 +180,14 @@ def test_tokenizer_larger_than_the_embeddings_is_refused(model_dir, tmp_path, ca
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
+    args = PaddingFreeConfig(output_dir=str(tmp_path / "p"), report_to="none")
     with pytest.raises(TokenizerLoadError, match="has 32000 tokens but the model has 64 embeddings"):
-        PaddingFreeSFTTrainer(model, args=PaddingFreeConfig(output_dir=str(tmp_path / "p"), report_to="none"))
+        PaddingFreeSFTTrainer(model, args=args, train_dataset=datasets.Dataset.from_list(ALPACA))  # raw rows
+    with pytest.raises(ValueError, match="token id 64 is outside the model's 64 embeddings"):
+        PaddingFreeSFTTrainer(model, args=args, train_dataset=datasets.Dataset.from_list([{"input_ids": [1, 5, 64]}]))
+    # tokenized rows inside the embeddings train with any tokenizer (it only supplies the pad id): positive control
+    ok = PaddingFreeSFTTrainer(model, args=args, train_dataset=datasets.Dataset.from_list([{"input_ids": [1, 5, 63]}]))
+    assert ok.train_dataset.num_rows == 1
 
 
 def test_python_api_defaults_to_the_model_folder_tokenizer(model_dir, my_tok, tmp_path):

@@ -174,3 +174,20 @@ def supervised_token_count(dataset) -> int:
     if column == "input_ids":
         return len(flat)
     return int(pc.sum(pc.not_equal(flat, IGNORE_INDEX)).as_py() or 0)
+
+
+def check_token_ids(dataset, vocab_size: int | None) -> None:
+    """Refuse tokenized rows whose ids reach past the model's embeddings (made with another tokenizer)."""
+    if vocab_size is None or "input_ids" not in (dataset.column_names or []):
+        return
+    import pyarrow.compute as pc
+
+    flat = pc.list_flatten(dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"])
+    if len(flat) == 0:
+        return
+    top = pc.max(flat).as_py()
+    if top is not None and top >= vocab_size:
+        raise DataSourceError(
+            f"token id {top} is outside the model's {vocab_size} embeddings: the data was tokenized with another "
+            "tokenizer; tokenize it with the model's own"
+        )

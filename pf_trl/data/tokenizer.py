@@ -280,7 +280,7 @@ def apply_chat_template_file(tokenizer, path: str | Path | None) -> None:
 
 
 def resolve_tokenizer(
-    model: Any = None, tokenizer: Any = None, *, chat_template_file: str | Path | None = None
+    model: Any = None, tokenizer: Any = None, *, chat_template_file: str | Path | None = None, check_vocab: bool = True
 ):
     """The tokenizer to train ``model`` with: ``tokenizer`` when given (a name, folder or loaded tokenizer), else
     the model folder's own tokenizer, else (embedded or in-memory models) the embedded default; its vocabulary must
@@ -290,6 +290,8 @@ def resolve_tokenizer(
         model: an embedded model name, a model folder, or a loaded ``PreTrainedModel``.
         tokenizer: an embedded name, a local folder, a loaded fast tokenizer, or None.
         chat_template_file: a Jinja file that replaces the tokenizer's chat template.
+        check_vocab: refuse a tokenizer with more tokens than the model has embeddings (callers that only use it
+            on already tokenized data check the data's ids instead).
     """
     if tokenizer is None:
         if model is None or isinstance(model, (str, os.PathLike)):
@@ -300,7 +302,8 @@ def resolve_tokenizer(
         tokenizer = load_tokenizer(name)
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(str(tokenizer))
-    model_name = repr(str(model)) if isinstance(model, (str, os.PathLike)) else "the model"
-    check_vocab_fits(tokenizer, model_vocab_size(model), model_name=f"model {model_name}" if model_name != "the model" else model_name)
+    if check_vocab:
+        model_name = f"model {str(model)!r}" if isinstance(model, (str, os.PathLike)) else "the model"
+        check_vocab_fits(tokenizer, model_vocab_size(model), model_name=model_name)
     apply_chat_template_file(tokenizer, chat_template_file)
     return tokenizer

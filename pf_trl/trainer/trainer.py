@@ -146,12 +146,13 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
             model = build_model(model, seed=args.seed)
         if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes
-            train_dataset = _pf_prepare_dataset(train_dataset, processing_class, args, pretokenize_config, "training")
+            prepare = functools.partial(_pf_prepare_dataset, tokenizer=processing_class, model=model, args=args,
+                                        pretokenize_config=pretokenize_config)
+            train_dataset = prepare(train_dataset, what="training")
             if isinstance(eval_dataset, dict):
-                eval_dataset = {k: _pf_prepare_dataset(v, processing_class, args, pretokenize_config, f"evaluation {k}")
-                                for k, v in eval_dataset.items()}
+                eval_dataset = {k: prepare(v, what=f"evaluation {k}") for k, v in eval_dataset.items()}
             else:
-                eval_dataset = _pf_prepare_dataset(eval_dataset, processing_class, args, pretokenize_config, "evaluation")
+                eval_dataset = prepare(eval_dataset, what="evaluation")
         self.pf_mode = args.padding_free
         if self.pf_mode != "none":
             if data_collator is not None and not isinstance(data_collator, PaddingFreeCollator):
@@ -385,15 +386,16 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
 
 def _pf_resolve_tokenizer(model, processing_class):
-    """``processing_class`` or the model's own tokenizer (folder), the embedded one for embedded/in-memory models;
-    its vocabulary must fit the model's embeddings (same rules as ``pf-trl train``)."""
+    """``processing_class`` or the model's own tokenizer (folder), the embedded one for embedded/in-memory models
+    (same rules as ``pf-trl train``). Its vocabulary is checked against the model where data is tokenized with it
+    (:func:`_pf_prepare_dataset`); tokenized rows have their ids checked instead."""
     from pf_trl.data.tokenizer import resolve_tokenizer
 
     if processing_class is not None and not hasattr(processing_class, "backend_tokenizer") and not isinstance(
         processing_class, str
     ):
         return processing_class  # a processor (multimodal): not pf-trl's to check
-    return resolve_tokenizer(model, processing_class)
+    return resolve_tokenizer(model, processing_class, check_vocab=False)
 
 
 def _pf_pretokenize_config(args, pretokenize_config):
@@ -409,19 +411,27 @@ def _pf_pretokenize_config(args, pretokenize_config):
     )
 
 
-def _pf_prepare_dataset(dataset, tokenizer, args, pretokenize_config, what: str):
-    """Raw rows (or a path) -> pf-trl shards through the same data path as ``pf-trl train``; tokenized rows keep
-    their ids, with TRL's ``completion_mask`` / ``assistant_masks`` folded into ``labels`` before any column is
-    dropped."""
-    if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset") and not _has_masks(dataset):
+def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, what: str):
+    """Raw rows (or a path) -> pf-trl shards through the same data path as ``pf-trl train`` (the tokenizer must fit
+    the model's embeddings); tokenized rows keep their ids (checked against the embeddings), with TRL's
+    ``completion_mask`` / ``assistant_masks`` folded into ``labels`` before any column is dropped."""
+    if dataset is None:
         return dataset
     from pf_trl.data import sources
+    from pf_trl.data.tokenizer import check_vocab_fits, model_vocab_size
 
+    vocab = model_vocab_size(model)
+    made_with = (getattr(dataset, "pf_manifest", None) or {}).get("tokenizer", {}).get("vocab_size")
+    if _is_tokenized(dataset) and hasattr(dataset, "data") and not (made_with and vocab and made_with <= vocab):
+        sources.check_token_ids(dataset, vocab)  # shards made with a tokenizer that fits need no scan
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset") and not _has_masks(dataset):
+        return dataset
     if isinstance(dataset, (str, os.PathLike)) or (hasattr(dataset, "column_names") and not _is_tokenized(dataset)):
         import datasets
 
         if isinstance(dataset, datasets.IterableDataset):
             return dataset  # streamed rows: left to TRL
+        check_vocab_fits(tokenizer, vocab)
         config = _pf_pretokenize_config(args, pretokenize_config)
         try:
             return sources.load_training_data(dataset, tokenizer, config, progress=False,
