@@ -60,7 +60,8 @@ class PretokenizeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    input_format: Literal["auto", "pretokenized", "text", "prompt_completion", "messages"] = "auto"
+    input_format: Literal["auto", "pretokenized", "text", "prompt_completion", "messages",
+                          "conversational_prompt_completion", "alpaca", "sharegpt"] = "auto"
     text_field: str = Field("text", min_length=1, max_length=256)
     prompt_field: str = Field("prompt", min_length=1, max_length=256)
     completion_field: str = Field("completion", min_length=1, max_length=256)
@@ -75,6 +76,12 @@ class PretokenizeOptions(BaseModel):
     drop_no_loss: bool = True
     shard_size: str = Field("500MB", description="Arrow shard size: 1MB .. 9999999MB (MB, GB, MiB, GiB).",
                             pattern=r"^[1-9][0-9]{0,6}(MB|GB|MiB|GiB)$")
+    instruction_field: str = Field("instruction", min_length=1, max_length=256)
+    input_field: str = Field("input", min_length=1, max_length=256)
+    output_field: str = Field("output", min_length=1, max_length=256)
+    conversations_field: str = Field("conversations", min_length=1, max_length=256)
+    completion_only_loss: bool = Field(True, description="Prompt-completion formats and TRL's completion_mask: loss "
+                                       "on the completion only.")
 
 
 class DatasetRequest(BaseModel):

@@ -591,7 +591,8 @@ def test_indexed_pretokenize_job_parses_with_pretokenize_parser():
 def test_pretokenize_parser_rejects_a_bogus_flag():
     from pf_trl.cli.pretokenize import build_parser
 
-    with pytest.raises(SystemExit):
+    # a user error is one line (PretokenizeCLIError, exit 2 from main), not argparse's usage + SystemExit
+    with pytest.raises(ValueError, match="unrecognized arguments: --max_seq_length_typo"):
         build_parser().parse_args(["a.jsonl", "out", "--max_seq_length_typo", "4096"])
 
 

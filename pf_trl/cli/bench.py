@@ -68,7 +68,8 @@ def load_scenario(path: str | Path) -> dict[str, Any]:
 
 
 def _subset(scenario: dict[str, Any]):
-    from pf_trl.cli.train import DataArguments, resolve_dataset
+    from pf_trl.data.pretokenize import PretokenizeConfig
+    from pf_trl.data.sources import load_training_data
     from pf_trl.data.tokenizer import load_tokenizer
 
     from pf_trl.pretrained import resolve_pretrained
@@ -80,11 +81,8 @@ def _subset(scenario: dict[str, Any]):
 
         source = str(SHAREGPT_SAMPLE)
 
-    class _Cfg:
-        dataset_text_field = "text"
-
-    data_args = DataArguments(training_data_path=source, max_seq_len=int(scenario["max_seq_len"]))
-    _, ds = resolve_dataset(source, data_args, _Cfg(), tokenizer, quiet=True)
+    ds = load_training_data(source, tokenizer, PretokenizeConfig(max_seq_len=int(scenario["max_seq_len"])),
+                            progress=False)
     n = min(int(scenario["examples"]), ds.num_rows)
     ds = ds.shuffle(seed=int(scenario["seed"])).select(range(n)).flatten_indices()
     return tokenizer, ds

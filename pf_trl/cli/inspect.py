@@ -1,44 +1,114 @@
-"""`pf-trl inspect SHARDS_DIR`: manifest summary and how well the token-budget sampler packs it."""
+"""`pf-trl inspect SHARDS_DIR [--samples N]`: manifest summary, how well the token-budget sampler packs it, and
+decoded examples with the supervised spans marked (what the loss sees)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
 
+from pf_trl.cli.flags import normalize_flags, one_line
 from pf_trl.data.shards import ShardsError, load_shards
+
+LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
+
+
+class InspectCLIError(ValueError):
+    """A bad flag; one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pf-trl inspect", description=__doc__, exit_on_error=False)
+    parser.add_argument("shards_dir")
+    parser.add_argument("--max_tokens", "--max_tokens_per_batch", dest="max_tokens", type=int, nargs="*",
+                        default=[4096, 8192, 16384], help="token budgets to report packing for")
+    parser.add_argument("--samples", type=int, default=0, help="print N decoded examples, supervised spans marked")
+    parser.add_argument("--tokenizer_name_or_path", default=None,
+                        help="tokenizer to decode with (default: the one recorded in the manifest)")
+    parser.add_argument("--json", action="store_true", help="print the full manifest as JSON")
+
+    def error(message: str):
+        raise InspectCLIError(f"{message} (see `pf-trl inspect --help`)")
+
+    parser.error = error
+    return parser
+
+
+def marked_text(tokenizer, input_ids: list[int], labels: list[int]) -> str:
+    """The example decoded run by run, supervised runs (labels != -100) between ⟦ and ⟧."""
+    parts, start = [], 0
+    supervised = [label != -100 for label in labels]
+    for i in range(1, len(input_ids) + 1):
+        if i == len(input_ids) or supervised[i] != supervised[start]:
+            text = tokenizer.decode(input_ids[start:i])
+            parts.append(f"{LOSS_OPEN}{text}{LOSS_CLOSE}" if supervised[start] else text)
+            start = i
+    return "".join(parts)
+
+
+def _manifest_tokenizer(manifest: dict, override: str | None):
+    from pf_trl.data.tokenizer import load_tokenizer
+
+    info = manifest["tokenizer"]
+    name = override or (info.get("name") if info.get("name", "").startswith("pf-trl/") else info.get("path"))
+    return load_tokenizer(name or info.get("name"))
+
+
+def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:
+    tokenizer = _manifest_tokenizer(manifest, override)
+    source = manifest.get("source", {})
+    print(f"format {source.get('input_format')}; chat mask: {source.get('chat_mask') or 'n/a'}; "
+          f"decoded with {getattr(tokenizer, 'pf_trl_name', tokenizer.name_or_path)}")
+    template = getattr(tokenizer, "chat_template", None)
+    if source.get("input_format") in ("messages", "sharegpt", "conversational_prompt_completion") and template:
+        print("chat template:")
+        print("  " + template.replace("\n", "\n  "))
+    print(f"supervised tokens are shown between {LOSS_OPEN} and {LOSS_CLOSE}")
+    for i in range(min(count, ds.num_rows)):
+        row = ds[i]
+        n = sum(1 for label in row["labels"] if label != -100)
+        print(f"--- example {i}: {row['length']} tokens, {n} supervised")
+        print(marked_text(tokenizer, row["input_ids"], row["labels"]))
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pf-trl inspect", description=__doc__)
-    parser.add_argument("shards_dir")
-    parser.add_argument("--max_tokens", type=int, nargs="*", default=[4096, 8192, 16384])
-    parser.add_argument("--json", action="store_true", help="print the full manifest as JSON")
-    args = parser.parse_args(argv)
+    argv = normalize_flags(argv)
     try:
+        args = build_parser().parse_args(argv)
+        if args.samples < 0:
+            raise InspectCLIError(f"--samples must be >= 0, got {args.samples}")
+        if any(b <= 0 for b in args.max_tokens):
+            raise InspectCLIError("--max_tokens values must be positive integers")
         ds = load_shards(args.shards_dir)
-    except ShardsError as exc:
-        print(f"pf-trl inspect: error: {exc}", file=sys.stderr)
-        return 2
-    manifest = ds.pf_manifest
-    if args.json:
-        print(json.dumps(manifest, indent=2))
-        return 0
-    from pf_trl.sampler import TokenBudgetBatchSampler
+        manifest = ds.pf_manifest
+        if args.json:
+            print(json.dumps(manifest, indent=2))
+            return 0
+        from pf_trl.sampler import TokenBudgetBatchSampler
 
-    lengths = np.asarray(ds.data.column("length"))
-    c, s = manifest["counts"], manifest["lengths"]
-    print(f"{args.shards_dir}: {c['examples']} examples, {c['tokens']} tokens ({c['loss_tokens']} supervised), "
-          f"{c['truncated']} truncated, {c['dropped']} dropped")
-    print(f"tokenizer {manifest['tokenizer']['name']} (vocab {manifest['tokenizer']['vocab_size']}), "
-          f"max_seq_len {manifest['max_seq_len']}, truncation {manifest['truncation']}")
-    print(f"lengths: min {s['min']} mean {s['mean']} p50 {s['p50']} p90 {s['p90']} p99 {s['p99']} max {s['max']}")
-    for budget in args.max_tokens:
-        if budget < lengths.max():
-            print(f"budget {budget}: smaller than the longest example ({lengths.max()})")
-            continue
-        sampler = TokenBudgetBatchSampler(lengths, budget, seed=0)
-        print(f"budget {budget}: {len(sampler)} batches, fill {sampler.efficiency:.4f}")
+        lengths = np.asarray(ds.data.column("length"))
+        c, s = manifest["counts"], manifest["lengths"]
+        source = manifest.get("source", {})
+        print(f"{args.shards_dir}: {c['examples']} examples, {c['tokens']} tokens ({c['loss_tokens']} supervised), "
+              f"{c['truncated']} truncated, {c['dropped']} dropped")
+        print(f"format {source.get('input_format')} (chat mask: {source.get('chat_mask') or 'n/a'}), tokenizer "
+              f"{manifest['tokenizer']['name']} (vocab {manifest['tokenizer']['vocab_size']}), "
+              f"max_seq_len {manifest['max_seq_len']}, truncation {manifest['truncation']}")
+        print(f"lengths: min {s['min']} mean {s['mean']} p50 {s['p50']} p90 {s['p90']} p99 {s['p99']} max {s['max']}")
+        for budget in args.max_tokens:
+            if budget < lengths.max():
+                print(f"budget {budget}: smaller than the longest example ({lengths.max()})")
+                continue
+            sampler = TokenBudgetBatchSampler(lengths, budget, seed=0)
+            print(f"budget {budget}: {len(sampler)} batches, fill {sampler.efficiency:.4f}")
+        if args.samples:
+            print_samples(ds, manifest, args.samples, args.tokenizer_name_or_path)
+    except (argparse.ArgumentError, InspectCLIError, ShardsError, ValueError) as exc:
+        if os.environ.get("PF_TRL_DEBUG"):
+            raise
+        print(f"pf-trl inspect: error: {one_line(exc)}", file=sys.stderr)
+        return 2
     return 0

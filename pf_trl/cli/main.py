@@ -17,6 +17,9 @@ COMMANDS = {
     "demo": ("pf_trl.cli.demo", "pretokenize the shipped sample and train the tiny default a few steps"),
 }
 
+# `serve` spells its flags with dashes and accepts underscores itself.
+UNDERSCORE_COMMANDS = ("train", "pretokenize", "inspect", "demo", "bench")
+
 
 def usage() -> str:
     lines = [f"pf-trl {__version__}: padding-free fine-tuning for TRL", "", "usage: pf-trl COMMAND [options]", ""]
@@ -37,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"pf-trl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if name in UNDERSCORE_COMMANDS:  # their flags are spelled with underscores; dashes are accepted too
+        from pf_trl.cli.flags import normalize_flags
+
+        rest = normalize_flags(rest)
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -11,18 +11,51 @@ Formats:
 - ``text``: one text field plus ``response_template``: loss on everything after the *last* occurrence of
   the template (what TRL's ``DataCollatorForCompletionOnlyLM`` does);
 - ``prompt_completion``: ``prompt`` and ``completion`` columns: loss on the completion;
-- ``messages``: chat ``messages`` (``role``/``content``) rendered with the tokenizer's chat template: loss
-  on assistant turns only.
+- ``messages``: chat ``messages`` (``role``/``content``, or ShareGPT's ``from``/``value``) rendered with the
+  tokenizer's chat template: loss on assistant turns only;
+- ``conversational_prompt_completion``: TRL's conversational prompt-completion (``prompt`` and ``completion`` are
+  lists of messages): loss on the completion's assistant turns;
+- ``alpaca``: ``instruction`` / optional ``input`` / ``output``, rendered with the standard Alpaca prompt (the
+  variant with or without ``### Input:``): loss on ``output``;
+- ``sharegpt``: ``conversations`` (``from``: system/human/gpt, ``value``; ``role``/``content`` spellings too),
+  rendered like ``messages``.
+
+Chat masks: when the chat template marks assistant text with ``{% generation %}`` blocks, those blocks are the
+supervised spans (what TRL's ``assistant_only_loss`` uses); otherwise each assistant turn's span is what rendering
+it adds to the rendering of the conversation before it (prefix rendering).
+
+TRL's mask columns on tokenized rows (``completion_mask``, ``assistant_masks``: 1 = loss) become labels: a token
+keeps its label only where every mask present is 1 and ``labels`` (when given) is not -100 (the intersection).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import re
 from dataclasses import dataclass
 from typing import Any
 
 IGNORE_INDEX = -100
-FORMATS = ("pretokenized", "text", "prompt_completion", "messages")
+FORMATS = ("pretokenized", "text", "prompt_completion", "messages", "conversational_prompt_completion", "alpaca",
+           "sharegpt")
+MASK_COLUMNS = ("completion_mask", "assistant_masks")
+
+# The standard Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT).
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+# ShareGPT speaker names -> chat roles.
+SHAREGPT_ROLES = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant", "tool": "tool",
+}
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class FormatError(ValueError):
@@ -39,6 +72,10 @@ class FieldNames:
     messages: str = "messages"
     input_ids: str = "input_ids"
     labels: str = "labels"
+    instruction: str = "instruction"
+    input: str = "input"
+    output: str = "output"
+    conversations: str = "conversations"
 
 
 def required_columns(input_format: str, fields: FieldNames) -> tuple[str, ...]:
@@ -47,30 +84,43 @@ def required_columns(input_format: str, fields: FieldNames) -> tuple[str, ...]:
         "pretokenized": (fields.input_ids,),
         "text": (fields.text,),
         "prompt_completion": (fields.prompt, fields.completion),
+        "conversational_prompt_completion": (fields.prompt, fields.completion),
         "messages": (fields.messages,),
+        "alpaca": (fields.instruction, fields.output),
+        "sharegpt": (fields.conversations,),
     }[input_format]
 
 
-def detect_format(columns: Sequence[str], fields: FieldNames, response_template: str | None) -> str:
-    """Pick the input format from the columns present (explicit formats skip this)."""
+def detect_format(
+    columns: Sequence[str], fields: FieldNames, response_template: str | None, first_row: dict[str, Any] | None = None
+) -> str:
+    """Pick the input format from the columns present (and the first row's shape for prompt/completion)."""
     cols = set(columns)
     if fields.input_ids in cols:
         return "pretokenized"
     if fields.messages in cols:
         return "messages"
+    if fields.conversations in cols:
+        return "sharegpt"
     if fields.prompt in cols and fields.completion in cols:
+        if first_row is not None and isinstance(first_row.get(fields.prompt), list):
+            return "conversational_prompt_completion"
         return "prompt_completion"
+    if fields.instruction in cols and fields.output in cols:
+        return "alpaca"
     if fields.text in cols:
         if not response_template:
             raise FormatError(
                 f"column {fields.text!r} found but no response_template: pass --response_template "
-                "(e.g. '### Response:') so pf-trl knows where the loss starts"
+                "(e.g. '### Response:'; in Python PretokenizeConfig(response_template=...)) so pf-trl knows where the "
+                "loss starts"
             )
         return "text"
     raise FormatError(
         f"cannot detect the input format from columns {sorted(cols)}: expected {fields.input_ids!r}, "
-        f"{fields.messages!r}, {fields.prompt!r}+{fields.completion!r}, or a text field (--dataset_text_field) "
-        "with --response_template"
+        f"{fields.messages!r}, {fields.conversations!r} (ShareGPT), {fields.prompt!r}+{fields.completion!r}, "
+        f"{fields.instruction!r}+{fields.output!r} (Alpaca), or a text column with --response_template; "
+        "name the columns with --text_field / --prompt_field / ... or pass --input_format"
     )
 
 
@@ -155,54 +205,164 @@ def render_prompt_completion(
     return texts, spans
 
 
-def render_messages(
-    tokenizer, batch: dict[str, list], indices: list[int], fields: FieldNames
+def render_alpaca(
+    batch: dict[str, list], indices: list[int], fields: FieldNames
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """Render chats with the tokenizer's template; an assistant turn's span is what its rendering adds.
-
-    For each assistant message i, the text rendered for messages[:i] (with the generation prompt) must be a
-    prefix of the text for messages[:i+1]; the difference is that turn's span. Templates that rewrite
-    earlier turns break this, and get a clear error instead of a silently wrong mask.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise FormatError("format 'messages' needs a tokenizer with a chat_template; set one or use another format")
+    """The standard Alpaca prompt (with ``### Input:`` when ``input`` is non-empty) + ``output``: loss on ``output``."""
     texts, spans = [], []
-    for messages, index in zip(batch[fields.messages], indices):
-        if not isinstance(messages, list) or not messages:
-            raise FormatError(f"row {index}: column {fields.messages!r} must be a non-empty list of messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise FormatError(f"row {index}: each message needs string 'role' and 'content', got {m!r:.80}")
-        try:
-            full = tokenizer.apply_chat_template(messages, tokenize=False)
-            row_spans = []
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-                upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-                if not upto.startswith(before) or not full.startswith(upto):
-                    raise FormatError(
-                        f"row {index}: the chat template is not prefix-consistent at message {i}, so the "
-                        "assistant loss mask cannot be derived; use a template that renders turns in order"
-                    )
-                row_spans.append((len(before), len(upto)))
-        except FormatError:
-            raise
-        except Exception as exc:
-            raise FormatError(f"row {index}: chat template failed: {exc}") from exc
+    inputs = batch.get(fields.input) or [None] * len(indices)
+    for instruction, extra, output, index in zip(batch[fields.instruction], inputs, batch[fields.output], indices):
+        instruction = _str_field(instruction, fields.instruction, index)
+        output = _str_field(output, fields.output, index)
+        if extra is not None and not isinstance(extra, str):
+            raise FormatError(f"row {index}: column {fields.input!r} must be a string, got {type(extra).__name__}")
+        if extra and extra.strip():
+            prompt = ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=extra)
+        else:
+            prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+        texts.append(prompt + output)
+        spans.append([(len(prompt), len(prompt) + len(output))])
+    return texts, spans
+
+
+def normalize_messages(messages: Any, column: str, index: int) -> list[dict[str, str]]:
+    """Chat messages as ``{"role", "content"}`` dicts; ShareGPT's ``from``/``value`` and speaker names mapped."""
+    if not isinstance(messages, list) or not messages:
+        raise FormatError(f"row {index}: column {column!r} must be a non-empty list of messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise FormatError(f"row {index}: each message must be an object, got {m!r:.80}")
+        role = m.get("role") if m.get("role") is not None else m.get("from")
+        content = m.get("content") if m.get("content") is not None else m.get("value")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise FormatError(
+                f"row {index}: each message needs string 'role' and 'content' (or ShareGPT 'from' and 'value'), "
+                f"got {m!r:.80}"
+            )
+        mapped = SHAREGPT_ROLES.get(role.lower())
+        if mapped is None:
+            raise FormatError(
+                f"row {index}: unknown speaker {role!r}; use one of {', '.join(sorted(SHAREGPT_ROLES))}"
+            )
+        out.append({"role": mapped, "content": content})
+    return out
+
+
+def has_generation_blocks(chat_template: str | None) -> bool:
+    """True when the template marks assistant text with ``{% generation %}`` (TRL's assistant_only_loss needs it)."""
+    return bool(chat_template and _GENERATION_TAG.search(chat_template))
+
+
+def chat_mask_method(tokenizer) -> str:
+    """``generation`` (the template's ``{% generation %}`` blocks) or ``prefix`` (prefix rendering)."""
+    return "generation" if has_generation_blocks(getattr(tokenizer, "chat_template", None)) else "prefix"
+
+
+def _render_chat(tokenizer, messages: list[dict[str, str]], first_supervised: int, index: int) -> tuple[str, list]:
+    """Render one conversation; spans of the assistant turns at positions >= ``first_supervised``."""
+    template = tokenizer.chat_template
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if has_generation_blocks(template):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, indices = render_jinja_template(
+            conversations=[messages], chat_template=template, return_assistant_tokens_mask=True,
+            **tokenizer.special_tokens_map,
+        )
+        if rendered[0] != full:
+            raise FormatError(f"row {index}: the chat template renders differently with generation tracking")
+        floor = 0
+        if first_supervised:
+            floor = len(tokenizer.apply_chat_template(messages[:first_supervised], tokenize=False,
+                                                      add_generation_prompt=True))
+        return full, [(a, b) for a, b in indices[0] if a >= floor and b > a]
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i < first_supervised:
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not upto.startswith(before) or not full.startswith(upto):
+            raise FormatError(
+                f"row {index}: the chat template is not prefix-consistent at message {i}, so the "
+                "assistant loss mask cannot be derived; use a template that renders turns in order, or one with "
+                "{% generation %} blocks (--chat_template FILE)"
+            )
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def render_messages(
+    tokenizer, batch: dict[str, list], indices: list[int], fields: FieldNames, *, column: str | None = None
+) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """Render chats with the tokenizer's template: loss on assistant turns (see the module docstring for how)."""
+    column = column or fields.messages
+    _need_template(tokenizer)
+    texts, spans = [], []
+    for messages, index in zip(batch[column], indices):
+        messages = normalize_messages(messages, column, index)
+        text, row_spans = _guard_template(lambda: _render_chat(tokenizer, messages, 0, index), index)
         if not row_spans:
             raise FormatError(f"row {index}: no assistant message, so nothing to learn; drop the row or add a reply")
-        texts.append(full)
+        texts.append(text)
         spans.append(row_spans)
     return texts, spans
 
 
+def render_conversational_prompt_completion(
+    tokenizer, batch: dict[str, list], indices: list[int], fields: FieldNames, *, completion_only_loss: bool = True
+) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """TRL's conversational prompt-completion: ``prompt + completion`` rendered; loss on the completion's replies."""
+    _need_template(tokenizer)
+    texts, spans = [], []
+    for prompt, completion, index in zip(batch[fields.prompt], batch[fields.completion], indices):
+        prompt = normalize_messages(prompt, fields.prompt, index)
+        completion = normalize_messages(completion, fields.completion, index)
+        messages = prompt + completion
+        first = len(prompt) if completion_only_loss else 0
+        text, row_spans = _guard_template(lambda: _render_chat(tokenizer, messages, first, index), index)
+        if not row_spans:
+            raise FormatError(f"row {index}: the completion has no assistant message, so nothing to learn")
+        texts.append(text)
+        spans.append(row_spans)
+    return texts, spans
+
+
+def _need_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise FormatError(
+            "chat data needs a tokenizer with a chat_template; pass one with --chat_template FILE or use another format"
+        )
+
+
+def _guard_template(render, index: int):
+    try:
+        return render()
+    except FormatError:
+        raise
+    except Exception as exc:
+        raise FormatError(f"row {index}: chat template failed: {exc}") from exc
+
+
+def labels_from_masks(ids: list[int], labels: list[int] | None, masks: list[list[int]]) -> list[int]:
+    """Labels where every mask is 1 and ``labels`` (if given) is not -100; -100 elsewhere (the intersection)."""
+    base = list(ids) if labels is None else list(labels)
+    for mask in masks:
+        for t, bit in enumerate(mask):
+            if not bit:
+                base[t] = IGNORE_INDEX
+    return base
+
+
 def read_pretokenized(
-    batch: dict[str, list], indices: list[int], fields: FieldNames, vocab_size: int | None
+    batch: dict[str, list], indices: list[int], fields: FieldNames, vocab_size: int | None,
+    mask_columns: Sequence[str] = MASK_COLUMNS,
 ) -> tuple[list[list[int]], list[list[int]]]:
+    """Token rows as given; TRL's mask columns present in ``batch`` are folded into the labels."""
     all_ids, all_labels = [], []
     has_labels = fields.labels in batch
+    masks_present = [c for c in mask_columns if c in batch]
     for pos, index in enumerate(indices):
         ids = batch[fields.input_ids][pos]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -221,6 +381,14 @@ def read_pretokenized(
                 f"row {index}: {fields.labels!r} must be a list as long as {fields.input_ids!r} "
                 f"({len(ids)} tokens), got {len(labels) if isinstance(labels, list) else type(labels).__name__}"
             )
+        masks = []
+        for column in masks_present:
+            mask = batch[column][pos]
+            if not isinstance(mask, list) or len(mask) != len(ids):
+                raise FormatError(f"row {index}: {column!r} must be a list as long as {fields.input_ids!r} ({len(ids)})")
+            masks.append(mask)
+        if masks:
+            labels = labels_from_masks(ids, labels, masks)
         all_ids.append(ids)
         all_labels.append(labels)
     return all_ids, all_labels

@@ -1,6 +1,7 @@
 """pretokenize(): the only tokenization code in pf-trl. The CLI and the service both call it.
 
-Source (JSON / JSONL / Parquet / CSV file, or a ``load_from_disk`` directory) -> format rendering ->
+Source (JSON / JSONL / Parquet / CSV file, a ``load_from_disk`` directory, or a ``datasets.Dataset`` /
+``DatasetDict`` in memory) -> format rendering ->
 tokenization (batched ``datasets.map``, fast tokenizer, optional worker processes) -> truncation
 policy -> a shards directory (see ``shards.py``) written atomically: everything goes to a temporary
 sibling directory that is renamed into place at the end, so a failed run leaves nothing behind and an
@@ -35,6 +36,8 @@ from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_f
 logger = logging.getLogger(__name__)
 
 TRUNCATION_POLICIES = ("truncate", "drop", "error")
+# Formats rendered with the chat template (it writes its own BOS / EOS).
+CHAT_FORMATS = ("messages", "sharegpt", "conversational_prompt_completion")
 SOURCE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 # Why a row is not kept (the `_drop` column during processing).
@@ -53,9 +56,12 @@ class PretokenizeConfig:
     """What to tokenize and how. Every field is part of the output's content address.
 
     Attributes:
-        input_format: ``auto`` | ``pretokenized`` | ``text`` | ``prompt_completion`` | ``messages``.
-        text_field / prompt_field / completion_field / messages_field / input_ids_field / labels_field:
-            column names read by the formats.
+        input_format: ``auto`` | one of :data:`pf_trl.data.formats.FORMATS` (``pretokenized``, ``text``,
+            ``prompt_completion``, ``messages``, ``conversational_prompt_completion``, ``alpaca``, ``sharegpt``).
+        text_field / prompt_field / completion_field / messages_field / input_ids_field / labels_field /
+            instruction_field / input_field / output_field / conversations_field: column names read by the formats.
+        completion_only_loss: prompt-completion formats and TRL's ``completion_mask`` column: loss on the
+            completion only (TRL's default); False: on the whole sequence (``assistant_masks`` still applies).
         response_template: for ``text``: loss starts after its last occurrence.
         max_seq_len: longest example kept, in tokens.
         truncation: ``truncate`` (keep the first max_seq_len tokens) | ``drop`` | ``error``.
@@ -77,6 +83,11 @@ class PretokenizeConfig:
     add_eos: bool = True
     drop_no_loss: bool = True
     shard_size: str = "500MB"
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    conversations_field: str = "conversations"
+    completion_only_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.input_format not in ("auto", *formats.FORMATS):
@@ -99,6 +110,10 @@ class PretokenizeConfig:
             messages=self.messages_field,
             input_ids=self.input_ids_field,
             labels=self.labels_field,
+            instruction=self.instruction_field,
+            input=self.input_field,
+            output=self.output_field,
+            conversations=self.conversations_field,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,8 +123,12 @@ class PretokenizeConfig:
 # ----------------------------------------------------------------------------------------- source
 
 
-def source_fingerprint(source: str | Path) -> str:
-    """sha256 of the source bytes (a directory: every file under it, by relative path)."""
+def source_fingerprint(source: Any) -> str:
+    """sha256 of the source bytes (a directory: every file under it, by relative path); for a ``datasets.Dataset``
+    in memory, a sha256 of datasets' own content fingerprint (``Dataset._fingerprint``)."""
+    fingerprint = _dataset_fingerprint(source)
+    if fingerprint is not None:
+        return fingerprint
     path = Path(source)
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
@@ -120,6 +139,36 @@ def source_fingerprint(source: str | Path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def _dataset_fingerprint(source: Any) -> str | None:
+    """A content address for an in-memory ``Dataset`` / ``DatasetDict`` (None for paths)."""
+    if isinstance(source, (str, os.PathLike)):
+        return None
+    import datasets
+
+    if isinstance(source, datasets.DatasetDict):
+        source = _train_split(source, "the DatasetDict")
+    if not isinstance(source, datasets.Dataset):
+        raise PretokenizeError(
+            f"source must be a path, a datasets.Dataset or a DatasetDict, got {type(source).__name__}"
+        )
+    # datasets derives _fingerprint from the data (in-memory tables are hashed) and every transform applied to it
+    return hashlib.sha256(f"datasets.Dataset:{source._fingerprint}".encode()).hexdigest()
+
+
+def _train_split(ds, where: str):
+    if "train" not in ds:
+        raise PretokenizeError(f"{where} has no 'train' split (splits: {list(ds)}); pass the split to use, e.g. ds['train']")
+    return ds["train"]
+
+
+def describe_source(source: Any) -> str:
+    """A path, or ``datasets.Dataset(<rows> rows, fingerprint ...)`` for a dataset in memory."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(Path(source).resolve())
+    rows = getattr(source, "num_rows", None)
+    return f"datasets.{type(source).__name__}({rows} rows, fingerprint {getattr(source, '_fingerprint', None)})"
 
 
 def _locate_json_error(path: Path) -> str | None:
@@ -141,10 +190,17 @@ def _locate_json_error(path: Path) -> str | None:
     return None
 
 
-def load_source(source: str | Path, work_dir: Path):
-    """Open a local source as a ``datasets.Dataset``; the datasets cache goes to ``work_dir``."""
+def load_source(source: Any, work_dir: Path):
+    """Open a source as a ``datasets.Dataset``: a local file or ``save_to_disk`` directory (the datasets cache goes
+    to ``work_dir``), or a ``Dataset`` / ``DatasetDict`` (its ``train`` split) as is."""
     import datasets
 
+    if isinstance(source, datasets.DatasetDict):
+        source = _train_split(source, "the DatasetDict")
+    if isinstance(source, datasets.Dataset):
+        if source.num_rows == 0:
+            raise PretokenizeError("the dataset has no rows")
+        return source
     path = Path(source)
     if not path.exists():
         raise PretokenizeError(f"source {path} does not exist")
@@ -157,9 +213,7 @@ def load_source(source: str | Path, work_dir: Path):
                 "JSONL, Parquet or CSV file, or such a directory"
             ) from exc
         if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise PretokenizeError(f"source {path} is a DatasetDict without a 'train' split: {list(ds)}")
-            ds = ds["train"]
+            ds = _train_split(ds, f"source {path}")
         return ds
     builder = SOURCE_SUFFIXES.get(path.suffix.lower())
     if builder is None:
@@ -195,19 +249,27 @@ def _tokenize_batch(
     indices = [i + index_offset for i in indices]  # row numbers of the source, for error messages
     fields = config.fields
     if input_format == "pretokenized":
-        ids_list, labels_list = formats.read_pretokenized(batch, indices, fields, len(tokenizer))
+        mask_columns = formats.MASK_COLUMNS if config.completion_only_loss else ("assistant_masks",)
+        ids_list, labels_list = formats.read_pretokenized(batch, indices, fields, len(tokenizer), mask_columns)
     else:
+        chat = input_format in CHAT_FORMATS
         if input_format == "text":
             texts, spans = formats.render_text(batch, indices, fields, config.response_template)
         elif input_format == "prompt_completion":
             texts, spans = formats.render_prompt_completion(batch, indices, fields)
+            if not config.completion_only_loss:
+                spans = [[(0, len(t))] for t in texts]
+        elif input_format == "alpaca":
+            texts, spans = formats.render_alpaca(batch, indices, fields)
+        elif input_format == "conversational_prompt_completion":
+            texts, spans = formats.render_conversational_prompt_completion(
+                tokenizer, batch, indices, fields, completion_only_loss=config.completion_only_loss)
         else:
-            texts, spans = formats.render_messages(tokenizer, batch, indices, fields)
+            column = fields.conversations if input_format == "sharegpt" else fields.messages
+            texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column)
         # Chat templates write their own special tokens; the other formats get the tokenizer's BOS.
-        ids_list, labels_list = formats.encode_spans(
-            tokenizer, texts, spans, add_special_tokens=input_format != "messages"
-        )
-        if config.add_eos and input_format != "messages" and tokenizer.eos_token_id is not None:
+        ids_list, labels_list = formats.encode_spans(tokenizer, texts, spans, add_special_tokens=not chat)
+        if config.add_eos and not chat and tokenizer.eos_token_id is not None:
             eos = tokenizer.eos_token_id
             for ids, labels in zip(ids_list, labels_list):
                 ids.append(eos)
@@ -240,18 +302,24 @@ def _tokenize_batch(
     return pa.Table.from_pydict(out, schema=_processing_schema())
 
 
-def _resolve_format(ds, config: PretokenizeConfig) -> str:
+def resolve_format(ds, config: PretokenizeConfig) -> str:
+    """The input format of ``ds``: ``config.input_format``, or detected from its columns when ``auto``."""
     fields = config.fields
     input_format = config.input_format
     if input_format == "auto":
-        input_format = formats.detect_format(ds.column_names, fields, config.response_template)
+        first = ds[0] if ds.num_rows else None
+        input_format = formats.detect_format(ds.column_names, fields, config.response_template, first)
     missing = [c for c in formats.required_columns(input_format, fields) if c not in ds.column_names]
     if missing:
         raise PretokenizeError(
             f"format {input_format!r} needs column(s) {missing}, but the source has {ds.column_names}; "
-            "set the matching field option (e.g. --dataset_text_field) or --input_format"
+            "name them with the matching field option (--text_field, --prompt_field, --instruction_field, ...) "
+            "or pass another --input_format"
         )
     return input_format
+
+
+_resolve_format = resolve_format
 
 
 @dataclass
@@ -315,7 +383,7 @@ def _run_chunks(job: _ChunkJob, bounds: list[tuple[int, int]], num_proc: int):
 
 
 def pretokenize(
-    source: str | Path,
+    source: Any,
     output_dir: str | Path,
     config: PretokenizeConfig | None = None,
     *,
@@ -329,7 +397,8 @@ def pretokenize(
     """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
 
     Args:
-        source: JSON / JSONL / Parquet / CSV file, or a ``datasets.save_to_disk`` directory.
+        source: JSON / JSONL / Parquet / CSV file, a ``datasets.save_to_disk`` directory, or a ``datasets.Dataset``
+            / ``DatasetDict`` (its ``train`` split).
         output_dir: the shards directory to create (must not exist unless ``overwrite``).
         config: formats, lengths and truncation (:class:`PretokenizeConfig`).
         tokenizer: an embedded name, a local folder, or a loaded fast tokenizer.
@@ -404,10 +473,11 @@ def pretokenize(
             "created_unix": round(started, 3),
             "tokenize_seconds": round(time.time() - started, 3),
             "source": {
-                "path": str(Path(source).resolve()),
+                "path": describe_source(source),
                 "sha256": source_fingerprint_value or source_fingerprint(source),
                 "rows": rows_total,
                 "input_format": input_format,
+                "chat_mask": formats.chat_mask_method(tokenizer) if input_format in CHAT_FORMATS else None,
             },
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "options": config.to_dict(),

@@ -19,13 +19,15 @@ from typing import Any
 DEFAULT_TOKENIZER = "pf-trl/mistral-7b-v0.1"
 _EMBEDDED_ALIASES = {DEFAULT_TOKENIZER, "default", "mistral-7b-v0.1"}
 
-# Mistral-instruct v0.1 style template: the loss mask for chat data is derived from the rendered
-# text (see formats.py), so the template needs no `{% generation %}` markers.
+# Mistral-instruct v0.1 style template. The assistant turn (with its leading space, which sentencepiece folds into
+# the first answer token, and EOS) sits in a `{% generation %}` block: the spans pf-trl supervises and TRL's
+# `assistant_only_loss` / `return_assistant_tokens_mask` both come from it.
 MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
     "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{% generation %}{{ ' ' + message['content'] + eos_token }}"
+    "{% endgeneration %}"
     "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
     "{% endfor %}"
 )
@@ -94,7 +96,7 @@ def _embedded_tokenizer_dir() -> Path:
     from transformers import LlamaTokenizer
 
     source = embedded_tokenizer_file()
-    key = _sha256_file(source)[:16]
+    key = hashlib.sha256((_sha256_file(source) + MISTRAL_CHAT_TEMPLATE).encode()).hexdigest()[:16]
     target = cache_root() / "tokenizers" / f"mistral-7b-v0.1-{key}"
     if (target / "tokenizer_config.json").is_file():
         return target
@@ -197,3 +199,111 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+
+
+def folder_has_tokenizer(path: str | Path) -> bool:
+    """True when ``path`` is a folder holding tokenizer files (a model folder saved with its tokenizer)."""
+    folder = Path(path).expanduser()
+    return folder.is_dir() and any((folder / name).is_file() for name in _TOKENIZER_FILES[:2] + ("tokenizer_config.json",))
+
+
+def default_tokenizer_for(model_name_or_path: str | None) -> str:
+    """The tokenizer a model trains with when none is named: the model folder's own, else the embedded one.
+
+    The embedded Mistral tokenizer is the default only for pf-trl's embedded models (and models built in memory);
+    a model folder without tokenizer files is refused, since its token ids would mean other tokens.
+    """
+    from pf_trl.models import is_embedded_model
+
+    if model_name_or_path is None or is_embedded_model(model_name_or_path):
+        return DEFAULT_TOKENIZER
+    if folder_has_tokenizer(model_name_or_path):
+        return str(Path(model_name_or_path).expanduser())
+    raise TokenizerLoadError(
+        f"model folder {model_name_or_path} holds no tokenizer (tokenizer.json / tokenizer.model); save the "
+        "tokenizer with the model or pass --tokenizer_name_or_path FOLDER"
+    )
+
+
+def model_vocab_size(model_or_path: Any) -> int | None:
+    """Rows of the model's input embeddings: from a loaded model, an embedded name, or a folder's config.json."""
+    if model_or_path is None:
+        return None
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        get = getattr(model_or_path, "get_input_embeddings", None)
+        emb = get() if callable(get) else None
+        weight = getattr(emb, "weight", None)
+        if weight is not None and weight.ndim == 2 and weight.shape[0] > 0:
+            return int(weight.shape[0])
+        return getattr(getattr(model_or_path, "config", None), "vocab_size", None)
+    from pf_trl.models import EMBEDDED_MODELS
+
+    name = str(model_or_path)
+    if name in EMBEDDED_MODELS:
+        return int(EMBEDDED_MODELS[name]["vocab_size"])
+    config_path = Path(name).expanduser() / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("vocab_size", config.get("vocab_size"))
+    return int(value) if isinstance(value, int) else None
+
+
+def check_vocab_fits(tokenizer, vocab_size: int | None, *, model_name: str = "the model") -> None:
+    """Refuse a tokenizer whose ids reach past the model's embeddings (they would index out of range or, worse,
+    train rows the tokenizer never meant)."""
+    if vocab_size is None:
+        return
+    if len(tokenizer) > vocab_size:
+        name = getattr(tokenizer, "pf_trl_name", None) or getattr(tokenizer, "name_or_path", None) or "the tokenizer"
+        raise TokenizerLoadError(
+            f"tokenizer {name!r} has {len(tokenizer)} tokens but {model_name} has {vocab_size} embeddings; pass the "
+            "model's own tokenizer (--tokenizer_name_or_path), or resize the model's embeddings"
+        )
+
+
+def apply_chat_template_file(tokenizer, path: str | Path | None) -> None:
+    """Set ``tokenizer.chat_template`` from a Jinja file (``--chat_template FILE``); it enters the fingerprint."""
+    if path is None:
+        return
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise TokenizerLoadError(f"--chat_template {path}: no such file; pass a Jinja template file")
+    text = file.read_text(encoding="utf-8")
+    if "{%" not in text and "{{" not in text:
+        raise TokenizerLoadError(f"--chat_template {path}: not a Jinja template (no {{% or {{{{ in it)")
+    tokenizer.chat_template = text
+
+
+def resolve_tokenizer(
+    model: Any = None, tokenizer: Any = None, *, chat_template_file: str | Path | None = None, check_vocab: bool = True
+):
+    """The tokenizer to train ``model`` with: ``tokenizer`` when given (a name, folder or loaded tokenizer), else
+    the model folder's own tokenizer, else (embedded or in-memory models) the embedded default; its vocabulary must
+    fit the model's embeddings.
+
+    Args:
+        model: an embedded model name, a model folder, or a loaded ``PreTrainedModel``.
+        tokenizer: an embedded name, a local folder, a loaded fast tokenizer, or None.
+        chat_template_file: a Jinja file that replaces the tokenizer's chat template.
+        check_vocab: refuse a tokenizer with more tokens than the model has embeddings (callers that only use it
+            on already tokenized data check the data's ids instead).
+    """
+    if tokenizer is None:
+        if model is None or isinstance(model, (str, os.PathLike)):
+            name = default_tokenizer_for(None if model is None else str(model))
+        else:
+            own = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+            name = str(own) if own and folder_has_tokenizer(own) else DEFAULT_TOKENIZER
+        tokenizer = load_tokenizer(name)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(str(tokenizer))
+    if check_vocab:
+        model_name = f"model {str(model)!r}" if isinstance(model, (str, os.PathLike)) else "the model"
+        check_vocab_fits(tokenizer, model_vocab_size(model), model_name=model_name)
+    apply_chat_template_file(tokenizer, chat_template_file)
+    return tokenizer

@@ -5,8 +5,10 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
 - data: train and eval dataloaders batch with :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (rank-aware: each
   rank gets disjoint, token-balanced batches and the same number of them) and collate with
   :class:`~pf_trl.collator.PaddingFreeCollator` (one ``[1, T]`` row, ``position_ids``, flash kwargs, no
-  ``attention_mask``). Columns are reduced to ``input_ids`` / ``labels`` before collation; ``position_ids`` and the
-  flash kwargs are produced by the collator after that, so column removal cannot drop them.
+  ``attention_mask``). Raw rows go through :mod:`pf_trl.data.sources` (the CLI's data path: same ids, same masks);
+  TRL's ``completion_mask`` / ``assistant_masks`` columns become ``labels`` first, then columns are reduced to
+  ``input_ids`` / ``labels`` before collation; ``position_ids`` and the flash kwargs are produced by the collator
+  after that, so column removal cannot drop them.
 - attention: :func:`pf_trl.attention.enable_padding_free` is applied to the model (self-checked; it also forces
   ``use_cache=False`` on packed inputs, so evaluation does not depend on the caller remembering it).
 - loss: hidden states from the backbone, then cross-entropy over the supervised positions only, in chunks
@@ -127,24 +129,32 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     Args are those of ``SFTTrainer``; ``args`` should be a :class:`PaddingFreeConfig` (a plain ``SFTConfig`` or
     ``TrainingArguments`` is converted). ``model`` is a loaded ``PreTrainedModel``, an embedded pf-trl name
-    (``pf-trl/tiny-llama``) or a local folder: pf-trl never downloads. ``processing_class`` defaults to the embedded
-    tokenizer.
+    (``pf-trl/tiny-llama``) or a local folder: pf-trl never downloads. ``processing_class`` defaults to the model
+    folder's tokenizer (the embedded one for embedded / in-memory models) and must fit the model's embeddings.
+    ``train_dataset`` / ``eval_dataset`` may be shards, raw rows in any format of ``docs/data.md``, a path or a
+    ``DatasetDict``; ``pretokenize_config`` (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data
+    options the trainer config does not carry (response template, field names, format).
     """
 
     def __init__(self, model, args: PaddingFreeConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, **kwargs):
+                 eval_dataset=None, processing_class=None, pretokenize_config=None, **kwargs):
         if args is None:
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
             args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
+        processing_class = _pf_resolve_tokenizer(model, processing_class)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
             model = build_model(model, seed=args.seed)
-        if processing_class is None:
-            from pf_trl.data.tokenizer import load_tokenizer
-
-            processing_class = load_tokenizer()
+        if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes
+            prepare = functools.partial(_pf_prepare_dataset, tokenizer=processing_class, model=model, args=args,
+                                        pretokenize_config=pretokenize_config)
+            train_dataset = prepare(train_dataset, what="training")
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {k: prepare(v, what=f"evaluation {k}") for k, v in eval_dataset.items()}
+            else:
+                eval_dataset = prepare(eval_dataset, what="evaluation")
         self.pf_mode = args.padding_free
         if self.pf_mode != "none":
             if data_collator is not None and not isinstance(data_collator, PaddingFreeCollator):
@@ -363,6 +373,73 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         # position stays at 0: Trainer's skip_first_batches skips the consumed batches itself.
         sampler.load_state_dict({**saved["sampler"], "batches_yielded": 0})
         self._pf_resumed_state = saved
+
+
+# ---------------------------------------------------------------------- data preparation (pf_trl.data.sources)
+
+
+def _pf_resolve_tokenizer(model, processing_class):
+    """``processing_class`` or the model's own tokenizer (folder), the embedded one for embedded/in-memory models
+    (same rules as ``pf-trl train``). Its vocabulary is checked against the model where data is tokenized with it
+    (:func:`_pf_prepare_dataset`); tokenized rows have their ids checked instead."""
+    from pf_trl.data.tokenizer import resolve_tokenizer
+
+    if processing_class is not None and not hasattr(processing_class, "backend_tokenizer") and not isinstance(
+        processing_class, str
+    ):
+        return processing_class  # a processor (multimodal): not pf-trl's to check
+    return resolve_tokenizer(model, processing_class, check_vocab=False)
+
+
+def _pf_pretokenize_config(args, pretokenize_config):
+    """The data options: the caller's :class:`PretokenizeConfig`, else derived from the trainer config."""
+    from pf_trl.data.pretokenize import PretokenizeConfig
+
+    if pretokenize_config is not None:
+        return pretokenize_config
+    return PretokenizeConfig(
+        text_field=args.dataset_text_field or "text",
+        max_seq_len=int(args.max_length or 1024),
+        completion_only_loss=args.completion_only_loss is not False,
+    )
+
+
+def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, what: str):
+    """Raw rows (or a path) -> pf-trl shards through the same data path as ``pf-trl train`` (the tokenizer must fit
+    the model's embeddings); tokenized rows keep their ids (checked against the embeddings), with TRL's
+    ``completion_mask`` / ``assistant_masks`` folded into ``labels`` before any column is dropped."""
+    if dataset is None:
+        return dataset
+    from pf_trl.data import sources
+    from pf_trl.data.tokenizer import check_vocab_fits, model_vocab_size
+
+    vocab = model_vocab_size(model)
+    made_with = (getattr(dataset, "pf_manifest", None) or {}).get("tokenizer", {}).get("vocab_size")
+    if _is_tokenized(dataset) and hasattr(dataset, "data") and not (made_with and vocab and made_with <= vocab):
+        sources.check_token_ids(dataset, vocab)  # shards made with a tokenizer that fits need no scan
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset") and not _has_masks(dataset):
+        return dataset
+    if isinstance(dataset, (str, os.PathLike)) or (hasattr(dataset, "column_names") and not _is_tokenized(dataset)):
+        import datasets
+
+        if isinstance(dataset, datasets.IterableDataset):
+            return dataset  # streamed rows: left to TRL
+        check_vocab_fits(tokenizer, vocab)
+        config = _pf_pretokenize_config(args, pretokenize_config)
+        try:
+            return sources.load_training_data(dataset, tokenizer, config, progress=False,
+                                              say=lambda msg: logger.info("pf-trl: %s", msg), what=what)
+        except sources.DataSourceError as exc:
+            raise ValueError(str(exc)) from exc
+    if _has_masks(dataset):
+        return sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
+    return dataset
+
+
+def _has_masks(dataset) -> bool:
+    from pf_trl.data.sources import mask_columns_present
+
+    return bool(mask_columns_present(dataset))
 
 
 def _is_tokenized(dataset) -> bool:

@@ -1,0 +1,193 @@
+"""The one data path: any source -> a shards directory (through the content-addressed cache) -> the loaded shards.
+
+Used by ``pf-trl train``, :class:`~pf_trl.trainer.PaddingFreeSFTTrainer` (raw rows given in Python) and the
+preprocessing service alike, so the same rows give the same token ids and the same loss masks whichever door they
+come through. Sources:
+
+- a shards directory (``pf_manifest.json``): used as is, refused when made with another tokenizer;
+- a JSON / JSONL / Parquet / CSV file, or a ``datasets.save_to_disk`` directory;
+- a ``datasets.Dataset`` or ``DatasetDict`` (its ``train`` split) in memory;
+- a dataset id at the preprocessing service (:func:`load_service_dataset`).
+
+Files and datasets are tokenized once by :func:`~pf_trl.data.pretokenize.pretokenize` into
+``cache_root()/datasets/<sha256(source content, tokenizer fingerprint, options)>``; later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pf_trl.data.formats import IGNORE_INDEX, MASK_COLUMNS, labels_from_masks
+from pf_trl.data.pretokenize import SOURCE_SUFFIXES, PretokenizeConfig, PretokenizeError
+
+Say = Callable[[str], None]
+
+
+class DataSourceError(ValueError):
+    """A data source cannot be used; the message names it and the fix."""
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+def check_source_path(path: str | Path, *, flag: str = "source") -> Path:
+    """Cheap checks of a local source before anything heavy is imported: it exists and is a readable kind."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise DataSourceError(f"{flag} {path}: no such file or directory")
+    if source.is_file():
+        if source.suffix.lower() not in SOURCE_SUFFIXES:
+            raise DataSourceError(
+                f"{flag} {path}: suffix {source.suffix!r} is not read; use {', '.join(sorted(SOURCE_SUFFIXES))}, a "
+                "shards directory or a datasets.save_to_disk directory"
+            )
+        if source.stat().st_size == 0:
+            raise DataSourceError(f"{flag} {path}: the file is empty (0 bytes)")
+    elif not (source / "pf_manifest.json").is_file() and not (
+        (source / "state.json").is_file() or (source / "dataset_dict.json").is_file()
+    ):
+        raise DataSourceError(
+            f"{flag} {path}: the directory is neither a pf-trl shards directory nor a datasets.save_to_disk directory"
+        )
+    return source
+
+
+def dataset_cache_key(source: Any, tokenizer, options: dict[str, Any]) -> str:
+    """Content address of the shards of ``source`` tokenized by ``tokenizer`` with ``options``."""
+    from pf_trl.data.pretokenize import source_fingerprint
+    from pf_trl.data.tokenizer import tokenizer_fingerprint
+
+    digest = hashlib.sha256()
+    digest.update(source_fingerprint(source).encode())
+    digest.update(tokenizer_fingerprint(tokenizer)["sha256"].encode())
+    digest.update(json.dumps(options, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def cached_shards(source: Any, tokenizer, config: PretokenizeConfig, *, num_proc: int = 1, progress: bool = True,
+                  say: Say = _quiet, what: str = "training") -> Path:
+    """The cache directory holding ``source`` tokenized with ``tokenizer`` and ``config`` (built when missing)."""
+    from pf_trl.data.pretokenize import describe_source, pretokenize
+    from pf_trl.data.shards import is_shards_dir
+    from pf_trl.data.tokenizer import cache_root
+
+    target = cache_root() / "datasets" / dataset_cache_key(source, tokenizer, config.to_dict())
+    if is_shards_dir(target):
+        say(f"{what} data: cache hit {target} (no tokenization)")
+        return target
+    say(f"{what} data: tokenizing {describe_source(source)} into the cache {target}")
+    try:
+        pretokenize(source, target, config, tokenizer=tokenizer, num_proc=num_proc, progress=progress)
+    except PretokenizeError as exc:
+        if is_shards_dir(target):  # another process built it first
+            return target
+        raise DataSourceError(str(exc)) from exc
+    return target
+
+
+def load_training_data(source: Any, tokenizer, config: PretokenizeConfig | None = None, *, num_proc: int = 1,
+                       progress: bool = True, say: Say = _quiet, what: str = "training"):
+    """Loaded shards (``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``) for any local source.
+
+    Args:
+        source: a shards directory, a data file, a ``save_to_disk`` directory, or a ``Dataset`` / ``DatasetDict``.
+        tokenizer: the loaded tokenizer the model trains with (see :func:`pf_trl.data.tokenizer.resolve_tokenizer`).
+        config: formats, lengths and truncation; shards directories ignore it.
+        say: called with one-line progress notes (which source, cache hit or tokenizing).
+
+    Raises:
+        DataSourceError: missing or unreadable source, bad rows, or shards made with another tokenizer.
+    """
+    from pf_trl.data.shards import ShardsError, is_shards_dir, load_shards
+    from pf_trl.data.tokenizer import tokenizer_fingerprint
+
+    config = config or PretokenizeConfig()
+    expected = tokenizer_fingerprint(tokenizer)
+    if isinstance(source, (str, os.PathLike)):
+        path = check_source_path(source, flag=f"{what} data")
+        if is_shards_dir(path):
+            say(f"{what} data: shards directory {path} (no tokenization)")
+            try:
+                return load_shards(path, expected_tokenizer=expected)
+            except ShardsError as exc:
+                raise DataSourceError(str(exc)) from exc
+    target = cached_shards(source, tokenizer, config, num_proc=num_proc, progress=progress, say=say, what=what)
+    try:
+        return load_shards(target, expected_tokenizer=expected)
+    except ShardsError as exc:
+        raise DataSourceError(str(exc)) from exc
+
+
+def load_service_dataset(url: str, dataset_id: str, tokenizer, *, token: str | None = None,
+                         timeout_s: float = 600.0, progress: bool = True, say: Say = _quiet):
+    """Shards of a dataset built by the preprocessing service, refused when made with another tokenizer."""
+    from pf_trl.data.service_client import DatasetServiceError, wait_for_dataset
+    from pf_trl.data.shards import ShardsError, load_shards
+    from pf_trl.data.tokenizer import tokenizer_fingerprint
+
+    say(f"training data: waiting up to {timeout_s:.0f}s for dataset {dataset_id} at {url} "
+        "(--dataset_service_timeout_s sets the limit)")
+    try:
+        directory = wait_for_dataset(url, dataset_id, token=token, timeout_s=timeout_s, progress=progress)
+        say(f"training data: service dataset {dataset_id} at {directory} (no tokenization)")
+        return load_shards(directory, expected_tokenizer=tokenizer_fingerprint(tokenizer))
+    except (DatasetServiceError, ShardsError) as exc:
+        raise DataSourceError(str(exc)) from exc
+
+
+def mask_columns_present(dataset) -> list[str]:
+    """TRL's mask columns (``completion_mask``, ``assistant_masks``) of a tokenized dataset."""
+    names = getattr(dataset, "column_names", None) or []
+    return [c for c in MASK_COLUMNS if c in names]
+
+
+def fold_mask_columns(dataset, *, completion_only_loss: bool | None = True):
+    """Turn TRL's mask columns of a tokenized dataset into ``labels`` (-100 where a mask is 0; the intersection
+    with existing ``labels``) and drop them, so that cutting the dataset down to ``input_ids`` / ``labels`` keeps
+    the loss mask. ``completion_only_loss=False`` ignores ``completion_mask`` as TRL does."""
+    masks = mask_columns_present(dataset)
+    if completion_only_loss is False and "completion_mask" in masks:
+        masks.remove("completion_mask")
+    if not masks:
+        return dataset
+    has_labels = "labels" in dataset.column_names
+
+    def fold(row: dict[str, Any]) -> dict[str, Any]:
+        labels = labels_from_masks(row["input_ids"], row["labels"] if has_labels else None, [row[c] for c in masks])
+        return {"labels": labels}
+
+    return dataset.map(fold, remove_columns=mask_columns_present(dataset), desc="pf-trl: mask columns -> labels")
+
+
+def supervised_token_count(dataset) -> int:
+    """Labels other than -100 in a tokenized dataset (``labels`` column, else every token)."""
+    import pyarrow.compute as pc
+
+    column = "labels" if "labels" in dataset.column_names else "input_ids"
+    flat = pc.list_flatten(dataset.select_columns([column]).with_format("arrow")[:][column])
+    if column == "input_ids":
+        return len(flat)
+    return int(pc.sum(pc.not_equal(flat, IGNORE_INDEX)).as_py() or 0)
+
+
+def check_token_ids(dataset, vocab_size: int | None) -> None:
+    """Refuse tokenized rows whose ids reach past the model's embeddings (made with another tokenizer)."""
+    if vocab_size is None or "input_ids" not in (dataset.column_names or []):
+        return
+    import pyarrow.compute as pc
+
+    flat = pc.list_flatten(dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"])
+    if len(flat) == 0:
+        return
+    top = pc.max(flat).as_py()
+    if top is not None and top >= vocab_size:
+        raise DataSourceError(
+            f"token id {top} is outside the model's {vocab_size} embeddings: the data was tokenized with another "
+            "tokenizer; tokenize it with the model's own"
+        )
