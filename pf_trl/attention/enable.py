@@ -48,6 +48,7 @@ COMPATIBLE_MODEL_TYPES = (
     "granitemoe",
     "gemma",
     "gemma2",
+    "cohere",
     "phi3",
     "olmo",
     "olmo2",
