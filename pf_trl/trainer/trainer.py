@@ -25,6 +25,7 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -233,8 +234,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         saved = args.padding_free
         args.padding_free = False
         try:
-            super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                             eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+            with _admit_head_adapters(self.pf_mode != "none"):
+                super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                                 eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finally:
             args.padding_free = saved
         if self.args.fsdp and not self.is_fsdp_enabled:
@@ -469,6 +471,28 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         # position stays at 0: Trainer's skip_first_batches skips the consumed batches itself.
         sampler.load_state_dict({**saved["sampler"], "batches_yielded": 0})
         self._pf_resumed_state = saved
+
+
+@contextlib.contextmanager
+def _admit_head_adapters(active: bool):
+    """Let SFTTrainer accept a PEFT adapter on ``lm_head`` while it initializes (pf-trl modes only).
+
+    TRL refuses one because its fused head reads ``lm_head.weight`` and would bypass the adapter; pf-trl's loss calls
+    the adapted head module itself (the ``module`` path), so the adapter trains. TRL's check is an ``isinstance``
+    against ``BaseTunerLayer`` in its module: it is pointed at a class nothing is an instance of, for the duration of
+    ``SFTTrainer.__init__`` only. The padded mode (``padding_free="none"``) keeps TRL's refusal.
+    """
+    import trl.trainer.sft_trainer as sft_module
+
+    if not active or not hasattr(sft_module, "BaseTunerLayer"):
+        yield
+        return
+    original = sft_module.BaseTunerLayer
+    sft_module.BaseTunerLayer = type("_NoHeadAdapterCheck", (), {})
+    try:
+        yield
+    finally:
+        sft_module.BaseTunerLayer = original
 
 
 def _transformers_model(model):
