@@ -6,12 +6,14 @@ and, for some families, a fixed post-processing: Granite divides by ``logits_sca
 head reads them: :func:`head_transform_from_config`). pf-trl computes the loss through one of three paths, chosen by
 :func:`plan_head` and never silently different from the model's own logits:
 
-- ``fused``: the head is a plain ``nn.Linear`` (biased or not, tied or not). TRL's chunked log-prob kernel
-  (``trl.kernels.ChunkedLogProbFunction``, the kernel of TRL's own fused LM head; Triton on CUDA, torch elsewhere)
-  applies scale and softcap in fp32 and never builds the ``[tokens, vocab]`` logits. Its backward recomputes each
-  tile, so no ``[vocab, hidden]`` gradient buffer is kept between forward and backward; its fp32 accumulation is
-  explicit (no in-place op under autocast). Under DeepSpeed ZeRO-3 the head is read inside TRL's
-  ``maybe_gather_lm_head_ctx``; an FSDP2 ``DTensor`` head is gathered once.
+- ``linear``: the head is a plain ``nn.Linear`` (biased or not, tied or not). On a Triton device (CUDA, XPU) TRL's
+  chunked log-prob kernel (``trl.kernels.ChunkedLogProbFunction``, the kernel of TRL's own fused LM head) applies
+  scale and softcap in fp32 and never builds the ``[tokens, vocab]`` logits; its backward recomputes each tile, so no
+  ``[vocab, hidden]`` gradient buffer is kept from forward to backward, and it accumulates the GEMMs in fp32
+  explicitly (no in-place op under autocast). Under DeepSpeed ZeRO-3 the head is read inside TRL's
+  ``maybe_gather_lm_head_ctx``; an FSDP2 ``DTensor`` head is gathered once. Elsewhere (CPU), where that kernel falls
+  back to torch ops on ``[4096, 32768]`` fp32 tiles, the head is applied to token chunks under activation
+  checkpointing instead (the same FLOPs, less than half the peak memory: ``benchmarks/loss_memory.py``).
 - ``module``: any other head module (a PEFT LoRA/DoRA wrapper on ``lm_head``, a head with a projection) or label
   smoothing: the head *module* is called on chunks of supervised positions under activation checkpointing, then the
   config transform is applied. Adapters get their gradients; the peak is one chunk of fp32 logits.
@@ -114,7 +116,7 @@ def _is_plain_linear(module) -> bool:
 
 @dataclass
 class HeadPlan:
-    """How the loss reaches the logits: ``path`` (fused | module | model), the transform, and why."""
+    """How the loss reaches the logits: ``path`` (linear | module | model), the transform, and why."""
 
     path: str
     scale: float = 1.0
@@ -155,7 +157,9 @@ def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, s
 
 
 def plan_head(model, *, label_smoothing: float = 0.0, probe: bool = True) -> HeadPlan:
-    """Choose the loss path for ``model`` (see the module docstring). Raises ``ValueError`` when none is exact."""
+    """Choose the loss path for ``model`` (linear | module | model, see the module docstring).
+
+    Raises ``ValueError`` when none reproduces the model's logits."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): pf-trl cannot compute its loss")
@@ -179,7 +183,7 @@ def plan_head(model, *, label_smoothing: float = 0.0, probe: bool = True) -> Hea
         return HeadPlan("module", scale, softcap, f"the head is a {type(head).__name__}: it is called chunk by chunk")
     if label_smoothing > 0:
         return HeadPlan("module", scale, softcap, "label smoothing needs the whole log-softmax: chunked head module")
-    return HeadPlan("fused", scale, softcap, "plain linear head: TRL's chunked log-prob kernel")
+    return HeadPlan("linear", scale, softcap, "plain linear head: TRL's chunked log-prob kernel")
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -212,9 +216,11 @@ def _terms_from_logits(logits: torch.Tensor, targets: torch.Tensor, with_smooth:
     return nll, top1, smooth
 
 
-def _chunk_terms(head, scale, softcap, with_smooth, hidden, targets):
-    logits = apply_head_transform(head(hidden), scale, softcap)
-    return _terms_from_logits(logits, targets, with_smooth)
+def _chunk_terms(head, weight, bias, scale, softcap, with_smooth, hidden, targets):
+    # a plain linear head is applied functionally (its weight possibly gathered from FSDP2 shards), any other head
+    # module is called as the model calls it
+    logits = head(hidden) if weight is None else F.linear(hidden, weight, bias)
+    return _terms_from_logits(apply_head_transform(logits, scale, softcap), targets, with_smooth)
 
 
 def _gather_ctx(weight, bias):
@@ -225,14 +231,20 @@ def _gather_ctx(weight, bias):
     return maybe_gather_lm_head_ctx(weight, bias)
 
 
-def _fused_terms(head, hidden, targets, scale, softcap, vocab_chunk) -> LossTerms:
+def _full_weight(head):
     from torch.distributed.tensor import DTensor
-    from trl.kernels import ChunkedLogProbFunction
 
     weight, bias = head.weight, head.bias
-    if isinstance(weight, DTensor):  # FSDP2 shards the head: gather it once for the tile loop
+    if isinstance(weight, DTensor):  # FSDP2 shards the head: gather it once for the chunk loop
         weight = weight.full_tensor()
         bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    return weight, bias
+
+
+def _fused_terms(head, hidden, targets, scale, softcap, vocab_chunk) -> LossTerms:
+    from trl.kernels import ChunkedLogProbFunction
+
+    weight, bias = _full_weight(head)
     with _gather_ctx(weight, bias):
         logprobs, _, _, _, top1 = ChunkedLogProbFunction.apply(
             hidden, weight, bias, targets, 1.0, int(vocab_chunk), softcap, scale, ("log_probs", "is_top1")
@@ -240,28 +252,39 @@ def _fused_terms(head, hidden, targets, scale, softcap, vocab_chunk) -> LossTerm
     return LossTerms(nll=-logprobs, top1=top1)
 
 
-def _module_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth, checkpointed) -> LossTerms:
+def _module_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth, checkpointed,
+                  linear: bool = False) -> LossTerms:
     from torch.utils.checkpoint import checkpoint
 
+    weight, bias = _full_weight(head) if linear else (None, None)
     parts = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+        args = (head, weight, bias, scale, softcap, with_smooth, h, t)
         if checkpointed and torch.is_grad_enabled():
             # recompute the chunk's logits in backward: one chunk of [chunk, vocab] alive at a time
-            parts.append(checkpoint(_chunk_terms, head, scale, softcap, with_smooth, h, t, use_reentrant=False))
+            parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
         else:
-            parts.append(_chunk_terms(head, scale, softcap, with_smooth, h, t))
+            parts.append(_chunk_terms(*args))
     nll = torch.cat([p[0] for p in parts])
     top1 = torch.cat([p[1] for p in parts])
     smooth = torch.cat([p[2] for p in parts]) if with_smooth else None
     return LossTerms(nll=nll, top1=top1, smooth=smooth)
 
 
+def _triton_device(device: torch.device) -> bool:
+    try:
+        from trl.kernels.chunked_logprob import _use_triton
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(_use_triton(device))
+
+
 def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = "chunked",
                           chunk_size: int = DEFAULT_CHUNK_SIZE, with_smooth: bool = False) -> LossTerms:
     """Per-token terms of the supervised positions ``hidden [N, H]`` -> ``targets [N]`` through ``head``.
 
-    ``plan.path`` ``fused`` / ``module`` as in the module docstring (``model`` is handled by the caller, which
+    ``plan.path`` ``linear`` / ``module`` as in the module docstring (``model`` is handled by the caller, which
     already holds the logits: see :func:`terms_from_model_logits`). ``impl="none"`` computes the plain full logits of
     the supervised positions at once (the reference path); ``"liger"`` uses Liger's fused linear cross-entropy.
     """
@@ -274,11 +297,15 @@ def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = 
                          smooth=empty if with_smooth else None)
     if impl == "liger":
         return _liger_terms(head, hidden, targets, plan)
+    linear = plan.path == "linear"
     if impl == "none":
-        return _module_terms(head, hidden, targets, plan.scale, plan.softcap, hidden.shape[0], with_smooth, False)
-    if plan.path == "fused" and not with_smooth:
+        return _module_terms(head, hidden, targets, plan.scale, plan.softcap, hidden.shape[0], with_smooth, False,
+                             linear)
+    if linear and not with_smooth and _triton_device(hidden.device):
         return _fused_terms(head, hidden, targets, plan.scale, plan.softcap, VOCAB_CHUNK)
-    return _module_terms(head, hidden, targets, plan.scale, plan.softcap, chunk_size, with_smooth, True)
+    # without Triton, TRL's kernel folds [4096, 32768] fp32 tiles in torch (5 GB peak for a 128k x 2048 head at 8k
+    # tokens, benchmarks/loss_memory.py); checkpointed token chunks cost the same FLOPs with 2 GB
+    return _module_terms(head, hidden, targets, plan.scale, plan.softcap, chunk_size, with_smooth, True, linear)
 
 
 def terms_from_model_logits(logits: torch.Tensor, targets: torch.Tensor, *, with_smooth: bool = False) -> LossTerms:
@@ -288,7 +315,7 @@ def terms_from_model_logits(logits: torch.Tensor, targets: torch.Tensor, *, with
 
 
 def _liger_terms(head, hidden, targets, plan: HeadPlan) -> LossTerms:
-    if plan.path != "fused" or plan.scale != 1.0 or plan.softcap is not None:
+    if plan.path != "linear" or plan.scale != 1.0 or plan.softcap is not None:
         raise ValueError(
             "fused_loss='liger' (or use_liger_kernel) covers a plain linear head without logit scaling or "
             f"softcapping; this model's head needs {plan.reason!r}. Use fused_loss='chunked'."
@@ -356,7 +383,7 @@ def chunked_cross_entropy(hidden, weight, targets, bias=None, *, chunk_size: int
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     head = _LinearView(weight, bias)
-    plan = HeadPlan("fused", logit_scale, softcap)
+    plan = HeadPlan("linear", logit_scale, softcap)
     if hidden.shape[0] == 0:
         zero = (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
         return zero, torch.zeros((), dtype=torch.int64, device=hidden.device)
@@ -408,6 +435,6 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, impl: str = "chu
     if impl == "none":
         return plain_cross_entropy(hidden, weight, targets, bias)
     if impl == "liger":
-        terms = _liger_terms(_LinearView(weight, bias), hidden, targets, HeadPlan("fused"))
+        terms = _liger_terms(_LinearView(weight, bias), hidden, targets, HeadPlan("linear"))
         return terms.nll.sum(), torch.full((), -1, dtype=torch.int64, device=hidden.device)
     raise ValueError(f"unknown cross-entropy implementation {impl!r}")
