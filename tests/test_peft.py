@@ -101,7 +101,7 @@ def assert_same(got, ref):
 def test_peft_config_loss_and_adapter_grads_equal_padded(tmp_path, targets, dora):
     trainer = trainer_for(tmp_path, base_model(), peft_config=lora(targets, dora))
     assert isinstance(trainer.model, peft.PeftModel)
-    expected_path = "module" if "lm_head" in targets else "fused"
+    expected_path = "module" if "lm_head" in targets else "linear"
     assert trainer.pf_head_plan.path == expected_path
     trainer.model.train()
     got_loss, got = packed_loss(trainer)
@@ -118,7 +118,7 @@ def test_adapter_on_head_bypassed_is_caught(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loss_mod, "_is_plain_linear", lambda module: True)
     trainer = trainer_for(tmp_path, base_model(), peft_config=lora(["q_proj", "lm_head"]))
-    assert trainer.pf_head_plan.path == "fused"
+    assert trainer.pf_head_plan.path == "linear"
     trainer.model.train()
     got_loss, got = packed_loss(trainer)
     ref_loss, _ = padded_reference(trainer.model)

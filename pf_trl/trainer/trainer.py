@@ -9,11 +9,15 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
   flash kwargs are produced by the collator after that, so column removal cannot drop them.
 - attention: :func:`pf_trl.attention.enable_padding_free` is applied to the model (self-checked; it also forces
   ``use_cache=False`` on packed inputs, so evaluation does not depend on the caller remembering it).
-- loss: hidden states from the backbone, then cross-entropy over the supervised positions only, in chunks
-  (:mod:`pf_trl.trainer.loss`; never the full ``[T, vocab]`` logits). It is divided by transformers'
-  ``num_items_in_batch``: the count of shifted supervised labels over the whole accumulation window, summed over
-  data-parallel ranks (and multiplied back by the world size, since DDP averages gradients). So the loss of an
-  optimizer step is the mean over all its supervised tokens -- exactly what a padded run computes.
+- loss: the model's own objective at the supervised positions only (:mod:`pf_trl.trainer.loss`; never the full
+  ``[T, vocab]`` logits): its head transform (Granite ``logits_scaling``, Cohere ``logit_scale``, Gemma softcapping,
+  checked at init against the model's own logits, else its own head via ``logits_to_keep``), adapters on the head,
+  TRL's ``loss_type`` (``nll``/``dft``), ``label_smoothing_factor`` and ``compute_loss_func``, and the MoE
+  load-balancing loss over the real tokens (logged as ``aux_loss``), combined exactly as TRL's padded
+  ``compute_loss`` does. The token loss is divided by transformers' ``num_items_in_batch``: the count of shifted
+  supervised labels over the whole accumulation window, summed over data-parallel ranks (and multiplied back by the
+  world size, since DDP averages gradients). So the loss of an optimizer step is the mean over all its supervised
+  tokens -- exactly what a padded run computes. ``neftune_noise_alpha`` is refused (its noise scales with the row).
 - eval loss: token-weighted mean over all supervised tokens (transformers averages per-batch means; the padded
   mode of this trainer reports the token-weighted mean too, so the two are comparable).
 - resume: the sampler state is written to each checkpoint (``pf_trl_sampler_state.json``). On resume it is
