@@ -41,7 +41,27 @@ class TrainCLIError(ValueError):
 
 
 @dataclass
-class ModelArguments:
+class PeftArguments:
+    """fms-hf-tuning's adapter flags (part of ModelArguments)."""
+
+    peft_method: str = field(default="none", metadata={"help": "none (full fine-tuning) or lora.",
+                                                        "choices": ["none", "lora"]})
+    r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Modules to adapt, e.g. q_proj v_proj (add lm_head to adapt the head), or all-linear. "
+                  "Default: peft's choice for the architecture."},
+    )
+    merge_adapter: bool = field(
+        default=False,
+        metadata={"help": "After training, also save the adapter merged into the base weights, in <output_dir>/merged."},
+    )
+
+
+@dataclass
+class ModelArguments(PeftArguments):
     model_name_or_path: str = field(
         default="pf-trl/tiny-llama",
         metadata={"help": "Embedded model name (pf-trl/tiny-llama, ...: random init from a config) or a local folder. "
@@ -383,6 +403,15 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     dtype = resolve_dtype(model_args.torch_dtype, cuda=cuda)
     if config.fp16 and not cuda:
         raise TrainCLIError("--fp16 needs a CUDA device; drop it on CPU")
+    from pf_trl.trainer.adapters import lora_config
+
+    if model_args.merge_adapter and model_args.peft_method == "none":
+        raise TrainCLIError("--merge_adapter needs --peft_method lora")
+    try:
+        peft_config = lora_config(model_args.peft_method, r=model_args.r, lora_alpha=model_args.lora_alpha,
+                                  lora_dropout=model_args.lora_dropout, target_modules=model_args.target_modules)
+    except ValueError as exc:
+        raise TrainCLIError(str(exc)) from exc
 
     attn = None  # transformers picks: sdpa where the architecture supports it, else eager
     if config.use_flash_attn:
@@ -411,8 +440,9 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     model = build_model(name, torch_dtype=dtype, attn_implementation=attn, seed=config.seed, **overrides)
     if config.max_length is None or config.max_length < data_args.max_seq_len:
         config.max_length = data_args.max_seq_len
-    return PaddingFreeSFTTrainer(model, args=config, train_dataset=train, eval_dataset=evalset,
-                                 processing_class=tokenizer)
+    trainer = PaddingFreeSFTTrainer(model, args=config, train_dataset=train, eval_dataset=evalset,
+                                    processing_class=tokenizer, peft_config=peft_config)
+    return trainer
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
@@ -483,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
         # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the weights is a collective (a rank-0-only call hangs);
         # Trainer.save_model writes on the main process only (args.should_save) and lets the others join the gather
         trainer.save_model()
+    if model_args.merge_adapter and config.save_strategy != "no" and trainer.is_world_process_zero():
+        from pf_trl.trainer.adapters import save_merged
+
+        print(f"pf-trl: merged model saved to {save_merged(trainer, os.path.join(config.output_dir, 'merged'))}")
     return 0
 
 

@@ -1,134 +1,410 @@
-"""Cross-entropy over the LM head without the full ``[tokens, vocab]`` logits.
+"""The model's own training objective, computed at the supervised positions of a packed row only.
 
-``chunked_cross_entropy(hidden, weight, targets)`` returns the *sum* of the token cross-entropies (and the number of
-top-1 hits, for the token-accuracy metric). Only supervised positions are passed in (the caller selects them), so
-prompt tokens never go through the LM head at all.
+A transformers causal LM turns its last hidden state into logits with its output-embeddings module (``lm_head``)
+and, for some families, a fixed post-processing: Granite divides by ``logits_scaling``, Cohere multiplies by
+``logit_scale``, Gemma 2/3 soft-cap with ``final_logit_softcapping`` (read from the config exactly as TRL's fused LM
+head reads them: :func:`head_transform_from_config`). pf-trl computes the loss through one of three paths, chosen by
+:func:`plan_head` and never silently different from the model's own logits:
 
-How memory stays flat: the forward walks the tokens in chunks of ``chunk_size``; for each chunk it builds the fp32
-logits ``[chunk, vocab]``, reduces them to the loss, and -- when gradients are needed -- immediately turns them into
-``d loss / d hidden`` for the chunk and accumulates ``d loss / d weight`` (the approach of Liger's fused linear
-cross-entropy). Nothing of size ``[tokens, vocab]`` is ever alive: the peak is one chunk of logits plus the
-``[tokens, hidden]`` and ``[vocab, hidden]`` gradient buffers. ``backward`` only scales the stored gradients by the
-incoming scalar. Under ``torch.no_grad`` (evaluation) no gradient is computed.
+- ``linear``: the head is a plain ``nn.Linear`` (biased or not, tied or not). On a Triton device (CUDA, XPU) TRL's
+  chunked log-prob kernel (``trl.kernels.ChunkedLogProbFunction``, the kernel of TRL's own fused LM head) applies
+  scale and softcap in fp32 and never builds the ``[tokens, vocab]`` logits; its backward recomputes each tile, so no
+  ``[vocab, hidden]`` gradient buffer is kept from forward to backward, and it accumulates the GEMMs in fp32
+  explicitly (no in-place op under autocast). Under DeepSpeed ZeRO-3 the head is read inside TRL's
+  ``maybe_gather_lm_head_ctx``; an FSDP2 ``DTensor`` head is gathered once. Elsewhere (CPU), where that kernel falls
+  back to torch ops on ``[4096, 32768]`` fp32 tiles, the head is applied to token chunks under activation
+  checkpointing instead (the same FLOPs, less than half the peak memory: ``benchmarks/loss_memory.py``).
+- ``module``: any other head module (a PEFT LoRA/DoRA wrapper on ``lm_head``, a head with a projection) or label
+  smoothing: the head *module* is called on chunks of supervised positions under activation checkpointing, then the
+  config transform is applied. Adapters get their gradients; the peak is one chunk of fp32 logits.
+- ``model``: the head probe (:func:`probe_head`) found that the model's logits are not ``transform(head(hidden))``:
+  the model's own forward is run with ``logits_to_keep`` = the supervised positions, so its own head and
+  post-processing produce the logits (``[supervised, vocab]`` at once: more memory, the same loss).
 
-The math is exactly ``F.cross_entropy(hidden @ weight.T (+ bias), targets, reduction="sum")`` computed in fp32 per
-chunk: tests check loss and gradients against the plain path at 1e-6 (fp32).
-
-On CUDA with ``liger-kernel`` installed, :func:`linear_cross_entropy` uses Liger's Triton kernel instead.
+Per-token terms then give the TRL objective: ``nll`` (``-log p(target)``), ``dft`` (``nll * p(target)``, the weight
+detached, as TRL), and label smoothing as transformers' ``LabelSmoother`` (``(1 - eps) * nll + eps * mean_v(-log p_v)``).
+:func:`router_aux_loss` is the MoE load-balancing loss over the real tokens of the row.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_cross_entropy", "plain_cross_entropy", "linear_cross_entropy", "resolve_fused_loss", "FUSED_LOSS_CHOICES"]
+__all__ = [
+    "FUSED_LOSS_CHOICES",
+    "LOSS_TYPES",
+    "HeadPlan",
+    "LossTerms",
+    "chunked_cross_entropy",
+    "head_transform_from_config",
+    "linear_cross_entropy",
+    "plain_cross_entropy",
+    "plan_head",
+    "probe_head",
+    "resolve_fused_loss",
+    "router_aux_loss",
+    "supervised_positions",
+    "supervised_loss_terms",
+]
+
+logger = logging.getLogger("pf_trl.loss")
 
 FUSED_LOSS_CHOICES = ("auto", "chunked", "liger", "none")
+LOSS_TYPES = ("nll", "dft")
 DEFAULT_CHUNK_SIZE = 1024
+# vocabulary columns per tile of TRL's kernel: the value TRL's fused LM head uses (trl.trainer.utils)
+VOCAB_CHUNK = 32768
+IGNORE_INDEX = -100
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, compute_grad: bool):
-        n = hidden.shape[0]
-        device = hidden.device
-        loss = torch.zeros((), dtype=torch.float32, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        need_h = compute_grad and ctx.needs_input_grad[0]
-        need_w = compute_grad and ctx.needs_input_grad[1]
-        need_b = compute_grad and bias is not None and ctx.needs_input_grad[2]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        acc_dtype = torch.float32
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
-        for start in range(0, n, chunk_size):
-            stop = min(start + chunk_size, n)
-            h = hidden[start:stop]
-            t = targets[start:stop]
-            logits = h @ weight.t()
-            if bias is not None:
-                logits = logits + bias
-            logits = logits.float()
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, t[:, None]).squeeze(1)
-            loss += (lse - target_logit).sum()
-            correct += (logits.argmax(dim=-1) == t).sum()
-            if need_h or need_w or need_b:
-                # softmax - onehot, in place on the chunk's logits
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(stop - start, device=device), t] -= 1.0
-                g = probs.to(weight.dtype)
-                if need_h:
-                    grad_h[start:stop] = g @ weight
-                if need_w:
-                    grad_w.addmm_(g.t().to(acc_dtype), h.to(acc_dtype))
-                if need_b:
-                    grad_b += probs.sum(0)
-                del probs, g
-            del logits
-        ctx.save_for_backward(
-            grad_h if grad_h is not None else torch.empty(0),
-            grad_w if grad_w is not None else torch.empty(0),
-            grad_b if grad_b is not None else torch.empty(0),
+# ------------------------------------------------------------------------------------------- positions
+
+
+def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices of the hidden rows that predict a supervised token, and those tokens.
+
+    ``labels`` is ``[B, T]`` (a packed row has ``B == 1``). Row ``b * T + t`` of the flattened hidden states predicts
+    ``labels[b, t + 1]``; it is kept when that label is not -100. Kept outside the model's layers and small on
+    purpose: it is the one data-dependent gather of the loss.
+    """
+    shifted = labels[:, 1:]
+    keep = shifted != IGNORE_INDEX
+    b, t = keep.nonzero(as_tuple=True)
+    index = b * labels.shape[1] + t
+    return index, shifted[keep]
+
+
+# ------------------------------------------------------------------------------------------- the head
+
+
+def head_transform_from_config(config) -> tuple[float, float | None]:
+    """``(logit_scale, final_logit_softcapping)`` of a causal LM config, read as TRL's ``add_fused_lm_head`` reads them.
+
+    Cohere ``logit_scale`` (and ``output_multiplier`` / ``lm_head_multiplier``) multiply the logits; Granite and
+    MiniCPM3 divide them by ``logits_scaling`` (HyperCLOVA X multiplies); Gemma 2/3 soft-cap after scaling.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scale = text.logits_scaling if getattr(text, "model_type", None) == "hyperclovax" else 1.0 / text.logits_scaling
+    return (1.0 if scale is None else float(scale)), (None if softcap is None else float(softcap))
+
+
+def apply_head_transform(logits: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scale * logits / softcap)`` (each part only when set): the model's post-processing."""
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _is_plain_linear(module) -> bool:
+    return type(module) is torch.nn.Linear
+
+
+@dataclass
+class HeadPlan:
+    """How the loss reaches the logits: ``path`` (linear | module | model), the transform, and why."""
+
+    path: str
+    scale: float = 1.0
+    softcap: float | None = None
+    reason: str = ""
+
+
+def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, seed: int = 0) -> float | None:
+    """Max relative difference between the model's own logits and ``transform(head(last_hidden_state))``.
+
+    A short eval-mode forward (no grad) with the backbone output captured by a hook. ``None`` when it cannot run
+    (parameters on the meta device, or partitioned by DeepSpeed ZeRO-3 outside the engine).
+    """
+    params = list(model.parameters())
+    if not params or any(p.device.type == "meta" or hasattr(p, "ds_id") for p in params):
+        return None
+    head = model.get_output_embeddings()
+    backbone = model.base_model
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or head.weight.shape[0])
+    device = params[0].device
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
+    captured = {}
+
+    def grab(_module, _args, output):
+        captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    handle = backbone.register_forward_hook(grab)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            mine = apply_head_transform(head(captured["hidden"]), scale, softcap).float()
+    finally:
+        handle.remove()
+        model.train(was_training)
+    return float((logits - mine).abs().max() / logits.abs().max().clamp(min=1e-6))
+
+
+def plan_head(model, *, label_smoothing: float = 0.0, probe: bool = True) -> HeadPlan:
+    """Choose the loss path for ``model`` (linear | module | model, see the module docstring).
+
+    Raises ``ValueError`` when none reproduces the model's logits."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): pf-trl cannot compute its loss")
+    scale, softcap = head_transform_from_config(model.config)
+    diff = probe_head(model, scale, softcap) if probe else None
+    if diff is not None:
+        dtype = next(model.parameters()).dtype
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        if diff > tolerance:
+            if not _accepts_logits_to_keep(model):
+                raise ValueError(
+                    f"pf-trl cannot reproduce the logits of {type(model).__name__} (its forward post-processes the "
+                    f"head output in a way pf-trl does not know: relative difference {diff:.3g}), and its forward has "
+                    "no logits_to_keep to run its own head on the supervised positions only. Train it with "
+                    "padding_free='none'."
+                )
+            return HeadPlan("model", scale, softcap,
+                            f"the model's logits differ from transform(lm_head(hidden)) by {diff:.3g}: its own forward "
+                            "computes the logits at the supervised positions (logits_to_keep)")
+    if not _is_plain_linear(head):
+        return HeadPlan("module", scale, softcap, f"the head is a {type(head).__name__}: it is called chunk by chunk")
+    if label_smoothing > 0:
+        return HeadPlan("module", scale, softcap, "label smoothing needs the whole log-softmax: chunked head module")
+    return HeadPlan("linear", scale, softcap, "plain linear head: TRL's chunked log-prob kernel")
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------- per-token terms
+
+
+@dataclass
+class LossTerms:
+    """Per supervised token: ``nll`` (fp32, differentiable), ``smooth`` (``sum_v -log p_v``, when asked) and
+    ``top1`` (bool, the target is the first argmax)."""
+
+    nll: torch.Tensor
+    top1: torch.Tensor
+    smooth: torch.Tensor | None = None
+
+
+def _terms_from_logits(logits: torch.Tensor, targets: torch.Tensor, with_smooth: bool):
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(1, targets[:, None]).squeeze(1)
+    top1 = logits.detach().argmax(-1) == targets
+    smooth = -logp.sum(-1) if with_smooth else None
+    return nll, top1, smooth
+
+
+def _chunk_terms(head, weight, bias, scale, softcap, with_smooth, hidden, targets):
+    # a plain linear head is applied functionally (its weight possibly gathered from FSDP2 shards), any other head
+    # module is called as the model calls it
+    logits = head(hidden) if weight is None else F.linear(hidden, weight, bias)
+    return _terms_from_logits(apply_head_transform(logits, scale, softcap), targets, with_smooth)
+
+
+def _gather_ctx(weight, bias):
+    try:
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+    except ImportError:  # pragma: no cover - TRL without ZeRO-3 support
+        return nullcontext()
+    return maybe_gather_lm_head_ctx(weight, bias)
+
+
+def _full_weight(head):
+    from torch.distributed.tensor import DTensor
+
+    weight, bias = head.weight, head.bias
+    if isinstance(weight, DTensor):  # FSDP2 shards the head: gather it once for the chunk loop
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    return weight, bias
+
+
+def _fused_terms(head, hidden, targets, scale, softcap, vocab_chunk) -> LossTerms:
+    from trl.kernels import ChunkedLogProbFunction
+
+    weight, bias = _full_weight(head)
+    with _gather_ctx(weight, bias):
+        logprobs, _, _, _, top1 = ChunkedLogProbFunction.apply(
+            hidden, weight, bias, targets, 1.0, int(vocab_chunk), softcap, scale, ("log_probs", "is_top1")
         )
-        ctx.has = (need_h, need_w, need_b)
-        ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.has
-        if (need_h or need_w or need_b) is False and any(ctx.needs_input_grad[:3]):
-            raise RuntimeError("chunked_cross_entropy was run without gradients (compute_grad=False); cannot backward")
-        out_h = grad_h * grad_loss.to(grad_h.dtype) if need_h else None
-        out_w = (grad_w * grad_loss).to(ctx.weight_dtype) if need_w else None
-        out_b = (grad_b * grad_loss).to(ctx.bias_dtype) if need_b else None
-        return out_h, out_w, out_b, None, None, None
+    return LossTerms(nll=-logprobs, top1=top1)
 
 
-def chunked_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of ``cross_entropy(hidden @ weight.T + bias, targets)`` and the count of top-1 hits.
+def _module_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth, checkpointed,
+                  linear: bool = False) -> LossTerms:
+    from torch.utils.checkpoint import checkpoint
 
-    Args:
-        hidden: ``[N, H]`` hidden states of the supervised positions (already shifted: row i predicts targets[i]).
-        weight: ``[V, H]`` LM head weight. bias: ``[V]`` or None.
-        targets: ``[N]`` token ids, all valid (no -100: select the supervised positions first).
-        chunk_size: tokens per chunk (peak extra memory ~ ``chunk_size x V x 4`` bytes, twice).
+    weight, bias = _full_weight(head) if linear else (None, None)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+        args = (head, weight, bias, scale, softcap, with_smooth, h, t)
+        if checkpointed and torch.is_grad_enabled():
+            # recompute the chunk's logits in backward: one chunk of [chunk, vocab] alive at a time
+            parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_terms(*args))
+    nll = torch.cat([p[0] for p in parts])
+    top1 = torch.cat([p[1] for p in parts])
+    smooth = torch.cat([p[2] for p in parts]) if with_smooth else None
+    return LossTerms(nll=nll, top1=top1, smooth=smooth)
 
-    Returns:
-        ``(loss_sum fp32 scalar, correct int64 scalar)``.
+
+def _triton_device(device: torch.device) -> bool:
+    try:
+        from trl.kernels.chunked_logprob import _use_triton
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(_use_triton(device))
+
+
+def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = "chunked",
+                          chunk_size: int = DEFAULT_CHUNK_SIZE, with_smooth: bool = False) -> LossTerms:
+    """Per-token terms of the supervised positions ``hidden [N, H]`` -> ``targets [N]`` through ``head``.
+
+    ``plan.path`` ``linear`` / ``module`` as in the module docstring (``model`` is handled by the caller, which
+    already holds the logits: see :func:`terms_from_model_logits`). ``impl="none"`` computes the plain full logits of
+    the supervised positions at once (the reference path); ``"liger"`` uses Liger's fused linear cross-entropy.
+    """
+    if hidden.shape[0] == 0:
+        # an all-masked micro-batch: a differentiable zero that still reaches the backbone and every trainable head
+        # parameter (DDP expects a gradient for each; the step's divisor counts the other micro-batches' tokens)
+        touch = hidden.sum().float() * 0 + sum(p.sum().float() * 0 for p in head.parameters() if p.requires_grad)
+        empty = hidden.new_zeros((0,), dtype=torch.float32) + touch
+        return LossTerms(nll=empty, top1=torch.zeros(0, dtype=torch.bool, device=hidden.device),
+                         smooth=empty if with_smooth else None)
+    if impl == "liger":
+        return _liger_terms(head, hidden, targets, plan)
+    linear = plan.path == "linear"
+    if impl == "none":
+        return _module_terms(head, hidden, targets, plan.scale, plan.softcap, hidden.shape[0], with_smooth, False,
+                             linear)
+    if linear and not with_smooth and _triton_device(hidden.device):
+        return _fused_terms(head, hidden, targets, plan.scale, plan.softcap, VOCAB_CHUNK)
+    # without Triton, TRL's kernel folds [4096, 32768] fp32 tiles in torch (5 GB peak for a 128k x 2048 head at 8k
+    # tokens, benchmarks/loss_memory.py); checkpointed token chunks cost the same FLOPs with 2 GB
+    return _module_terms(head, hidden, targets, plan.scale, plan.softcap, chunk_size, with_smooth, True, linear)
+
+
+def terms_from_model_logits(logits: torch.Tensor, targets: torch.Tensor, *, with_smooth: bool = False) -> LossTerms:
+    """Per-token terms from logits the model produced itself (the ``model`` path)."""
+    nll, top1, smooth = _terms_from_logits(logits.reshape(-1, logits.shape[-1]), targets, with_smooth)
+    return LossTerms(nll=nll, top1=top1, smooth=smooth)
+
+
+def _liger_terms(head, hidden, targets, plan: HeadPlan) -> LossTerms:
+    if plan.path != "linear" or plan.scale != 1.0 or plan.softcap is not None:
+        raise ValueError(
+            "fused_loss='liger' (or use_liger_kernel) covers a plain linear head without logit scaling or "
+            f"softcapping; this model's head needs {plan.reason!r}. Use fused_loss='chunked'."
+        )
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    out = LigerFusedLinearCrossEntropyFunction.apply(hidden, head.weight, targets, head.bias, None, -100, 0.0, 0.0, "none")
+    nll = (out[0] if isinstance(out, tuple) else out).float()
+    # Liger returns no logits: token accuracy is not available on this path
+    return LossTerms(nll=nll, top1=torch.zeros_like(targets, dtype=torch.bool))
+
+
+def objective_sum(terms: LossTerms, *, loss_type: str = "nll", label_smoothing: float = 0.0,
+                  vocab_size: int | None = None) -> torch.Tensor:
+    """Sum over the supervised tokens of TRL's per-token SFT loss (divide by the token count of the step)."""
+    if loss_type == "dft":
+        # DFT (https://huggingface.co/papers/2508.05629): each token's loss weighted by its detached probability
+        return (terms.nll * torch.exp(-terms.nll).detach()).sum()
+    if loss_type != "nll":
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if label_smoothing > 0:
+        if terms.smooth is None or not vocab_size:
+            raise ValueError("label smoothing needs the smoothing term and the vocabulary size")
+        # transformers' LabelSmoother: (1 - eps) * nll + eps * sum_v(-log p_v) / V, both over the same tokens
+        return (1 - label_smoothing) * terms.nll.sum() + label_smoothing * terms.smooth.sum() / vocab_size
+    return terms.nll.sum()
+
+
+# ------------------------------------------------------------------------------------------- MoE aux loss
+
+
+def router_aux_loss(model, router_logits, real_tokens: int | None, total_tokens: int) -> torch.Tensor:
+    """The model's load-balancing loss over the real tokens of a packed row.
+
+    A padded run passes its ``attention_mask`` so padding does not count; a packed row has no padding except
+    pf-trl's optional ``pad_to_multiple_of`` tail, masked here the same way (``real_tokens`` first tokens are
+    real). The function is the model's own module's ``load_balancing_loss_func`` (Mixtral's where it has none).
+    """
+    module = sys.modules.get(type(model).__module__)
+    func = getattr(module, "load_balancing_loss_func", None)
+    if func is None:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as func
+    text = model.config.get_text_config()
+    num_experts = getattr(model, "num_experts", None) or getattr(text, "num_local_experts", None) or text.num_experts
+    top_k = getattr(model, "num_experts_per_tok", None) or text.num_experts_per_tok
+    mask = None
+    if real_tokens is not None and real_tokens < total_tokens:
+        device = router_logits[0].device
+        mask = (torch.arange(total_tokens, device=device) < real_tokens)[None].long()
+    return func(router_logits, num_experts, top_k, mask)
+
+
+# ------------------------------------------------------------------------------------------- direct API
+
+
+def chunked_cross_entropy(hidden, weight, targets, bias=None, *, chunk_size: int = VOCAB_CHUNK,
+                          logit_scale: float = 1.0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of ``cross_entropy(transform(hidden @ weight.T + bias), targets)`` and the count of top-1 hits.
+
+    TRL's chunked log-prob kernel: ``hidden [N, H]`` (already shifted), ``weight [V, H]``, ``targets [N]`` without
+    -100; ``chunk_size`` vocabulary columns per tile. Never builds the ``[N, V]`` logits.
     """
     if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"hidden must be [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    head = _LinearView(weight, bias)
+    plan = HeadPlan("linear", logit_scale, softcap)
     if hidden.shape[0] == 0:
-        # keep the graph connected so that backward works on an all-masked micro-batch
         zero = (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
         return zero, torch.zeros((), dtype=torch.int64, device=hidden.device)
-    compute_grad = torch.is_grad_enabled() and (
-        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, int(chunk_size), compute_grad)
+    terms = _fused_terms(head, hidden, targets, plan.scale, plan.softcap, chunk_size)
+    return terms.nll.sum(), terms.top1.sum()
 
 
-def plain_cross_entropy(hidden, weight, targets, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+def plain_cross_entropy(hidden, weight, targets, bias=None, *, logit_scale: float = 1.0,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference path: the full logits, fp32 cross-entropy (sum) and top-1 hits."""
-    logits = F.linear(hidden, weight, bias).float()
+    logits = apply_head_transform(F.linear(hidden, weight, bias), logit_scale, softcap).float()
     loss = F.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.detach().argmax(-1) == targets).sum()
     return loss, correct
+
+
+class _LinearView:
+    """A ``(weight, bias)`` pair with the attributes the fused path reads from a head."""
+
+    def __init__(self, weight, bias):
+        self.weight, self.bias = weight, bias
 
 
 def _liger_available(device: torch.device) -> bool:
@@ -141,28 +417,24 @@ def _liger_available(device: torch.device) -> bool:
     return True
 
 
-def resolve_fused_loss(choice: str, device: torch.device) -> str:
-    """``auto`` -> ``liger`` on CUDA with liger-kernel installed, else ``chunked``."""
+def resolve_fused_loss(choice: str, device: torch.device, *, use_liger_kernel: bool = False) -> str:
+    """``auto`` -> ``liger`` when ``use_liger_kernel`` asks for it (CUDA + liger-kernel), else ``chunked``."""
     if choice not in FUSED_LOSS_CHOICES:
         raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {choice!r}")
     if choice == "auto":
-        return "liger" if _liger_available(device) else "chunked"
+        return "liger" if use_liger_kernel and _liger_available(device) else "chunked"
     if choice == "liger" and not _liger_available(device):
         raise ValueError("fused_loss='liger' needs a CUDA device and `pip install liger-kernel`; use 'chunked' instead")
     return choice
 
 
-def linear_cross_entropy(hidden, weight, targets, bias=None, *, impl: str = "chunked", chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Dispatch to ``chunked`` / ``liger`` / ``none`` (plain). Returns ``(loss_sum, correct)``."""
+def linear_cross_entropy(hidden, weight, targets, bias=None, *, impl: str = "chunked", chunk_size: int = VOCAB_CHUNK):
+    """Dispatch to ``chunked`` / ``none`` (plain) for a bare ``(weight, bias)``. Returns ``(loss_sum, correct)``."""
     if impl == "chunked":
         return chunked_cross_entropy(hidden, weight, targets, bias, chunk_size=chunk_size)
     if impl == "none":
         return plain_cross_entropy(hidden, weight, targets, bias)
     if impl == "liger":
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
-        out = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, bias, None, -100, 0.0, 0.0, "sum")
-        loss = out[0] if isinstance(out, tuple) else out
-        # Liger does not return the logits: token accuracy is not available on this path
-        return loss.float(), torch.full((), -1, dtype=torch.int64, device=hidden.device)
+        terms = _liger_terms(_LinearView(weight, bias), hidden, targets, HeadPlan("linear"))
+        return terms.nll.sum(), torch.full((), -1, dtype=torch.int64, device=hidden.device)
     raise ValueError(f"unknown cross-entropy implementation {impl!r}")

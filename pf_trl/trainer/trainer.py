@@ -11,11 +11,15 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
   after that, so column removal cannot drop them.
 - attention: :func:`pf_trl.attention.enable_padding_free` is applied to the model (self-checked; it also forces
   ``use_cache=False`` on packed inputs, so evaluation does not depend on the caller remembering it).
-- loss: hidden states from the backbone, then cross-entropy over the supervised positions only, in chunks
-  (:mod:`pf_trl.trainer.loss`; never the full ``[T, vocab]`` logits). It is divided by transformers'
-  ``num_items_in_batch``: the count of shifted supervised labels over the whole accumulation window, summed over
-  data-parallel ranks (and multiplied back by the world size, since DDP averages gradients). So the loss of an
-  optimizer step is the mean over all its supervised tokens -- exactly what a padded run computes.
+- loss: the model's own objective at the supervised positions only (:mod:`pf_trl.trainer.loss`; never the full
+  ``[T, vocab]`` logits): its head transform (Granite ``logits_scaling``, Cohere ``logit_scale``, Gemma softcapping,
+  checked at init against the model's own logits, else its own head via ``logits_to_keep``), adapters on the head,
+  TRL's ``loss_type`` (``nll``/``dft``), ``label_smoothing_factor`` and ``compute_loss_func``, and the MoE
+  load-balancing loss over the real tokens (logged as ``aux_loss``), combined exactly as TRL's padded
+  ``compute_loss`` does. The token loss is divided by transformers' ``num_items_in_batch``: the count of shifted
+  supervised labels over the whole accumulation window, summed over data-parallel ranks (and multiplied back by the
+  world size, since DDP averages gradients). So the loss of an optimizer step is the mean over all its supervised
+  tokens -- exactly what a padded run computes. ``neftune_noise_alpha`` is refused (its noise scales with the row).
 - eval loss: token-weighted mean over all supervised tokens (transformers averages per-batch means; the padded
   mode of this trainer reports the token-weighted mean too, so the two are comparable).
 - epochs: the sampler yields the same number of batches in every epoch (fixed once from the lengths), so Trainer's
@@ -30,11 +34,14 @@ What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import math
 import os
+import types
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +52,18 @@ from pf_trl.collator import PaddingFreeCollator
 from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
-from pf_trl.trainer.loss import linear_cross_entropy, resolve_fused_loss
+from pf_trl.trainer.loss import (
+    DEFAULT_CHUNK_SIZE,
+    LOSS_TYPES,
+    HeadPlan,
+    objective_sum,
+    plan_head,
+    resolve_fused_loss,
+    router_aux_loss,
+    supervised_loss_terms,
+    supervised_positions,
+    terms_from_model_logits,
+)
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY, TokenAccountingMixin
 
 logger = logging.getLogger("pf_trl.trainer")
@@ -84,44 +102,97 @@ def derive_token_budget(lengths: np.ndarray, batch_size: int) -> int:
     return int(max(int(lengths.max()), math.ceil(float(lengths.mean()) * batch_size)))
 
 
-def _has_logit_transform(model) -> bool:
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return any(getattr(text, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+@dataclass
+class PFLossOptions:
+    """What the ``pf_loss=True`` forward computes: the loss path (``impl``: chunked | none | liger), the token chunk of
+    the ``module`` path, TRL's ``loss_type`` and the label smoothing factor."""
+
+    impl: str = "chunked"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    loss_type: str = "nll"
+    label_smoothing: float = 0.0
 
 
-def install_pf_loss_forward(model: torch.nn.Module, impl: str, chunk_size: int) -> None:
-    """Give ``model.forward`` a ``pf_loss=True`` path: backbone -> supervised positions -> chunked CE.
+def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                            options: PFLossOptions | None = None, probe: bool = True) -> HeadPlan:
+    """Give ``model.forward`` a ``pf_loss=True`` path: backbone -> supervised positions -> the model's own objective.
 
-    Returns ``{"loss_sum", "num_tokens", "correct"}``. Going through ``model.forward`` (not ``model.model``) keeps
-    DDP/FSDP wrappers in the loop. Other calls use the previous forward (generation is unchanged).
+    Returns the :class:`~pf_trl.trainer.loss.HeadPlan` (how the logits are reproduced). The patched forward returns
+    ``{"loss_sum", "num_tokens", "correct", "aux_loss"}``: the sum over supervised tokens of the per-token objective,
+    their count, top-1 hits, and the MoE load-balancing loss over the real tokens (``None`` unless the config sets
+    ``output_router_logits``). Going through ``model.forward`` (not ``model.model``) keeps DDP/FSDP wrappers and
+    ZeRO-3 hooks in the loop; other calls use the previous forward (generation is unchanged). ``model`` is the
+    transformers model itself (PEFT's base model: adapters live inside its modules).
     """
+    options = options or PFLossOptions(impl=impl, chunk_size=chunk_size)
+    plan = plan_head(model, label_smoothing=options.label_smoothing, probe=probe)
+    logger.info("pf-trl: loss path %s (%s)", plan.path, plan.reason)
+    with_smooth = options.loss_type == "nll" and options.label_smoothing > 0
+    text_config = model.config.get_text_config()
+    vocab_size = int(getattr(text_config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
     previous = model.forward
 
     @functools.wraps(type(model).forward)
-    def forward(self, *args, pf_loss: bool = False, **kwargs):
+    def forward(self, *args, pf_loss: bool = False, pf_real_tokens: int | None = None, **kwargs):
         if not pf_loss:
             return previous(*args, **kwargs)
         labels = kwargs.pop("labels")
         kwargs.pop("num_items_in_batch", None)
         kwargs["use_cache"] = False
-        backbone = getattr(self, self.base_model_prefix)
-        hidden = backbone(*args, **kwargs).last_hidden_state
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
         head = self.get_output_embeddings()
-        targets = labels[:, 1:].to(head.weight.device)
-        mask = targets != -100
-        selected = hidden[:, :-1].to(head.weight.device)[mask]
-        weight, bias = head.weight, head.bias
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(weight, DTensor):  # FSDP2 shards the head: gather it once for the chunk loop
-            weight = weight.full_tensor()
-            bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-        loss_sum, correct = linear_cross_entropy(selected, weight, targets[mask], bias, impl=impl, chunk_size=chunk_size)
-        return {"loss_sum": loss_sum, "num_tokens": mask.sum(), "correct": correct}
-
-    import types
+        index, targets = supervised_positions(labels)
+        if plan.path == "model":
+            # the model's own head and post-processing, only at the supervised positions
+            keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+            keep[:, :-1] = labels[:, 1:] != -100
+            out = previous(*args, logits_to_keep=keep, **kwargs)
+            terms = terms_from_model_logits(out.logits, targets.to(out.logits.device), with_smooth=with_smooth)
+            router_logits = getattr(out, "router_logits", None)
+        else:
+            out = self.base_model(*args, **kwargs)
+            hidden = out.last_hidden_state
+            device = head.weight.device
+            selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.to(hidden.device)).to(device)
+            terms = supervised_loss_terms(head, selected, targets.to(device), plan, impl=options.impl,
+                                          chunk_size=options.chunk_size, with_smooth=with_smooth)
+            router_logits = getattr(out, "router_logits", None)
+        loss_sum = objective_sum(terms, loss_type=options.loss_type, label_smoothing=options.label_smoothing,
+                                 vocab_size=vocab_size)
+        aux = None
+        if kwargs.get("output_router_logits") and router_logits is not None:
+            aux = router_aux_loss(self, router_logits, pf_real_tokens, labels.shape[-1])
+        correct = terms.top1.sum() if options.impl != "liger" else torch.full((), -1, dtype=torch.int64)
+        return {"loss_sum": loss_sum, "num_tokens": targets.new_tensor(targets.numel()), "correct": correct,
+                "aux_loss": aux}
 
     model.forward = types.MethodType(forward, model)
+    return plan
+
+
+def check_loss_options(args, trainer_kwargs: dict[str, Any]) -> None:
+    """Refuse the SFTTrainer loss options pf-trl cannot reproduce on packed rows, naming each."""
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        raise ValueError(
+            "neftune_noise_alpha is not supported with padding_free: NEFTune scales its noise by the row length, and a "
+            "packed row holds many examples (the padded run scales by the padded length), so the noise would differ. "
+            "Unset neftune_noise_alpha or use padding_free='none'."
+        )
+    loss_type = getattr(args, "loss_type", "nll")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not supported with padding_free (supported: {', '.join(LOSS_TYPES)})")
+    if loss_type == "dft" and getattr(args, "label_smoothing_factor", 0.0) > 0:
+        raise ValueError(
+            "label_smoothing_factor with loss_type='dft': TRL applies no smoothing to the DFT loss (it would be ignored "
+            "in silence). Set label_smoothing_factor=0 or loss_type='nll'."
+        )
+    liger_config = getattr(args, "liger_kernel_config", None) or {}
+    if getattr(args, "use_liger_kernel", False) and args.fused_loss not in ("auto", "liger"):
+        raise ValueError(f"use_liger_kernel=True asks for Liger's fused cross-entropy, but fused_loss={args.fused_loss!r}")
+    if liger_config.get("fused_linear_cross_entropy"):
+        raise ValueError('liger_kernel_config={"fused_linear_cross_entropy": True} replaces the model forward; use '
+                         "fused_loss='liger' for Liger's fused cross-entropy on the supervised positions")
 
 
 class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
@@ -164,7 +235,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 )
             from pf_trl.attention import enable_padding_free
 
-            enable_padding_free(model, mode=self.pf_mode, backend=args.attention_backend,
+            check_loss_options(args, kwargs)
+            # a PeftModel: make its transformers model padding-free (the adapters live inside its modules)
+            enable_padding_free(_transformers_model(model), mode=self.pf_mode, backend=args.attention_backend,
                                 allow_unverified=args.allow_unverified)
             pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else processing_class.eos_token_id
             data_collator = data_collator or PaddingFreeCollator(
@@ -178,8 +251,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         saved = args.padding_free
         args.padding_free = False
         try:
-            super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                             eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+            with _admit_head_adapters(self.pf_mode != "none"):
+                super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                                 eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finally:
             args.padding_free = saved
         if self.args.fsdp and not self.is_fsdp_enabled:
@@ -192,12 +266,12 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         self._pf_resume_dir: str | None = None
         self.pf_token_budget: int | None = args.max_tokens_per_batch
         if self.pf_mode != "none":
-            self.pf_loss_impl = resolve_fused_loss(args.fused_loss, self.args.device)
-            if _has_logit_transform(self.model) and self.pf_loss_impl != "none":
-                logger.warning("pf-trl: this model scales/softcaps its logits; using the plain cross-entropy path")
-                self.pf_loss_impl = "none"
-            unwrapped = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            install_pf_loss_forward(unwrapped, self.pf_loss_impl, args.loss_chunk_size)
+            self.pf_loss_impl = resolve_fused_loss(args.fused_loss, self.args.device,
+                                                   use_liger_kernel=bool(args.use_liger_kernel))
+            smoothing = float(args.label_smoothing_factor) if self.label_smoother is not None else 0.0
+            options = PFLossOptions(impl=self.pf_loss_impl, chunk_size=args.loss_chunk_size, loss_type=args.loss_type,
+                                    label_smoothing=smoothing)
+            self.pf_head_plan = install_pf_loss_forward(_transformers_model(self.model), options=options)
             # our loss is always divided by num_items_in_batch over the accumulation window
             self.loss_is_scaled_for_ga = True
 
@@ -290,28 +364,59 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.pf_mode == "none":
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        real = inputs.get(REAL_TOKENS_KEY)
         self._pf_observe(inputs)
         inputs = dict(inputs)
         inputs.pop("use_cache", None)
-        out = model(**inputs, pf_loss=True)
+        if self.compute_loss_func is not None:
+            return self._pf_custom_loss(model, inputs, return_outputs, num_items_in_batch)
+        out = model(**inputs, pf_loss=True, pf_real_tokens=None if real is None else int(real))
         loss_sum, n_tok = out["loss_sum"], out["num_tokens"]
-        if num_items_in_batch is None:
-            loss = loss_sum / n_tok.clamp(min=1)
-        else:
-            loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
-            if self.args.average_tokens_across_devices and self.args.world_size > 1:
-                loss = loss * self.accelerator.num_processes  # DDP averages gradients across ranks
+        loss = loss_sum / self._pf_divisor(num_items_in_batch, n_tok, loss_sum.device)
+        aux = out.get("aux_loss")
+        if aux is not None and self.aux_loss_enabled:
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
+            # as TRL's padded loss: a per-micro-batch mean (averaged over the accumulation steps when the CE is
+            # normalized by num_items_in_batch), and not added on the label-smoothing path, where TRL drops it too
+            if self.label_smoother is None:
+                steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+                loss = loss + self.router_aux_loss_coef * aux.to(loss.device) / steps
         correct = int(out["correct"])
-        if correct >= 0:
-            self._pf_meter.add_accuracy(correct, int(n_tok)) if self.model.training else None
+        if correct >= 0 and self.model.training:
+            self._pf_meter.add_accuracy(correct, int(n_tok))
         if not self.model.training:
-            self._pf_eval_add(loss_sum.detach(), int(n_tok))
+            extra = self.router_aux_loss_coef * aux.detach() * n_tok if aux is not None and self.aux_loss_enabled else 0
+            self._pf_eval_add(loss_sum.detach() + extra, int(n_tok))
         if return_outputs:
             with torch.no_grad():
                 logits_inputs = {k: v for k, v in inputs.items() if k != "labels"}
                 outputs = model(**logits_inputs, use_cache=False)
             return loss, outputs
         return loss
+
+    def _pf_divisor(self, num_items_in_batch, n_tok, device) -> torch.Tensor:
+        """The loss divisor: the step's supervised tokens (all ranks, divided by the world size since DDP averages
+        gradients), or this micro-batch's when transformers passes none."""
+        if num_items_in_batch is None:
+            return n_tok.to(device).clamp(min=1)
+        divisor = torch.as_tensor(num_items_in_batch, device=device).clamp(min=1)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            divisor = divisor / self.accelerator.num_processes
+        return divisor
+
+    def _pf_custom_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """``compute_loss_func`` as TRL calls it: the model's own outputs (full logits of the packed ``[1, T]`` row,
+        position_ids restarting per example) and the row's labels (-100 at each example's first token)."""
+        labels = inputs["labels"]
+        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
+        loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes
+        if not self.model.training:
+            n_tok = int((labels[:, 1:] != -100).sum())
+            self._pf_eval_add(loss.detach().float() * n_tok, n_tok)
+        return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------ epochs, checkpoints, resume
 
@@ -440,6 +545,34 @@ def _has_masks(dataset) -> bool:
     from pf_trl.data.sources import mask_columns_present
 
     return bool(mask_columns_present(dataset))
+
+
+@contextlib.contextmanager
+def _admit_head_adapters(active: bool):
+    """Let SFTTrainer accept a PEFT adapter on ``lm_head`` while it initializes (pf-trl modes only).
+
+    TRL refuses one because its fused head reads ``lm_head.weight`` and would bypass the adapter; pf-trl's loss calls
+    the adapted head module itself (the ``module`` path), so the adapter trains. TRL's check is an ``isinstance``
+    against ``BaseTunerLayer`` in its module: it is pointed at a class nothing is an instance of, for the duration of
+    ``SFTTrainer.__init__`` only. The padded mode (``padding_free="none"``) keeps TRL's refusal.
+    """
+    import trl.trainer.sft_trainer as sft_module
+
+    if not active or not hasattr(sft_module, "BaseTunerLayer"):
+        yield
+        return
+    original = sft_module.BaseTunerLayer
+    sft_module.BaseTunerLayer = type("_NoHeadAdapterCheck", (), {})
+    try:
+        yield
+    finally:
+        sft_module.BaseTunerLayer = original
+
+
+def _transformers_model(model):
+    """The transformers model inside a PEFT wrapper (adapters are injected into its modules), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
 
 def _is_tokenized(dataset) -> bool:

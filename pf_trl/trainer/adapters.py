@@ -1,0 +1,46 @@
+"""LoRA adapters for ``pf-trl train`` (fms-hf-tuning's flags), and saving them merged.
+
+The trainer itself takes a ``peft_config=`` or a ``PeftModel`` as TRL does; this module only maps the command-line
+flags onto a ``peft.LoraConfig`` and writes the merged model when asked. Needs ``pip install 'pf-trl[peft]'``.
+"""
+
+from __future__ import annotations
+
+import os
+
+PEFT_METHODS = ("none", "lora")
+
+
+def lora_config(peft_method: str, *, r: int, lora_alpha: int, lora_dropout: float, target_modules: list[str] | None):
+    """A ``peft.LoraConfig`` for ``peft_method="lora"`` (``None`` for ``"none"``); ``ValueError`` on bad input."""
+    if peft_method not in PEFT_METHODS:
+        raise ValueError(f"--peft_method must be one of {', '.join(PEFT_METHODS)}, got {peft_method!r}")
+    if peft_method == "none":
+        return None
+    if r < 1:
+        raise ValueError(f"--r must be a positive integer, got {r}")
+    if not 0.0 <= lora_dropout < 1.0:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {lora_dropout}")
+    try:
+        from peft import LoraConfig
+    except ImportError as exc:
+        raise ValueError("--peft_method lora needs peft: pip install 'pf-trl[peft]'") from exc
+    targets: list[str] | str | None = list(target_modules) if target_modules else None
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets,
+                      task_type="CAUSAL_LM")
+
+
+def save_merged(trainer, directory: str) -> str:
+    """Merge the trained adapter into the base weights (in place: call after saving the adapter) and save model +
+    tokenizer to ``directory``."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not hasattr(model, "merge_and_unload"):
+        raise ValueError("--merge_adapter needs a model trained with an adapter (--peft_method lora)")
+    merged = model.merge_and_unload()
+    os.makedirs(directory, exist_ok=True)
+    merged.save_pretrained(directory)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(directory)
+    return directory
