@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from trl import SFTTrainer
 
-from pf_trl.collator import PaddingFreeCollator
+from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer.config import PaddingFreeConfig, normalize_padding_free
 from pf_trl.trainer.loss import linear_cross_entropy, resolve_fused_loss
@@ -100,22 +100,29 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str, chunk_size: int) 
         kwargs["use_cache"] = False
         backbone = getattr(self, self.base_model_prefix)
         hidden = backbone(*args, **kwargs).last_hidden_state
-        head = self.get_output_embeddings()
-        targets = labels[:, 1:].to(head.weight.device)
-        mask = targets != -100
-        selected = hidden[:, :-1].to(head.weight.device)[mask]
-        weight, bias = head.weight, head.bias
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(weight, DTensor):  # FSDP2 shards the head: gather it once for the chunk loop
-            weight = weight.full_tensor()
-            bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-        loss_sum, correct = linear_cross_entropy(selected, weight, targets[mask], bias, impl=impl, chunk_size=chunk_size)
-        return {"loss_sum": loss_sum, "num_tokens": mask.sum(), "correct": correct}
+        return _supervised_loss(self, hidden, labels, impl, chunk_size)
 
     import types
 
     model.forward = types.MethodType(forward, model)
+
+
+@torch.compiler.disable(reason="data-dependent gather of supervised positions and a chunk loop over them")
+def _supervised_loss(model, hidden, labels, impl: str, chunk_size: int) -> dict[str, torch.Tensor]:
+    # Runs eagerly under torch.compile (one intended graph break after the backbone): the number of supervised
+    # tokens changes every step, so a traced gather + chunk loop would recompile each step.
+    head = model.get_output_embeddings()
+    targets = labels[:, 1:].to(head.weight.device)
+    mask = targets != -100
+    selected = hidden[:, :-1].to(head.weight.device)[mask]
+    weight, bias = head.weight, head.bias
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):  # FSDP2 shards the head: gather it once for the chunk loop
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    loss_sum, correct = linear_cross_entropy(selected, weight, targets[mask], bias, impl=impl, chunk_size=chunk_size)
+    return {"loss_sum": loss_sum, "num_tokens": mask.sum(), "correct": correct}
 
 
 class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
@@ -279,6 +286,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         self._pf_observe(inputs)
         inputs = dict(inputs)
         inputs.pop("use_cache", None)
+        if self.args.torch_compile:
+            mark_dynamic_lengths(inputs)  # one general graph for all packed lengths (at most two compilations)
         out = model(**inputs, pf_loss=True)
         loss_sum, n_tok = out["loss_sum"], out["num_tokens"]
         if num_items_in_batch is None:
