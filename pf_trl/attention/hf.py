@@ -193,16 +193,17 @@ def hf_varlen_attention(
         )
         # Python ints from the collator; deriving them from cu_seqlens is a host sync (eager-only fallback)
         max_q = max_length_q if max_length_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
-        max_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
         if lq == lk and cu_q.shape == cu_k.shape:
-            # self-attention over the packed row: one layout. Handing the kernel one tensor lets it know so
-            # without reading values (the sdpa backend's fast path).
-            if max_q != max_k:
-                raise PaddingFreeError(f"max_length_q ({max_q}) != max_length_k ({max_k}) for a self-attention batch")
+            # self-attention over the packed row: one layout (check_packed_batch checked max_length_k too). Handing
+            # the kernel one tensor and one int lets it know so without reading values (the sdpa fast path). Not
+            # comparing the two ints matters under compile: an equality between two symbolic int inputs made
+            # inductor (torch 2.13) emit code that uses the dropped one.
             torch._assert_async(
                 (cu_q == cu_k).all(), "pf_varlen: cu_seq_lens_q and cu_seq_lens_k differ for a self-attention batch"
             )
-            cu_k = cu_q
+            cu_k, max_k = cu_q, max_q
+        else:
+            max_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
     elif lq == lk:
         if position_ids is None:
             _warn_once(
