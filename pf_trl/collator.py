@@ -8,6 +8,10 @@ Output contract (what the attention layer and the trainer read):
 - ``max_length_q`` / ``max_length_k``: ``int``, the longest example;
 - no ``attention_mask``: its absence is what tells transformers the row is packed.
 
+The layout is validated here, once per batch on the CPU (:func:`check_packed_batch`), so that the attention layers
+never read ``cu_seqlens`` back from the device: no host sync in the forward, nothing for ``torch.compile`` to break
+on. ``max_length_*`` are Python ints for the same reason.
+
 The first label of every example is -100: with the causal shift, the token before it belongs to the
 previous example, so no example learns to predict its own start from its neighbour.
 """
@@ -100,7 +104,44 @@ class PaddingFreeCollator:
                 max_length_q=max_len,
                 max_length_k=max_len,
             )
+            check_packed_batch(batch)
         return batch
+
+
+def check_packed_batch(batch: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless a packed batch's flash kwargs describe its row exactly (CPU, once per batch).
+
+    Checks that ``cu_seq_lens_q/k`` are equal 1-D int32 tensors starting at 0, strictly increasing and ending at the
+    token count; that ``max_length_q/k`` are Python ints equal to the longest segment; and that ``position_ids``
+    restart at 0 at every segment start and count up inside it. The attention layers trust all of this.
+    Use it on batches from another collator (e.g. ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``).
+    """
+    input_ids = batch["input_ids"]
+    total = int(input_ids.numel())
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
+        raise ValueError("a packed batch needs cu_seq_lens_q and cu_seq_lens_k tensors")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"a packed batch is one row [1, total]; input_ids has shape {tuple(input_ids.shape)}")
+    if cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_q.numel() < 2:
+        raise ValueError(f"cu_seq_lens_q must be a 1-D int32 tensor of n + 1 >= 2 offsets, got {cu_q.dtype} {tuple(cu_q.shape)}")
+    if not torch.equal(cu_q.cpu(), cu_k.cpu()):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; a packed self-attention batch has one layout")
+    bounds = cu_q.tolist()
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != total or min(lengths) <= 0:
+        raise ValueError(
+            f"cu_seq_lens_q must start at 0, increase strictly and end at the token count {total}; got {bounds}"
+        )
+    for name in ("max_length_q", "max_length_k"):
+        value = batch.get(name)
+        if type(value) is not int or value != max(lengths):
+            raise ValueError(f"{name} must be the Python int {max(lengths)} (the longest segment), got {value!r}")
+    position_ids = batch.get("position_ids")
+    if position_ids is not None:
+        expected = torch.cat([torch.arange(n) for n in lengths])
+        if position_ids.numel() != total or not torch.equal(position_ids.reshape(-1).cpu().long(), expected):
+            raise ValueError("position_ids do not restart at 0 at every cu_seq_lens_q offset and count up inside it")
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -118,3 +159,23 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     cu = torch.cat([starts, total]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     return cu, max_len
+
+
+def mark_dynamic_lengths(batch: Mapping[str, Any]) -> None:
+    """Tell ``torch.compile`` that a packed batch's token count and segment count vary from batch to batch.
+
+    Marks dim 1 of the ``[1, total]`` tensors and dim 0 of ``cu_seq_lens_*`` as dynamic, so the first compiled
+    graph is already the general one; ``max_length_*`` (Python ints) turn symbolic on their first change. Together:
+    at most two compilations over an epoch of varying packed lengths. Call it on the tensors the compiled model
+    receives (after any device move: a copy loses the mark). A no-op for eager execution.
+    """
+    from torch._dynamo import maybe_mark_dynamic
+
+    for name in ("input_ids", "labels", "position_ids"):
+        value = batch.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            maybe_mark_dynamic(value, 1)
+    for name in FLASH_KWARGS[:2]:
+        value = batch.get(name)
+        if isinstance(value, torch.Tensor):
+            maybe_mark_dynamic(value, 0)

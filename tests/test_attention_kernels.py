@@ -44,7 +44,7 @@ def naive_reference(q, k, v, cu_q, cu_k, *, causal=True, scale=None, sliding_win
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def make_inputs(lengths, hq=4, hkv=2, d=16, seed=0, kv_lengths=None):
+def make_inputs(lengths, hq=4, hkv=2, d=16, seed=0, kv_lengths=None, shared_cu=False):
     g = torch.Generator().manual_seed(seed)
     kv_lengths = kv_lengths or lengths
     tq, tk = sum(lengths), sum(kv_lengths)
@@ -53,6 +53,9 @@ def make_inputs(lengths, hq=4, hkv=2, d=16, seed=0, kv_lengths=None):
     v = torch.randn(tk, hkv, d, generator=g)
     cu_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(kv_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    if shared_cu:  # one tensor for both layouts, as pf_varlen passes it for self-attention (sdpa's fast path)
+        assert kv_lengths == lengths
+        cu_k = cu_q
     return q, k, v, cu_q, cu_k, max(lengths), max(kv_lengths)
 
 
@@ -69,6 +72,7 @@ def test_cpu_has_sdpa_and_flex():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shared_cu", [False, True], ids=["cu_q_k", "one_cu"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize(
     "features",
@@ -85,10 +89,10 @@ def test_cpu_has_sdpa_and_flex():
     ],
     ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "plain",
 )
-def test_forward_matches_reference(backend, layout, features):
+def test_forward_matches_reference(backend, shared_cu, layout, features):
     features = dict(features)
     hkv = features.pop("hkv", 2)
-    q, k, v, cu_q, cu_k, mq, mk = make_inputs(LAYOUTS[layout], hkv=hkv)
+    q, k, v, cu_q, cu_k, mq, mk = make_inputs(LAYOUTS[layout], hkv=hkv, shared_cu=shared_cu)
     out = varlen_attention(q, k, v, cu_q, cu_k, mq, mk, backend=backend, **features)
     ref = naive_reference(
         q,
@@ -106,14 +110,15 @@ def test_forward_matches_reference(backend, layout, features):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shared_cu", [False, True], ids=["cu_q_k", "one_cu"])
 @pytest.mark.parametrize("features", [{}, {"sliding_window": 3, "softcap": 3.0}], ids=["plain", "window_softcap"])
-def test_backward_matches_reference(backend, features):
+def test_backward_matches_reference(backend, shared_cu, features):
     if backend == "flex":
         q, k, v, cu_q, cu_k, mq, mk = make_inputs([3, 2])
         with pytest.raises(UnsupportedFeatureError, match="backward"):
             varlen_attention(q.requires_grad_(), k, v, cu_q, cu_k, mq, mk, backend="flex")
         return
-    q, k, v, cu_q, cu_k, mq, mk = make_inputs([6, 1, 10, 3], hkv=2, seed=1)
+    q, k, v, cu_q, cu_k, mq, mk = make_inputs([6, 1, 10, 3], hkv=2, seed=1, shared_cu=shared_cu)
     grads = []
     for fn in ("backend", "ref"):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))

@@ -69,3 +69,41 @@ def test_cu_seqlens_from_position_ids_round_trip():
     assert max_len == 5
     with pytest.raises(ValueError, match="start at 0"):
         cu_seqlens_from_position_ids(torch.tensor([[1, 2, 0]]))
+
+
+def test_check_packed_batch_accepts_the_collators_output_and_refuses_inconsistent_layouts():
+    from pf_trl.collator import check_packed_batch
+
+    batch = PaddingFreeCollator(pad_to_multiple_of=8)(features(3, 1, 4, 2))
+    check_packed_batch(batch)  # the collator's own output (dummy segment included)
+
+    def broken(**changes):
+        b = dict(batch)
+        b.update(changes)
+        return b
+
+    cu = batch["cu_seq_lens_q"]
+    cases = {
+        "end at the token count": broken(cu_seq_lens_q=cu[:-1], cu_seq_lens_k=cu[:-1]),
+        "increase strictly": broken(cu_seq_lens_q=torch.tensor([0, 3, 3, 4, 8, 10, 16], dtype=torch.int32),
+                                    cu_seq_lens_k=torch.tensor([0, 3, 3, 4, 8, 10, 16], dtype=torch.int32)),
+        "int32": broken(cu_seq_lens_q=cu.long(), cu_seq_lens_k=cu.long()),
+        "differ": broken(cu_seq_lens_k=torch.tensor([0, 2, 4, 8, 10, 16], dtype=torch.int32)),
+        "max_length_q must be the Python int 6": broken(max_length_q=torch.tensor(6)),
+        "max_length_k must be the Python int 6": broken(max_length_k=5),
+        "position_ids do not restart": broken(position_ids=torch.arange(16).unsqueeze(0)),
+        "one row": broken(input_ids=batch["input_ids"].reshape(2, 8)),
+    }
+    for message, bad in cases.items():
+        with pytest.raises(ValueError, match=message):
+            check_packed_batch(bad)
+
+
+def test_mark_dynamic_lengths_marks_the_varying_dims():
+    from pf_trl.collator import mark_dynamic_lengths
+
+    batch = PaddingFreeCollator()(features(3, 5))
+    mark_dynamic_lengths(batch)
+    for name in ("input_ids", "labels", "position_ids"):
+        assert 1 in getattr(batch[name], "_dynamo_weak_dynamic_indices", set())
+    assert 0 in getattr(batch["cu_seq_lens_q"], "_dynamo_weak_dynamic_indices", set())

@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# Run HERE (CPU machine) before a device session: fetch the wheels the GPU image lacks into .whl/
-# (ignored by git, carried by the device tool). The image has torch, transformers, accelerate, pyarrow,
-# pandas, tokenizers; not trl, datasets (+ multiprocess, dill), mistral-common (the embedded tokenizer).
+# Run HERE (CPU machine) before a device session: fetch the wheels the GPU image lacks or has older into .whl/
+# (ignored by git, carried by the device tool; together with the working tree under the 64 MiB a call carries).
+# The image (2026-11) has torch 2.11, transformers 5.17, accelerate 1.15, huggingface_hub 1.33, tokenizers 0.23.2,
+# pyarrow, pandas; not trl, datasets (+ multiprocess, dill), mistral-common (the embedded tokenizer), gguf.
+# Brought current to what the CPU suite runs: transformers 5.24.0, accelerate 1.16.0, trl 1.16.0, datasets 5.2.0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+WHEELS=(
+  transformers==5.24.0 accelerate==1.16.0 trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1
+  mistral-common==1.13.1 gguf==0.19.0 'fsspec<=2026.9.0'
+)
+if [[ "${1:-}" == "--list" ]]; then printf '%s\n' "${WHEELS[@]}"; exit 0; fi
 rm -rf .whl && mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d .whl trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 mistral-common==1.13.1 \
-  'fsspec<=2026.9.0'
+  -d .whl "${WHEELS[@]}"
 du -sh .whl
-echo 'now: run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=540)'
+echo 'optional, the real Gemma 3 270M: bash benchmarks/gpu/stage_gemma.sh (prints the staging calls)'
+echo 'then: run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=540)'

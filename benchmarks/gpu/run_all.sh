@@ -1,28 +1,78 @@
 #!/usr/bin/env bash
-# Run THERE (the lent GPU machine), from the repository root, in one call:
-#   1. install the carried wheels (.whl/, from prepare_carry.sh) into /tmp/site;
-#   2. the attention check (every backend vs sdpa in bf16, kernel times at 16k/32k tokens);
-#   3. `pf-trl bench` on the ~1B Llama scenario (padded vs TRL padding-free vs pf-trl, MFU).
-# Everything lands in $OUT (tables on stdout). Budget: ~8 min; each stage has its own timeout.
+# The GPU run book, one command on the lent GPU machine, from the repository root (< 8 min):
+#   run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=540)
+# Before it, HERE: bash benchmarks/gpu/prepare_carry.sh (the wheels, listed by `prepare_carry.sh --list`), and
+# optionally bash benchmarks/gpu/stage_gemma.sh + the staging calls it prints (the real Gemma 3 270M).
+# Stages, each with its own timeout (seconds), results in $OUT (tables on stdout):
+#   1. attention kernel table: every varlen backend vs the exact reference in bf16, kernel times (150)
+#   2. torch.compile on/off through PaddingFreeSFTTrainer, both padding-free modes: real Gemma 3 270M when staged,
+#      else the tiny Llama; compile time apart, 0-graph-break check of the forward on CUDA (200)
+#   3. pf-trl bench: ~1B Llama, padded vs TRL padding-free vs pf-trl, MFU (100)
+# `--dry-run`: the same stages on CPU with tiny sizes (checks the script, no GPU, no carried wheels needed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export OUT="${OUT:-$PWD/benchmark_outputs}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+DRY=0; [[ "${1:-}" == "--dry-run" ]] && DRY=1
+export OUT="${OUT:-$PWD/benchmark_outputs}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+  TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PF_TRL_CACHE=/tmp/pf-cache
 mkdir -p "$OUT"
-if [[ -d .whl ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+PY="${PYTHON:-python3}"
+if [[ $DRY == 0 && -d .whl ]]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PF_TRL_CACHE=/tmp/pf-cache
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || echo "trl/datasets missing: bench will fail"
+T0=$SECONDS
+stage() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+"$PY" -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
+"$PY" -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || echo "trl/datasets missing: stages 2-3 will fail (prepare_carry.sh)"
 
-echo "== attention check"
-CHECK_TIMEOUT_S=200 bash benchmarks/gpu/run_attention_check.sh 2>&1 | tail -40
+stage "1. attention kernel table"
+if [[ $DRY == 1 ]]; then
+  timeout 150 "$PY" benchmarks/gpu/attention_check.py --out "$OUT" --dry-run 2>&1 | tee "$OUT/attention_check.log" | tail -25
+else
+  CHECK_TIMEOUT_S=150 bash benchmarks/gpu/run_attention_check.sh 2>&1 | tail -40
+fi
 
-echo "== bench (1B Llama, bf16, max_seq_len 4096)"
-timeout 300 python3 -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --output-dir "$OUT" --timeout 280 2>&1 \
-  | tee "$OUT/bench.log" | tail -30
+stage "2. torch.compile on/off (PaddingFreeSFTTrainer, both modes)"
+"$PY" - <<'PY' 2>&1 | tee "$OUT/compile_explain.log"
+# 0 graph breaks in the model forward on this device (the CPU test does the same on CPU)
+import torch
+from pf_trl.attention import enable_padding_free
+from pf_trl.collator import PaddingFreeCollator
+from pf_trl.models import build_model
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+for mode in ("internal", "huggingface"):
+    m = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", num_hidden_layers=2).to(dev, dtype)
+    enable_padding_free(m, mode=mode)
+    b = PaddingFreeCollator()([{"input_ids": list(range(5, 5 + n))} for n in (70, 130, 33)])
+    b = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(m)(**b)
+    print(f"{mode}: graphs {ex.graph_count}, graph breaks {ex.graph_break_count}",
+          [r.reason.splitlines()[0] for r in ex.break_reasons])
+PY
+GGUF=/tmp/gemma/gemma-3-270m-q4_k_m.gguf
+if [[ $DRY == 1 ]]; then
+  timeout 200 "$PY" benchmarks/compile_bench.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -12
+elif [[ -f /tmp/gemma/SHA256SUM ]] && (cd /tmp/gemma && cat part-* > "$(basename $GGUF)" && sha256sum -c SHA256SUM); then
+  timeout 200 "$PY" benchmarks/compile_bench.py --model gemma3-270m --gguf "$GGUF" --examples 96 --max-len 1024 \
+    --batch-size 16 --out "$OUT" 2>&1 | grep -v "^{'" | tail -12
+else
+  echo "Gemma 3 270M not staged in /tmp/gemma (stage_gemma.sh): compile on/off on the tiny Llama instead"
+  timeout 200 "$PY" benchmarks/compile_bench.py --model pf-trl/tiny-llama --examples 128 --max-len 1024 \
+    --batch-size 16 --out "$OUT" 2>&1 | grep -v "^{'" | tail -12
+fi
+
+stage "3. pf-trl bench"
+if [[ $DRY == 1 ]]; then
+  timeout 100 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/tiny_test.yaml --output-dir "$OUT" --timeout 90 2>&1 \
+    | tee "$OUT/bench.log" | tail -15
+else
+  timeout 100 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 200 --output-dir "$OUT" \
+    --timeout 30 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+stage "done"
 ls -la "$OUT"

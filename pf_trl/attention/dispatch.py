@@ -42,11 +42,18 @@ DEFAULT_AUTO_ORDER = ("sdpa",)
 _logged_choices: set[tuple] = set()
 
 
-@functools.lru_cache(maxsize=None)
+_LOADED: dict[str, ModuleType] = {}
+
+
 def _module(name: str) -> ModuleType:
-    if name not in BACKEND_MODULES:
-        raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {('auto', *BACKENDS)}")
-    return importlib.import_module(BACKEND_MODULES[name])
+    # a plain dict, not lru_cache: under torch.compile the lookup of an already imported backend is traced as a
+    # dict read (resolve_backend, run at trace time, imports it first) instead of breaking the graph on importlib
+    module = _LOADED.get(name)
+    if module is None:
+        if name not in BACKEND_MODULES:
+            raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {('auto', *BACKENDS)}")
+        module = _LOADED[name] = importlib.import_module(BACKEND_MODULES[name])
+    return module
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +90,7 @@ def _normalize_device(device: torch.device) -> torch.device:
     return device
 
 
+@torch.compiler.assume_constant_result
 def resolve_backend(
     backend: str,
     *,
@@ -96,7 +104,12 @@ def resolve_backend(
     gqa: bool = False,
     requires_grad: bool = False,
 ) -> str:
-    """Name of the backend that will serve such a call; raises if an explicit one cannot."""
+    """Name of the backend that will serve such a call; raises if an explicit one cannot.
+
+    Its arguments are fixed for a compiled graph (device, dtype, head size, grad mode are guarded by torch.compile),
+    so torch.compile runs it once at trace time and keeps the answer as a constant
+    (``torch.compiler.assume_constant_result``): the backend choice costs nothing in the graph.
+    """
     device = _normalize_device(device)
     features = dict(
         causal=causal,
@@ -140,6 +153,12 @@ def resolve_backend(
     raise BackendUnavailableError(f"no varlen attention backend can serve this call: {'; '.join(skipped)}")
 
 
+def _as_size(n) -> int:
+    # keep ints (and torch.compile's symbolic ints) as they are: int() on a symbolic int would specialize the graph
+    # on its value and recompile for every new max length
+    return n if isinstance(n, (int, torch.SymInt)) else int(n)
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,7 +182,8 @@ def varlen_attention(
             (GQA/MQA when fewer KV heads).
         cu_seqlens_q, cu_seqlens_k: int32 ``(n_segments + 1,)`` cumulative lengths, starting at 0 and ending at
             the total token count (flash-attn's ``cu_seqlens``).
-        max_seqlen_q, max_seqlen_k: the longest segment (an int).
+        max_seqlen_q, max_seqlen_k: the longest segment, a Python int (carried from the collator: reading it from
+            ``cu_seqlens`` would be a host sync).
         causal: causal mask inside each segment, bottom-right aligned when a segment has fewer queries than keys.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         sliding_window: transformers' convention, each query sees at most ``sliding_window`` keys (itself
@@ -210,8 +230,8 @@ def varlen_attention(
         v,
         cu_seqlens_q,
         cu_seqlens_k,
-        int(max_seqlen_q),
-        int(max_seqlen_k),
+        _as_size(max_seqlen_q),
+        _as_size(max_seqlen_k),
         causal=causal,
         scale=scale,
         window=window,

@@ -137,11 +137,8 @@ def _is_packed(kwargs: dict) -> bool:
     cu = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
     mask = kwargs.get("attention_mask")
-    batch = None
-    for name in ("input_ids", "inputs_embeds"):
-        if isinstance(kwargs.get(name), torch.Tensor):
-            batch = kwargs[name].shape[0]
-    if isinstance(cu, torch.Tensor) and cu.numel() - 1 > (batch or 1):
+    if isinstance(cu, torch.Tensor):
+        # flash kwargs come from a packing collator: decided without reading a value (a host sync, a graph break)
         return True
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
         return False
@@ -179,7 +176,10 @@ def _make_pre_hook(*, drop_flash_kwargs: bool):
                 else:
                     kwargs[name] = value
             args = ()
-        packed = _is_packed(kwargs)
+        # nothing to force or refuse (the common compiled call): skip the detection, which reads position_ids
+        idle = kwargs.get("use_cache") is False and kwargs.get("attention_mask") is None and all(
+            kwargs.get(name) is None for name in ("cache", "past_key_values"))
+        packed = not idle and _is_packed(kwargs)
         if drop_flash_kwargs:  # transformers 4.43 forwards take no **kwargs: segments come from position_ids
             for name in FLASH_KWARGS:
                 kwargs.pop(name, None)

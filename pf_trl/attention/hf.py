@@ -7,8 +7,11 @@ this order, and never lets two segments see each other:
 
 1. a 2-D padding mask (what our mask function hands over): unpad, one segment per row; raises
    :class:`PackedAttentionMaskError` if the valid tokens of a row hold several segments (packed ``position_ids``);
-2. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) from the collator, as transformers' flash path reads them;
-3. otherwise ``position_ids``: a new segment starts wherever a position is not the previous one + 1 (transformers'
+2. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) from the collator, as transformers' flash path reads them. This is
+   the hot path: no value is read on the host (no ``.item()``/``.tolist()``, the max lengths are Python ints from
+   the collator), so a GPU stream never stalls and ``torch.compile`` traces the layer with no graph break;
+3. otherwise ``position_ids`` (one host sync per layer to size the segments: eager only; for compile pass the
+   collator's flash kwargs): a new segment starts wherever a position is not the previous one + 1 (transformers'
    ``find_packed_sequence_indices`` rule; a restart at 0 always qualifies) and at every row start;
 4. with fewer queries than keys (KV cache holding past tokens): one segment per row, bottom-right causal.
 
@@ -180,13 +183,27 @@ def hf_varlen_attention(
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
         cu_q = cu_seq_lens_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_seq_lens_k.to(device=q.device, dtype=torch.int32)
-        if int(cu_q[-1]) != b * lq or int(cu_k[-1]) != b * lk:
-            raise PaddingFreeError(
-                f"cu_seq_lens_q/k end at {int(cu_q[-1])}/{int(cu_k[-1])} but the layer sees {b}x{lq} queries and "
-                f"{b}x{lk} keys (a KV cache with past tokens cannot be combined with a packed batch)"
+        # The collator validated the layout (pf_trl.collator.check_packed_batch). This last check reads no value
+        # on the host: an asynchronous assert (raises at once on CPU, a device-side assert on CUDA), traced by
+        # torch.compile like any op.
+        torch._assert_async(
+            (cu_q[-1] == b * lq) & (cu_k[-1] == b * lk),
+            "pf_varlen: cu_seq_lens_q/k do not end at the number of query/key tokens the layer sees (a KV cache "
+            "with past tokens cannot be combined with a packed batch)",
+        )
+        # Python ints from the collator; deriving them from cu_seqlens is a host sync (eager-only fallback)
+        max_q = max_length_q if max_length_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        if lq == lk and cu_q.shape == cu_k.shape:
+            # self-attention over the packed row: one layout (check_packed_batch checked max_length_k too). Handing
+            # the kernel one tensor and one int lets it know so without reading values (the sdpa fast path). Not
+            # comparing the two ints matters under compile: an equality between two symbolic int inputs made
+            # inductor (torch 2.13) emit code that uses the dropped one.
+            torch._assert_async(
+                (cu_q == cu_k).all(), "pf_varlen: cu_seq_lens_q and cu_seq_lens_k differ for a self-attention batch"
             )
-        max_q = int(max_length_q) if max_length_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
-        max_k = int(max_length_k) if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+            cu_k, max_k = cu_q, max_q
+        else:
+            max_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
     elif lq == lk:
         if position_ids is None:
             _warn_once(

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from trl import SFTTrainer
 
-from pf_trl.collator import PaddingFreeCollator
+from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
@@ -141,31 +141,15 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
-        head = self.get_output_embeddings()
-        index, targets = supervised_positions(labels)
         if plan.path == "model":
             # the model's own head and post-processing, only at the supervised positions
             keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
             keep[:, :-1] = labels[:, 1:] != -100
             out = previous(*args, logits_to_keep=keep, **kwargs)
-            terms = terms_from_model_logits(out.logits, targets.to(out.logits.device), with_smooth=with_smooth)
-            router_logits = getattr(out, "router_logits", None)
         else:
             out = self.base_model(*args, **kwargs)
-            hidden = out.last_hidden_state
-            device = head.weight.device
-            selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.to(hidden.device)).to(device)
-            terms = supervised_loss_terms(head, selected, targets.to(device), plan, impl=options.impl,
-                                          chunk_size=options.chunk_size, with_smooth=with_smooth)
-            router_logits = getattr(out, "router_logits", None)
-        loss_sum = objective_sum(terms, loss_type=options.loss_type, label_smoothing=options.label_smoothing,
-                                 vocab_size=vocab_size)
-        aux = None
-        if kwargs.get("output_router_logits") and router_logits is not None:
-            aux = router_aux_loss(self, router_logits, pf_real_tokens, labels.shape[-1])
-        correct = terms.top1.sum() if options.impl != "liger" else torch.full((), -1, dtype=torch.int64)
-        return {"loss_sum": loss_sum, "num_tokens": targets.new_tensor(targets.numel()), "correct": correct,
-                "aux_loss": aux}
+        return _objective(self, out, labels, plan, options, with_smooth=with_smooth, vocab_size=vocab_size,
+                          with_router=bool(kwargs.get("output_router_logits")), pf_real_tokens=pf_real_tokens)
 
     model.forward = types.MethodType(forward, model)
     return plan
@@ -193,6 +177,33 @@ def check_loss_options(args, trainer_kwargs: dict[str, Any]) -> None:
     if liger_config.get("fused_linear_cross_entropy"):
         raise ValueError('liger_kernel_config={"fused_linear_cross_entropy": True} replaces the model forward; use '
                          "fused_loss='liger' for Liger's fused cross-entropy on the supervised positions")
+
+
+@torch.compiler.disable(reason="data-dependent gather of supervised positions and a chunk loop over them")
+def _objective(model, out, labels, plan: HeadPlan, options: PFLossOptions, *, with_smooth: bool, vocab_size: int,
+               with_router: bool, pf_real_tokens: int | None) -> dict[str, Any]:
+    """The objective after the backbone (or the model's own head): runs eagerly under torch.compile (one intended
+    graph break after the backbone), since the number of supervised tokens changes every step and a traced gather +
+    chunk loop would recompile each step."""
+    index, targets = supervised_positions(labels)
+    if plan.path == "model":
+        terms = terms_from_model_logits(out.logits, targets.to(out.logits.device), with_smooth=with_smooth)
+    else:
+        head = model.get_output_embeddings()
+        hidden = out.last_hidden_state
+        device = head.weight.device
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.to(hidden.device)).to(device)
+        terms = supervised_loss_terms(head, selected, targets.to(device), plan, impl=options.impl,
+                                      chunk_size=options.chunk_size, with_smooth=with_smooth)
+    router_logits = getattr(out, "router_logits", None)
+    loss_sum = objective_sum(terms, loss_type=options.loss_type, label_smoothing=options.label_smoothing,
+                             vocab_size=vocab_size)
+    aux = None
+    if with_router and router_logits is not None:
+        aux = router_aux_loss(model, router_logits, pf_real_tokens, labels.shape[-1])
+    correct = terms.top1.sum() if options.impl != "liger" else torch.full((), -1, dtype=torch.int64)
+    return {"loss_sum": loss_sum, "num_tokens": targets.new_tensor(targets.numel()), "correct": correct,
+            "aux_loss": aux}
 
 
 class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
@@ -370,6 +381,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         inputs.pop("use_cache", None)
         if self.compute_loss_func is not None:
             return self._pf_custom_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.torch_compile:
+            mark_dynamic_lengths(inputs)  # one general graph for all packed lengths (at most two compilations)
         out = model(**inputs, pf_loss=True, pf_real_tokens=None if real is None else int(real))
         loss_sum, n_tok = out["loss_sum"], out["num_tokens"]
         loss = loss_sum / self._pf_divisor(num_items_in_batch, n_tok, loss_sum.device)

@@ -1,32 +1,72 @@
-"""Segment masks shared by the exact backends (sdpa, flex)."""
+"""Segment layout and masks shared by the exact backends (sdpa, flex), in tensor ops only (no host sync).
+
+Under ``torch.compile`` the number of segments ``n`` is a symbolic size. No tensor here has a dimension (or a
+numel) equal to ``n`` alone: PyTorch specializes a symbolic size of 1 (``n != 1`` guards on contiguity checks),
+so such a tensor would recompile the graph for every batch that holds a single example. Everything reads ``cu``
+itself (``n + 1`` entries) or works per token.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def segment_visibility(
-    lq: int, lk: int, *, causal: bool, window: tuple[int, int], device: torch.device
+def token_segments(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token segment id and position inside its segment for cumulative lengths ``cu`` (long tensors).
+
+    ``searchsorted`` keeps every shape static in ``total`` (no data-dependent output size), so this traces under
+    ``torch.compile`` and never reads ``cu`` on the host.
+    """
+    cu = cu.long()
+    tokens = torch.arange(total, device=cu.device)
+    seg = torch.searchsorted(cu, tokens, right=True) - 1
+    return seg, tokens - cu[seg]
+
+
+def position_visibility(
+    max_q: int, max_k: int, *, causal: bool, window: tuple[int, int], device: torch.device
 ) -> torch.Tensor | None:
-    """Boolean ``(lq, lk)`` mask (True = attend) for one segment, or ``None`` when everything is visible."""
+    """Boolean ``(max_q, max_k)`` mask (True = attend) that depends on positions only, or ``None`` if all-visible.
+
+    Exact for segments with as many queries as keys laid out as a padded batch, when ``causal``: a real query
+    ``i < len`` only sees keys ``j <= i < len``, so the padding keys of its segment are never visible; padding
+    queries see something (no NaN) and are dropped afterwards.
+    """
     left, right = window
     if not causal and left < 0 and right < 0:
         return None
-    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)  # aligned query position
-    j = torch.arange(lk, device=device).unsqueeze(0)
-    mask = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    i = torch.arange(max_q, device=device)[:, None]
+    j = torch.arange(max_k, device=device)[None, :]
+    mask = torch.ones(max_q, max_k, dtype=torch.bool, device=device)
     if causal:
-        mask &= j <= i
+        mask = mask & (j <= i)
     if left >= 0:
-        mask &= j >= i - left
+        mask = mask & (j >= i - left)
     if right >= 0:
-        mask &= j <= i + right
+        mask = mask & (j <= i + right)
     return mask
 
 
-def token_segments(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token segment id and position inside its segment for cumulative lengths ``cu``."""
-    lengths = (cu[1:] - cu[:-1]).long()
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths, output_size=total)
-    pos = torch.arange(total, device=cu.device) - cu[:-1].long()[seg]
-    return seg, pos
+def padded_visibility(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, *, causal: bool, window: tuple[int, int]
+) -> torch.Tensor:
+    """Boolean ``(segments, max_q, max_k)`` mask (True = attend) of segments laid out as a padded batch.
+
+    The general case (query and key layouts differ, or non-causal). Query ``i`` of a segment with ``lq`` queries
+    and ``lk`` keys sits at key position ``a = i + lk - lq`` (bottom-right alignment); padding rows and columns are
+    never visible. Its first dimension is ``n`` (see the module docstring for what that costs under compile).
+    """
+    len_q = (cu_q[1:] - cu_q[:-1]).long()[:, None, None]
+    len_k = (cu_k[1:] - cu_k[:-1]).long()[:, None, None]
+    i = torch.arange(max_q, device=cu_q.device)[None, :, None]
+    j = torch.arange(max_k, device=cu_q.device)[None, None, :]
+    a = i + (len_k - len_q)
+    mask = (i < len_q) & (j < len_k)
+    left, right = window
+    if causal:
+        mask = mask & (j <= a)
+    if left >= 0:
+        mask = mask & (j >= a - left)
+    if right >= 0:
+        mask = mask & (j <= a + right)
+    return mask

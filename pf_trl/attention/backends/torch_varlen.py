@@ -88,5 +88,5 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap
             v = v.repeat_interleave(group, dim=1)
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
-    out = op(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **kwargs)
+    out = op(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)  # ints (or symbolic ints under compile)
     return out[0] if isinstance(out, tuple) else out
