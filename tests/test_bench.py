@@ -22,6 +22,13 @@ def test_bench_tiny_scenario(tmp_path, monkeypatch, capsys):
     assert rows["padded"]["real_tokens"] == rows["pf-trl"]["real_tokens"]  # same examples, same real tokens
     assert rows["pf-trl"]["padding_share"] == 0.0 and rows["padded"]["padding_share"] > 0
     assert rows["padded"]["speedup_vs_padded"] == 1.0 and rows["pf-trl"]["speedup_vs_padded"] > 0
+    # two interleaved repeats by default: spread per mode, examples named
+    for r in rows.values():
+        assert r["repeats"] == 2 and len(r["real_tokens_per_second_runs"]) == 2 and r["examples"] == 8
+        assert r["real_tokens_per_second_min"] <= r["real_tokens_per_second"] <= r["real_tokens_per_second_max"]
+    assert [run["mode"] for run in report["runs"]] == ["padded", "pf-trl", "pf-trl", "padded"]
+    assert "min / median / max" in out
+    assert report["environment"]["machine"]
     png = tmp_path / "bench_tiny-test.png"
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
 
@@ -34,3 +41,15 @@ def test_bench_rejects_bad_scenarios(tmp_path, capsys):
     assert main([str(bad)]) == 2
     assert "unknown modes" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_bench_default_output_is_fresh_and_untracked(tmp_path, monkeypatch):
+    """Without --output-dir a run writes under ./pf-trl-bench/<name>-<time>, never into benchmarks/results."""
+    from pf_trl.cli.bench import main
+
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main([str(SCENARIO), "--modes", "pf-trl", "--examples", "4", "--repeats", "1"]) == 0
+    written = sorted((tmp_path / "pf-trl-bench").glob("tiny-test-*/bench_tiny-test.json"))
+    assert len(written) == 1
+    assert not (tmp_path / "benchmarks").exists()

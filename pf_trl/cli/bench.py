@@ -1,11 +1,14 @@
 """`pf-trl bench`: padded vs TRL padding-free vs pf-trl (vs TRL BFD packing), same model, data, seed, tokens.
 
-    pf-trl bench benchmarks/scenarios/cpu_tiny.yaml [--modes padded,pf-trl] [--repeats 2] [--output-dir DIR]
+    pf-trl bench benchmarks/scenarios/cpu_tiny.yaml [--modes padded,pf-trl] [--repeats 3] [--output-dir DIR]
 
-Each run is a fresh subprocess (its memory peak is its own), modes are interleaved across repeats, and every mode
-trains exactly one epoch over the same examples, so all modes process the same real tokens. All modes are measured
+Each run is a fresh subprocess (its memory peak is its own), modes are interleaved across repeats (at least two by
+default: one run on a shared machine can reverse a ranking), and every mode trains exactly one epoch over the same
+examples, so all modes process the same real tokens. The table gives min / median / max real tokens/s per mode; the
+ratios are of medians. All modes are measured
 by the same code (:class:`pf_trl.trainer.metrics.TokenAccountingMixin`): real tokens/s = real (non-padding) tokens /
-``train_runtime``. Writes ``<output-dir>/bench_<name>.json`` and ``bench_<name>.png``.
+``train_runtime``. Writes ``<output-dir>/bench_<name>.json`` and ``bench_<name>.png``; the default output directory
+is a fresh ``pf-trl-bench/<name>-<time>`` under the current directory (never the tracked ``benchmarks/results``).
 
 Modes:
 - ``padded``: stock ``SFTTrainer`` + TRL's collator (padding to the longest of the batch), ``per_device_train_batch_size``;
@@ -36,7 +39,7 @@ LABELS = {
 }
 DEFAULTS: dict[str, Any] = dict(
     model="pf-trl/tiny-llama", tokenizer=None, model_overrides={}, dataset="sample", max_seq_len=1024, per_device_train_batch_size=8,
-    max_tokens_per_batch=None, examples=96, seed=0, learning_rate=2e-5, dtype="float32", modes=list(MODES), repeats=1,
+    max_tokens_per_batch=None, examples=96, seed=0, learning_rate=2e-5, dtype="float32", modes=list(MODES), repeats=2,
     attention="sdpa", gradient_accumulation_steps=1,
 )
 
@@ -137,6 +140,7 @@ def run_worker(scenario: dict[str, Any], mode: str) -> dict[str, Any]:
         "mode": mode,
         "implementation": LABELS[mode],
         "steps": int(trainer.state.global_step),
+        "examples": int(ds.num_rows),
         "batch": batch,
         "token_budget": int(budget),
         "devices": max(1, trainer.args.world_size),
@@ -186,8 +190,12 @@ def summarize(scenario: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict
             "steps": rs[0]["steps"],
             "devices": rs[0]["devices"],
             "batch": rs[0]["batch"],
+            "repeats": len(rs),
+            "examples": rs[0].get("examples"),
             "train_runtime_s": round(statistics.median(rt), 3),
             "real_tokens_per_second": round(statistics.median(tps), 2),
+            "real_tokens_per_second_min": round(min(tps), 2),
+            "real_tokens_per_second_max": round(max(tps), 2),
             "real_tokens_per_second_runs": tps,
             "real_tokens": first["train_real_tokens"],
             "supervised_tokens": first["train_supervised_tokens"],
@@ -213,50 +221,83 @@ def summarize(scenario: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ["implementation", "dataset", "model", "steps", "devices", "batch / budget", "train runtime (s)",
-              "real tok/s", "% vs padded", "peak mem delta (MB)", "padding share"]
+    header = ["implementation", "dataset", "model", "steps", "devices", "batch / budget", "runs",
+              "train runtime (s, median)", "real tok/s min / median / max", "% vs padded (median)",
+              "peak mem delta (MB)", "padding share"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         pct = "-" if r["pct_increase_vs_padded"] is None else f"{r['pct_increase_vs_padded']:+.1f}%"
+        spread = (f"{r['real_tokens_per_second_min']:.0f} / {r['real_tokens_per_second']:.0f} / "
+                  f"{r['real_tokens_per_second_max']:.0f}")
         lines.append("| " + " | ".join(str(x) for x in [
-            r["implementation"], r["dataset"], r["model"], r["steps"], r["devices"], r["batch"],
-            f"{r['train_runtime_s']:.1f}", f"{r['real_tokens_per_second']:.0f}", pct, f"{r['peak_mem_delta_mb']:.0f}",
+            r["implementation"], r["dataset"], r["model"], r["steps"], r["devices"], r["batch"], r["repeats"],
+            f"{r['train_runtime_s']:.1f}", spread, pct, f"{r['peak_mem_delta_mb']:.0f}",
             f"{r['padding_share']:.1%}",
         ]) + " |")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, title: str, footer: str) -> None:
+    """Bars are medians, whiskers span min..max over the repeats; ``footer`` names examples, repeats and machine."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     names = [r["implementation"].replace(" (", "\n(").replace(", ", ",\n") for r in rows]
     colors = ["#999999" if r["mode"] != "pf-trl" else "#2a7ab9" for r in rows]
-    axes[0].bar(names, [r["real_tokens_per_second"] for r in rows], color=colors)
-    axes[0].set_ylabel("real (non-padding) tokens / s")
+    med = [r["real_tokens_per_second"] for r in rows]
+    err = [[m - r["real_tokens_per_second_min"] for m, r in zip(med, rows)],
+           [r["real_tokens_per_second_max"] - m for m, r in zip(med, rows)]]
+    axes[0].bar(names, med, color=colors, yerr=err, capsize=4)
+    axes[0].set_ylabel("real (non-padding) tokens / s\n(median; whiskers: min..max)")
     for i, r in enumerate(rows):
         if r["speedup_vs_padded"]:
-            axes[0].annotate(f"{r['speedup_vs_padded']:.2f}x", (i, r["real_tokens_per_second"]), ha="center", va="bottom")
+            axes[0].annotate(f"{r['speedup_vs_padded']:.2f}x", (i, r["real_tokens_per_second_max"]), ha="center",
+                             va="bottom")
     axes[1].bar(names, [r["peak_mem_delta_mb"] for r in rows], color=colors)
     axes[1].set_ylabel("peak memory during training (MB above start)")
     for ax in axes:
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.text(0.5, 0.01, footer, ha="center", va="bottom", fontsize=8, color="#444444")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def machine_summary() -> str:
+    """One line naming the machine: CPU model and cores, or the GPU."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, CPU"
+
+
+def default_output_dir(name: str) -> Path:
+    """A fresh folder per run, so a bench never overwrites committed results or an earlier run."""
+    return Path("pf-trl-bench") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pf-trl bench", description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", nargs="?", default="benchmarks/scenarios/cpu_tiny.yaml", help="scenario YAML")
     p.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--repeats", type=int, default=None, help="runs per mode (interleaved)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per mode, interleaved (default: the scenario's, else 2); the table shows min/median/max")
     p.add_argument("--examples", type=int, default=None, help="override the scenario's example count")
-    p.add_argument("--output-dir", "--output_dir", dest="output_dir", default="benchmarks/results")
+    p.add_argument("--output-dir", "--output_dir", dest="output_dir", default=None,
+                   help="where to write the JSON and PNG (default: a fresh pf-trl-bench/<scenario>-<time>)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
     p.add_argument("--_scenario_json", help=argparse.SUPPRESS)
@@ -284,10 +325,15 @@ def main(argv: list[str] | None = None) -> int:
             if bad:
                 raise BenchError(f"unknown modes {bad}; choose from {list(MODES)}")
             scenario["modes"] = modes
-        if args.repeats:
+        if args.repeats is not None:
+            if args.repeats < 1:
+                raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
             scenario["repeats"] = args.repeats
         if args.examples:
             scenario["examples"] = args.examples
+        if int(scenario["repeats"]) < 2:
+            print("pf-trl bench: note: one run per mode shows no spread; on a shared machine one run can reverse a "
+                  "ranking (use --repeats 2 or more)", file=sys.stderr)
         # build the data cache once, before the timed subprocesses
         _subset(scenario)
         runs = []
@@ -302,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(scenario, runs)
     table = format_table(rows)
     print(table)
-    out = Path(args.output_dir)
+    out = Path(args.output_dir) if args.output_dir else default_output_dir(scenario["name"])
     out.mkdir(parents=True, exist_ok=True)
+    machine = machine_summary()
     import platform
 
     import torch
@@ -315,14 +362,17 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "trl": trl.__version__,
                         "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available(),
-                        "device": runs[0].get("device") if runs else None},
+                        "device": runs[0].get("device") if runs else None, "machine": machine},
         "rows": rows,
         "runs": runs,
         "table_markdown": table,
     }
     stem = f"bench_{scenario['name']}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plot(rows, out / f"{stem}.png", f"{scenario['name']}: {scenario['model']}, max_seq_len {scenario['max_seq_len']}")
+    footer = (f"{rows[0]['real_tokens']} real tokens from {rows[0]['examples']} examples per run, "
+              f"{scenario['repeats']} interleaved repeat(s) per mode; {machine}; torch {torch.__version__}")
+    plot(rows, out / f"{stem}.png", f"{scenario['name']}: {scenario['model']}, max_seq_len {scenario['max_seq_len']}",
+         footer)
     print(f"pf-trl bench: wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
     return 0
 
