@@ -169,7 +169,7 @@ class Settings:
         """The start-up line's fields: no secret (auth on/off, the database without its password)."""
         from preprocess_service.store import describe_database
 
-        return {"version": None, "data_roots": [str(p) for p in self.data_roots], "cache_dir": str(self.cache_dir),
+        return {"data_roots": [str(p) for p in self.data_roots], "cache_dir": str(self.cache_dir),
                 "public_cache_dir": str(self.public_cache_dir), "auth": "on" if self.token else "off",
                 "workers": self.workers, "num_proc": self.num_proc, "database": describe_database(self),
                 "replica": self.replica_id, "host": self.host, "port": self.port}
