@@ -182,10 +182,20 @@ class _Sweep:
         return PaddingFreeSFTTrainer(model=model, args=args, processing_class=self.tokenizer, train_dataset=self.dataset)
 
 
+def _trl_router_kwargs(model) -> dict[str, bool]:
+    """TRL's SFTTrainer trains a MoE model with its load-balancing loss (``output_router_logits`` on) whenever the
+    config has a non-zero ``router_aux_loss_coef``; the padded reference does the same, so the model adds
+    ``coef * aux`` (computed with the padding mask) to its loss."""
+    text = model.config.get_text_config()
+    if hasattr(text, "output_router_logits") and getattr(text, "router_aux_loss_coef", 0.0):
+        return {"output_router_logits": True}
+    return {}
+
+
 def _reference(base, exs, pad_id: int) -> dict[str, Any]:
     model = copy.deepcopy(base)
     ids, mask, labels = _padded(exs, pad_id)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **_trl_router_kwargs(model))
     per_example = _per_example_nll(out.logits.detach(), exs, [(i, 0) for i in range(len(exs))])
     out.loss.backward()
     return {"per_example": per_example, "loss": float(out.loss), "grads": _grads(model)}

@@ -125,10 +125,10 @@ class HeadPlan:
 
 
 def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, seed: int = 0) -> float | None:
-    """Max relative difference between the model's own logits and ``transform(head(last_hidden_state))``.
+    """Max relative difference between the model's own logits and ``transform(head(base_model(ids)))``.
 
-    A short eval-mode forward (no grad) with the backbone output captured by a hook. ``None`` when it cannot run
-    (parameters on the meta device, or partitioned by DeepSpeed ZeRO-3 outside the engine).
+    A short eval-mode forward (no grad) of the model and of its backbone, as the loss path calls it. ``None`` when it
+    cannot run (parameters on the meta device, or partitioned by DeepSpeed ZeRO-3 outside the engine).
     """
     params = list(model.parameters())
     if not params or any(p.device.type == "meta" or hasattr(p, "ds_id") for p in params):
@@ -138,20 +138,16 @@ def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, s
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or head.weight.shape[0])
     device = params[0].device
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
-    captured = {}
-
-    def grab(_module, _args, output):
-        captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-    handle = backbone.register_forward_hook(grab)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits.float()
-            mine = apply_head_transform(head(captured["hidden"]), scale, softcap).float()
+            # the backbone called as the pf-trl loss path calls it (a forward hook would miss models whose forward
+            # calls an inner module of the backbone directly, e.g. OPT's decoder)
+            hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
+            mine = apply_head_transform(head(hidden), scale, softcap).float()
     finally:
-        handle.remove()
         model.train(was_training)
     return float((logits - mine).abs().max() / logits.abs().max().clamp(min=1e-6))
 

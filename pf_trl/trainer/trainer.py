@@ -199,7 +199,7 @@ def _objective(model, out, labels, plan: HeadPlan, options: PFLossOptions, *, wi
     loss_sum = objective_sum(terms, loss_type=options.loss_type, label_smoothing=options.label_smoothing,
                              vocab_size=vocab_size)
     aux = None
-    if with_router and router_logits is not None:
+    if with_router and router_logits is not None and len(router_logits) > 0:  # no MoE layer: no aux loss
         aux = router_aux_loss(model, router_logits, pf_real_tokens, labels.shape[-1])
     correct = terms.top1.sum() if options.impl != "liger" else torch.full((), -1, dtype=torch.int64)
     return {"loss_sum": loss_sum, "num_tokens": targets.new_tensor(targets.numel()), "correct": correct,
