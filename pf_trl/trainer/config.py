@@ -69,12 +69,14 @@ class PaddingFreeConfig(SFTConfig):
     fused_loss: str = field(
         default="auto",
         metadata={
-            "help": "Cross-entropy without full logits: 'auto' (Liger on CUDA when installed, else chunked), "
-            "'chunked', 'liger', or 'none' (plain full-logits cross-entropy).",
+            "help": "Loss without full logits: 'auto' (Liger's fused CE with use_liger_kernel, else chunked), "
+            "'chunked' (TRL's kernel on CUDA/XPU, checkpointed token chunks elsewhere), 'liger', or 'none' (plain "
+            "logits of the supervised positions).",
             "choices": list(FUSED_LOSS_CHOICES),
         },
     )
-    loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked cross-entropy."})
+    loss_chunk_size: int = field(default=1024, metadata={"help": "Supervised tokens per chunk of the checkpointed loss "
+                                                          "(CPU, adapted heads, label smoothing)."})
     peak_tflops: float | None = field(
         default=None,
         metadata={"help": "Peak dense TFLOP/s of one device, for the MFU metric (known CUDA GPUs are detected)."},

@@ -155,7 +155,7 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
     return plan
 
 
-def check_loss_options(args, trainer_kwargs: dict[str, Any]) -> None:
+def check_loss_options(args) -> None:
     """Refuse the SFTTrainer loss options pf-trl cannot reproduce on packed rows, naming each."""
     if getattr(args, "neftune_noise_alpha", None) is not None:
         raise ValueError(
@@ -246,7 +246,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 )
             from pf_trl.attention import enable_padding_free
 
-            check_loss_options(args, kwargs)
+            check_loss_options(args)
             # a PeftModel: make its transformers model padding-free (the adapters live inside its modules)
             enable_padding_free(_transformers_model(model), mode=self.pf_mode, backend=args.attention_backend,
                                 allow_unverified=args.allow_unverified)
