@@ -7,7 +7,6 @@ a call with dropout falls back to FA2 when that is installed.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -16,26 +15,36 @@ NAME = "flash_attn"
 INSTALL_HINT = "pip install flash-attn --no-build-isolation (FA2; FA3 for Hopper: build hopper/ from the flash-attention repo)"
 
 
-@functools.lru_cache(maxsize=1)
+# Module globals, not lru_cache: the availability checks (run for real when torch.compile resolves the backend)
+# fill them, and the traced forward reads constants instead of tracing imports and device queries.
+_IMPORTS: dict[str, tuple] = {}
+_HOPPER: dict[int | None, bool] = {}
+
+
+def _import(module: str, label: str) -> tuple:
+    if module not in _IMPORTS:
+        try:
+            fn = getattr(__import__(module, fromlist=["flash_attn_varlen_func"]), "flash_attn_varlen_func")
+            _IMPORTS[module] = (fn, frozenset(inspect.signature(fn).parameters))
+        except Exception as exc:
+            _IMPORTS[module] = (None, f"{label} is not importable ({type(exc).__name__}: {exc})")
+    return _IMPORTS[module]
+
+
 def _fa2():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except Exception as exc:
-        return None, f"flash-attn is not importable ({type(exc).__name__}: {exc})"
-    return flash_attn_varlen_func, frozenset(inspect.signature(flash_attn_varlen_func).parameters)
+    return _import("flash_attn", "flash-attn")
 
 
-@functools.lru_cache(maxsize=1)
 def _fa3():
-    try:
-        from flash_attn_interface import flash_attn_varlen_func
-    except Exception as exc:
-        return None, f"flash_attn_interface (FA3) is not importable ({type(exc).__name__})"
-    return flash_attn_varlen_func, frozenset(inspect.signature(flash_attn_varlen_func).parameters)
+    return _import("flash_attn_interface", "flash_attn_interface (FA3)")
 
 
 def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+    if device.type != "cuda":
+        return False
+    if device.index not in _HOPPER:
+        _HOPPER[device.index] = torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+    return _HOPPER[device.index]
 
 
 def kernel_for(device: torch.device, dropout_p: float = 0.0):

@@ -8,7 +8,6 @@ picks it on CPU.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -19,11 +18,16 @@ NAME = "flex"
 INSTALL_HINT = "needs PyTorch >= 2.5 with torch.nn.attention.flex_attention (pip install -U torch)"
 
 
-@functools.lru_cache(maxsize=1)
-def _import():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+_FLEX: dict[str, object] = {}
 
-    return flex_attention, create_block_mask
+
+def _import():
+    # module globals, not lru_cache: filled by the availability check, read as constants under torch.compile
+    if "flex" not in _FLEX:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        _FLEX.update(flex=flex_attention, block_mask=create_block_mask)
+    return _FLEX["flex"], _FLEX["block_mask"]
 
 
 def _import_error() -> str | None:
@@ -34,10 +38,11 @@ def _import_error() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    flex_attention, _ = _import()
-    return torch.compile(flex_attention, dynamic=True)
+    if "compiled" not in _FLEX:
+        flex_attention, _ = _import()
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
+    return _FLEX["compiled"]
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -91,13 +96,19 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap
         def score_mod(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score / cap)
 
-    compiled = q.device.type == "cuda"
+    # eager on CUDA: compile flex ourselves. Inside a torch.compile'd model: the plain functions, which the outer
+    # compilation captures and lowers (a nested torch.compile would break its graph).
+    inner = torch.compiler.is_compiling()
+    compiled = q.device.type == "cuda" and not inner
     block_mask = create_block_mask(mask_mod, 1, None, tq, tk, device=q.device, _compile=compiled)
     fn = _compiled_flex() if compiled else flex_attention
-    with warnings.catch_warnings():
-        # CPU: the unfused reference is what we want here; do not tell the user to compile it
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    if inner:
         out = _call(fn, q, k, v, score_mod, block_mask, scale)
+    else:
+        with warnings.catch_warnings():
+            # CPU: the unfused reference is what we want here; do not tell the user to compile it
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = _call(fn, q, k, v, score_mod, block_mask, scale)
     return out.squeeze(0).transpose(0, 1)
 
 

@@ -7,7 +7,6 @@ It has no dropout and no softcap; ``auto`` skips it for calls that need them.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -16,11 +15,18 @@ NAME = "torch_varlen"
 INSTALL_HINT = "needs a PyTorch build with torch.nn.attention.varlen.varlen_attn (torch >= 2.10, CUDA): pip install -U torch"
 
 
-@functools.lru_cache(maxsize=1)
-def _op():
-    from torch.nn.attention.varlen import varlen_attn
+_OP: tuple | None = None
 
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+def _op():
+    # a module global, not lru_cache: the backend's availability check (run for real when torch.compile resolves
+    # the backend) fills it, and the traced forward then reads a constant instead of tracing an import
+    global _OP
+    if _OP is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _OP = (varlen_attn, frozenset(inspect.signature(varlen_attn).parameters))
+    return _OP
 
 
 def _import_error() -> str | None:
