@@ -124,6 +124,24 @@ class HeadPlan:
     reason: str = ""
 
 
+def backbone_of(model) -> torch.nn.Module:
+    """The module that maps ids to the last hidden state: ``model.base_model``, or, where that is the model itself
+    (Llama 4, Mllama: ``base_model_prefix`` names a sub-model that is absent), its ``model`` attribute.
+
+    Raises ``ValueError`` when there is none, so the trainer refuses the model instead of crashing later."""
+    backbone = model.base_model
+    if backbone is model:
+        inner = getattr(model, "model", None)
+        if isinstance(inner, torch.nn.Module) and inner is not model:
+            return inner
+        raise ValueError(
+            f"pf-trl cannot find the backbone of {type(model).__name__} (base_model_prefix "
+            f"{model.base_model_prefix!r} names no sub-module), so it cannot compute the loss at the supervised "
+            "positions only; train it padded (padding_free='none')"
+        )
+    return backbone
+
+
 def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, seed: int = 0) -> float | None:
     """Max relative difference between the model's own logits and ``transform(head(base_model(ids)))``.
 
@@ -134,7 +152,7 @@ def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, s
     if not params or any(p.device.type == "meta" or hasattr(p, "ds_id") for p in params):
         return None
     head = model.get_output_embeddings()
-    backbone = model.base_model
+    backbone = backbone_of(model)
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or head.weight.shape[0])
     device = params[0].device
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)

@@ -53,6 +53,7 @@ from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
 from pf_trl.trainer.loss import (
+    backbone_of,
     DEFAULT_CHUNK_SIZE,
     LOSS_TYPES,
     HeadPlan,
@@ -131,6 +132,7 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
     text_config = model.config.get_text_config()
     vocab_size = int(getattr(text_config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
     previous = model.forward
+    backbone = backbone_of(model)
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, pf_loss: bool = False, pf_real_tokens: int | None = None, **kwargs):
@@ -147,7 +149,7 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
             keep[:, :-1] = labels[:, 1:] != -100
             out = previous(*args, logits_to_keep=keep, **kwargs)
         else:
-            out = self.base_model(*args, **kwargs)
+            out = backbone(*args, **kwargs)
         return _objective(self, out, labels, plan, options, with_smooth=with_smooth, vocab_size=vocab_size,
                           with_router=bool(kwargs.get("output_router_logits")), pf_real_tokens=pf_real_tokens)
 
