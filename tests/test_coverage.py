@@ -57,6 +57,8 @@ def test_sweep_targets(fresh_matrix):
                 assert res["model_err"] <= coverage.LOSS_ATOL and res["loss_err"] <= coverage.LOSS_ATOL
             else:
                 assert res.get("reason"), (model_type, mode)  # every non-exact entry names its reason
+            # a crash is any error that is not a refusal naming its reason: pf-trl must refuse instead
+            assert res["status"] != "crash", (model_type, mode, res.get("reason"))
 
 
 def test_the_sweep_sees_a_leak_when_pf_trl_does_nothing(monkeypatch):

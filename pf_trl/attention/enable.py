@@ -360,8 +360,8 @@ def enable_padding_free(
         the same model object.
 
     Raises:
-        UnsupportedModelError, BackendUnavailableError, PaddingFreeError: instead of ever training with
-        cross-example attention.
+        PaddingFreeError: (``UnsupportedModelError``, ``BackendUnavailableError``, ...) instead of ever training
+            with cross-example attention.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

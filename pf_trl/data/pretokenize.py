@@ -58,8 +58,9 @@ class PretokenizeConfig:
     Attributes:
         input_format: ``auto`` | one of :data:`pf_trl.data.formats.FORMATS` (``pretokenized``, ``text``,
             ``prompt_completion``, ``messages``, ``conversational_prompt_completion``, ``alpaca``, ``sharegpt``).
-        text_field / prompt_field / completion_field / messages_field / input_ids_field / labels_field /
-            instruction_field / input_field / output_field / conversations_field: column names read by the formats.
+        text_field: column names read by the formats, like ``prompt_field``, ``completion_field``,
+            ``messages_field``, ``input_ids_field``, ``labels_field``, ``instruction_field``, ``input_field``,
+            ``output_field`` and ``conversations_field``.
         completion_only_loss: prompt-completion formats and TRL's ``completion_mask`` column: loss on the
             completion only (TRL's default); False: on the whole sequence (``assistant_masks`` still applies).
         response_template: for ``text``: loss starts after its last occurrence.

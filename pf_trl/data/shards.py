@@ -107,8 +107,8 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
             with another tokenizer are refused (their token ids would mean other tokens).
 
     Returns:
-        ``datasets.Dataset`` with columns ``input_ids``, ``labels``, ``length``; its ``pf_manifest``
-        attribute holds the manifest.
+        datasets.Dataset: columns ``input_ids``, ``labels``, ``length``; its ``pf_manifest`` attribute holds the
+        manifest.
     """
     import datasets
 
