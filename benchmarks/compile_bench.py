@@ -161,6 +161,71 @@ def run_one(args, mode: str, compiled: bool, ds, tokenizer, dtype, workdir: Path
     }
 
 
+def run_interleaved(args, mode: str, ds, tokenizer, dtype, workdir: Path) -> list[dict]:
+    """Eager and compiled copies of one model, stepped alternately on the same batches (robust to load drift).
+
+    The step is the model's own (forward with labels, backward, AdamW), batches from pf-trl's sampler and
+    collator, the compiled copy gets ``mark_dynamic_lengths`` as the trainer does. Pass 1 compiles (compile time);
+    the remaining ``--epochs - 1`` passes alternate eager step i / compiled step i and are timed.
+    """
+    from pf_trl.attention import enable_padding_free
+    from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
+    from pf_trl.sampler import TokenBudgetBatchSampler
+    from pf_trl.trainer.trainer import _dataset_lengths, derive_token_budget
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lengths = _dataset_lengths(ds)
+    sampler = TokenBudgetBatchSampler(lengths, derive_token_budget(lengths, args.batch_size), shuffle=True, seed=0)
+    collate = PaddingFreeCollator()
+    batches = [collate([ds[i] for i in idx]) for idx in sampler]
+    models = []
+    for _ in range(2):
+        model, _ = build(args, dtype)
+        enable_padding_free(model.to(device), mode=mode).train()
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-5)))
+    compiled = torch.compile(models[1][0], backend=args.backend)
+
+    def step(which: int, batch) -> tuple[float, float]:
+        model, opt = models[which]
+        inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        if which:
+            mark_dynamic_lengths(inputs)
+        StepClock._sync()
+        t = time.perf_counter()
+        loss = (compiled if which else model)(**inputs, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        StepClock._sync()
+        return time.perf_counter() - t, float(loss)
+
+    t0 = time.perf_counter()
+    first = [step(1, b) for b in batches]  # compiles
+    compile_pass_s = time.perf_counter() - t0
+    eager_first = [step(0, b) for b in batches]
+    timed = {0: 0.0, 1: 0.0}
+    for _ in range(args.epochs - 1):
+        for b in batches:
+            for which in (0, 1):
+                timed[which] += step(which, b)[0]
+    tokens = sum(int(b["input_ids"].numel()) for b in batches) * (args.epochs - 1)
+    eager_pass_s = sum(t for t, _ in eager_first)
+    losses = ([l for _, l in eager_first], [l for _, l in first])
+    rows = []
+    for which in (0, 1):
+        rows.append({
+            "mode": mode, "compiled": bool(which), "steps": len(batches) * args.epochs,
+            "real_tokens_timed": tokens, "real_tokens_per_s": tokens / timed[which],
+            "first_epoch_s": compile_pass_s if which else eager_pass_s,
+            "compile_s": max(0.0, compile_pass_s - eager_pass_s * timed[1] / timed[0]) if which else 0.0,
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) if which else 0,
+            "losses": losses[which],
+        })
+    return rows
+
+
 def report(args, rows, ds, dtype, cuda: bool, *, final: bool) -> None:
     """Ratios, the markdown table (printed when final) and the JSON file (rewritten after every row)."""
     for row in rows:
@@ -179,6 +244,7 @@ def report(args, rows, ds, dtype, cuda: bool, *, final: bool) -> None:
         "total_tokens_per_epoch": int(sum(len(x) for x in ds["input_ids"])),
         "batch_size": args.batch_size,
         "epochs": args.epochs,
+        "method": args.method,
         "rows": rows,
     }
     table = ["| mode | torch.compile | real tok/s (steady) | ratio | compile time (s) | graphs | loss max abs diff |",
@@ -192,7 +258,7 @@ def report(args, rows, ds, dtype, cuda: bool, *, final: bool) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "dry_run" if args.dry_run else args.model.split("/")[-1]
-    path = out / f"compile_{name}{'_cuda' if cuda else '_cpu'}.json"
+    path = out / f"compile_{name}{'_interleaved' if args.method == 'interleaved' else ''}{'_cuda' if cuda else '_cpu'}.json"
     path.write_text(json.dumps({**result, "table": table}, indent=2))
     if final:
         print(f"wrote {path}")
@@ -209,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--gguf", default=None, help=f"GGUF file for {GEMMA!r} (default: the registry package's)")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--method", choices=["trainer", "interleaved"], default="trainer",
+                   help="trainer: PaddingFreeSFTTrainer runs, one after the other; interleaved: eager and compiled "
+                        "model steps alternate on the same batches (fair under changing machine load)")
     p.add_argument("--dry-run", action="store_true", help="1-layer model, 8 examples, aot_eager: checks the script")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -222,11 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     ds = dataset(args, tokenizer, workdir)
     rows = []
     for mode in args.modes:
-        for compiled in (False, True):
+        if args.method == "interleaved":
             t = time.perf_counter()
-            row = run_one(args, mode, compiled, ds, tokenizer, dtype, workdir)
+            new = run_interleaved(args, mode, ds, tokenizer, dtype, workdir)
+        else:
+            new = []
+            for compiled in (False, True):
+                t = time.perf_counter()
+                new.append(run_one(args, mode, compiled, ds, tokenizer, dtype, workdir))
+        for row in new:
             row["wall_s"] = time.perf_counter() - t
             rows.append(row)
+            compiled = row["compiled"]
             print(f"{mode:12s} compiled={compiled!s:5s} {row['real_tokens_per_s']:9.1f} real tok/s  "
                   f"compile {row['compile_s']:6.1f} s  graphs {row['graphs']}", flush=True)
             report(args, rows, ds, dtype, cuda, final=False)  # a stage timeout still leaves the rows so far

@@ -56,7 +56,7 @@ for mode in ("internal", "huggingface"):
 PY
 GGUF=/tmp/gemma/gemma-3-270m-q4_k_m.gguf
 if [[ $DRY == 1 ]]; then
-  timeout 200 "$PY" benchmarks/compile_bench.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -12
+  timeout 200 "$PY" benchmarks/compile_bench.py --dry-run --modes internal --out "$OUT" 2>&1 | grep -v "^{'" | tail -12
 elif [[ -f /tmp/gemma/SHA256SUM ]] && (cd /tmp/gemma && cat part-* > "$(basename $GGUF)" && sha256sum -c SHA256SUM); then
   timeout 200 "$PY" benchmarks/compile_bench.py --model gemma3-270m --gguf "$GGUF" --examples 96 --max-len 1024 \
     --batch-size 16 --out "$OUT" 2>&1 | grep -v "^{'" | tail -12
@@ -68,8 +68,8 @@ fi
 
 stage "3. pf-trl bench"
 if [[ $DRY == 1 ]]; then
-  timeout 100 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/tiny_test.yaml --output-dir "$OUT" --timeout 90 2>&1 \
-    | tee "$OUT/bench.log" | tail -15
+  timeout 150 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/tiny_test.yaml --modes pf-trl --examples 8 \
+    --output-dir "$OUT" --timeout 140 2>&1 | tee "$OUT/bench.log" | tail -15
 else
   timeout 100 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 200 --output-dir "$OUT" \
     --timeout 30 2>&1 | tee "$OUT/bench.log" | tail -30
