@@ -137,3 +137,33 @@ def test_dataset_service_is_wired(tmp_path, sample_shards, monkeypatch, capsys):
     assert run_cli(cmd) == 0
     assert calls == [("http://svc:8000", "ds-1", "tok")]
     assert "service dataset ds-1" in capsys.readouterr().out
+
+
+def test_plain_cpu_run_is_quiet_and_says_where_things_are(tmp_path, seed_json):
+    """A plain CPU run prints no framework warning (their causes are fixed, not filtered), no per-save progress bar,
+    one line where the model went, and on resume one line saying where it resumed."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "pf_trl.cli.main", "train", "--model_name_or_path", "pf-trl/tiny-llama",
+            "--model_overrides", TINY_OVERRIDES, "--training_data_path", str(seed_json), "--output_dir", str(out),
+            "--max_seq_len", "1024", "--per_device_train_batch_size", "2", "--save_strategy", "steps",
+            "--save_steps", "2", "--logging_steps", "1", "--disable_tqdm", "True"]
+    env = {**os.environ, "PYTHONWARNINGS": "default", "PF_TRL_CACHE": str(tmp_path / "cache")}
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([*base, *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    first = run("--max_steps", "2")
+    noise = [line for line in first.stderr.splitlines() if "Warning" in line or "Writing model shards" in line]
+    assert noise == [], noise
+    assert f"pf-trl: model saved to {out}" in first.stdout
+    resumed = run("--max_steps", "3", "--resume_from_checkpoint", "True")
+    assert f"pf-trl: resuming from {out / 'checkpoint-2'}: step 2, epoch 1, after batch 2 of" in resumed.stdout
+    assert not [line for line in resumed.stderr.splitlines() if "Warning" in line]
+    unsaved = run("--max_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path / "unsaved"))
+    assert "no model saved" in unsaved.stdout

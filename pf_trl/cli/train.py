@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -482,9 +481,6 @@ def main(argv: list[str] | None = None) -> int:
         _parser().print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # TRL's SFTConfig defaults gradient_checkpointing=True, which transformers 5 flags as deprecated on every run:
-    # noise the user did not cause and cannot silence with a flag
-    warnings.filterwarnings("ignore", message=r".*`gradient_checkpointing` is deprecated", category=FutureWarning)
     try:
         precheck(argv)  # before transformers / TRL are imported (seconds) and before the model loads
         model_args, data_args, config = parse_args(argv)
@@ -513,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the weights is a collective (a rank-0-only call hangs);
         # Trainer.save_model writes on the main process only (args.should_save) and lets the others join the gather
         trainer.save_model()
+        if trainer.is_world_process_zero():
+            print(f"pf-trl: model saved to {config.output_dir}", flush=True)
+    elif trainer.is_world_process_zero():
+        print("pf-trl: --save_strategy no: no model saved (pass --save_strategy steps|epoch to keep one)", flush=True)
     if model_args.merge_adapter and config.save_strategy != "no" and trainer.is_world_process_zero():
         from pf_trl.trainer.adapters import save_merged
 

@@ -34,6 +34,15 @@ def normalize_padding_free(value) -> str:
     raise ValueError(f"padding_free must be one of {', '.join(PADDING_FREE_MODES)} (or true/false), got {value!r}")
 
 
+def _accelerator_present() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
 @dataclass
 class PaddingFreeConfig(SFTConfig):
     """:class:`trl.SFTConfig` plus padding-free training options.
@@ -89,6 +98,18 @@ class PaddingFreeConfig(SFTConfig):
         default=False,
         metadata={"help": "Use flash-attn; without it installed pf-trl's varlen attention is used (one-line notice)."},
     )
+    # TRL's config defaults the deprecated alias `gradient_checkpointing` to True, which makes transformers 5 warn on
+    # every run. Default the current name instead (the same behaviour: checkpointing on, as in TRL); a user who
+    # passes the old name still gets transformers' deprecation notice, rightly.
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5).", "nargs": "?", "const": True},
+    )
+    activation_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Activation (gradient) checkpointing: less memory, ~20% slower. Default: on, as in TRL.",
+                  "nargs": "?", "const": True},
+    )
     allow_unverified: bool = field(
         default=False,
         metadata={"help": "Accept a model type that pf-trl's coverage sweep has no evidence for (docs/models.md), "
@@ -97,6 +118,11 @@ class PaddingFreeConfig(SFTConfig):
 
     def __post_init__(self):
         self.padding_free = normalize_padding_free(self.padding_free)
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default, under the name transformers 5 reads
+        if self.dataloader_pin_memory and (self.use_cpu or not _accelerator_present()):
+            # pinned host memory only helps copies to an accelerator; without one torch warns on every dataloader
+            self.dataloader_pin_memory = False
         if self.bf16 is None:
             # TRL defaults to bf16 autocast, which transformers refuses without a GPU: only default to it on CUDA
             import torch

@@ -435,6 +435,19 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     # ------------------------------------------------------------------ epochs, checkpoints, resume
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """``Trainer.save_model`` without transformers' "Writing model shards" bar (one bar per save, checkpoints
+        included, each a fraction of a second: noise in the log; the CLI prints one line where the model went)."""
+        from transformers.utils import logging as hf_logging
+
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return super().save_model(output_dir, _internal_call)
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true"):
             from transformers.trainer_utils import get_last_checkpoint
@@ -493,6 +506,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         # position stays at 0: Trainer's skip_first_batches skips the consumed batches itself.
         sampler.load_state_dict({**saved["sampler"], "batches_yielded": 0})
         self._pf_resumed_state = saved
+        if self.is_world_process_zero():
+            pos = saved["sampler"]
+            print(f"pf-trl: resuming from {self._pf_resume_dir}: step {saved.get('global_step')}, epoch "
+                  f"{pos.get('epoch', 0) + 1}, after batch {pos.get('batches_yielded', 0)} of {len(sampler)} "
+                  "(those batches are skipped, not replayed)", flush=True)
 
 
 # ---------------------------------------------------------------------- data preparation (pf_trl.data.sources)
