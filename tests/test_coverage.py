@@ -160,7 +160,7 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}) for _ in range(4)))
     for extra in ([], ["--allow_unverified"]):
-        code = main(["--model_name_or_path", str(folder),
+        code = main(["--model_name_or_path", str(folder), "--max_seq_len", "256",
                      "--training_data_path", str(data), "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
                      "--report_to", "none", "--use_cpu", *extra])
         err = capsys.readouterr().err.strip().splitlines()

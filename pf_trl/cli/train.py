@@ -456,16 +456,17 @@ def format_metrics(metrics: dict[str, Any]) -> str:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from pf_trl.attention.errors import PaddingFreeError
     from pf_trl.data.pretokenize import PretokenizeError
     from pf_trl.data.service_client import DatasetServiceError
     from pf_trl.data.shards import ShardsError
     from pf_trl.data.sources import DataSourceError
     from pf_trl.data.tokenizer import TokenizerLoadError
 
-    # PaddingFreeError: pf-trl refuses the model (with its reason) before training
-    return (TrainCLIError, DataSourceError, TokenizerLoadError, PretokenizeError, ShardsError, DatasetServiceError,
-            PaddingFreeError)
+    errors = (TrainCLIError, DataSourceError, TokenizerLoadError, PretokenizeError, ShardsError, DatasetServiceError)
+    # PaddingFreeError: pf-trl refuses the model (with its reason) before training. Importing it imports torch, and
+    # it can only have been raised once pf_trl.attention was imported: a cheap error stays cheap.
+    attention_errors = sys.modules.get("pf_trl.attention.errors")
+    return errors + ((attention_errors.PaddingFreeError,) if attention_errors else ())
 
 
 def _fail(exc: BaseException) -> int:

@@ -218,8 +218,9 @@ def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, tim
                     if time.monotonic() - start >= min(connect_timeout_s, timeout_s):
                         raise
                     if progress and last_problem is None:  # say once why nothing happens yet
+                        # a progress note (stdout), not an error: stderr carries the one error line if it ends so
                         print(f"waiting for the dataset service (up to {min(connect_timeout_s, timeout_s):.0f}s): "
-                              f"{exc}", file=sys.stderr)
+                              f"{exc}", flush=True)
                 last_problem = str(exc)
             if status is not None:
                 bar.show(status.get("state"), status.get("progress") or {})
