@@ -199,7 +199,7 @@ def run_interleaved(args, mode: str, ds, tokenizer, dtype, workdir: Path) -> lis
         opt.step()
         opt.zero_grad(set_to_none=True)
         StepClock._sync()
-        return time.perf_counter() - t, float(loss)
+        return time.perf_counter() - t, float(loss.detach())
 
     t0 = time.perf_counter()
     first = [step(1, b) for b in batches]  # compiles
