@@ -82,7 +82,10 @@ def test_gemma3_270m_padded_equals_padding_free(gemma, tmp_path):
         trainer.model.eval()
         with torch.no_grad():
             packed = float(trainer.compute_loss(trainer.model, dict(batch)))
-        assert abs(packed - padded) <= 2e-6 * padded, (mode, packed, padded)
+        # within float32 rounding of the float64 objective: at most the model's own float32 padded loss's error
+        # (a 262k-token softmax in float32 is ~1e-5 off); a leak between examples moves the loss by >= 1e-2
+        own_error = abs(float(out.loss) - padded)
+        assert abs(packed - padded) <= max(2e-6 * padded, 1.5 * own_error), (mode, packed, padded, own_error)
 
     # negative control: the same row with positions running on across examples is visibly wrong
     with torch.no_grad():
