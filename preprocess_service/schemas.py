@@ -1,15 +1,16 @@
 """Request/response models (pydantic v2) and RFC 9457 problem details.
 
-``PretokenizeOptions`` mirrors :class:`pf_trl.data.pretokenize.PretokenizeConfig` field for field (a test
-checks they stay in step); unknown fields are rejected so that a typo never silently becomes a default.
+``PretokenizeOptions`` is built from :class:`pf_trl.data.options.PretokenizeConfig`, the one declaration of the data
+options (the CLI flags come from it too); unknown fields are rejected so that a typo never silently becomes a default.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from pf_trl.data.options import for_service, option_specs, option_type
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
 
 PROBLEM_JSON = "application/problem+json"
@@ -55,33 +56,32 @@ class SourceSpec(BaseModel):
         return self
 
 
-class PretokenizeOptions(BaseModel):
-    """The options of ``pf-trl pretokenize`` (PretokenizeConfig); each is part of the dataset id."""
+def _options_model() -> type[BaseModel]:
+    """``PretokenizeOptions``: one pydantic field per data option of :class:`pf_trl.data.options.PretokenizeConfig`
+    (types, defaults, allowed values and bounds from its declaration)."""
+    fields: dict[str, Any] = {}
+    for name, (f, spec) in option_specs().items():
+        kind = option_type(f)
+        if spec.choices is not None:
+            kind = Literal[spec.choices]  # type: ignore[valid-type]
+        if f.default is None:
+            kind = kind | None
+        constraints: dict[str, Any] = {}
+        if spec.positive:
+            constraints["gt"] = 0
+        if spec.maximum is not None:
+            constraints["le"] = spec.maximum
+        for key in ("min_length", "max_length", "pattern"):
+            if getattr(spec, key) is not None:
+                constraints[key] = getattr(spec, key)
+        description = for_service(spec.help).replace(" (the CLI reads it from a FILE)", " (the template's text)")
+        fields[name] = (kind, Field(f.default, description=description, **constraints))
+    return create_model("PretokenizeOptions", __config__=ConfigDict(extra="forbid", strict=True),
+                        __doc__="The data options of ``pf-trl pretokenize`` (PretokenizeConfig); each is part of the "
+                        "dataset id.", **fields)
 
-    model_config = ConfigDict(extra="forbid", strict=True)
 
-    input_format: Literal["auto", "pretokenized", "text", "prompt_completion", "messages",
-                          "conversational_prompt_completion", "alpaca", "sharegpt"] = "auto"
-    text_field: str = Field("text", min_length=1, max_length=256)
-    prompt_field: str = Field("prompt", min_length=1, max_length=256)
-    completion_field: str = Field("completion", min_length=1, max_length=256)
-    messages_field: str = Field("messages", min_length=1, max_length=256)
-    input_ids_field: str = Field("input_ids", min_length=1, max_length=256)
-    labels_field: str = Field("labels", min_length=1, max_length=256)
-    response_template: str | None = Field(None, min_length=1, max_length=1024,
-                                          description="For input_format 'text': loss starts after its last occurrence.")
-    max_seq_len: int = Field(1024, gt=0, le=1 << 20, description="Longest example kept, in tokens.")
-    truncation: Literal["truncate", "drop", "error"] = "truncate"
-    add_eos: bool = True
-    drop_no_loss: bool = True
-    shard_size: str = Field("500MB", description="Arrow shard size: 1MB .. 9999999MB (MB, GB, MiB, GiB).",
-                            pattern=r"^[1-9][0-9]{0,6}(MB|GB|MiB|GiB)$")
-    instruction_field: str = Field("instruction", min_length=1, max_length=256)
-    input_field: str = Field("input", min_length=1, max_length=256)
-    output_field: str = Field("output", min_length=1, max_length=256)
-    conversations_field: str = Field("conversations", min_length=1, max_length=256)
-    completion_only_loss: bool = Field(True, description="Prompt-completion formats and TRL's completion_mask: loss "
-                                       "on the completion only.")
+PretokenizeOptions = _options_model()
 
 
 class DatasetRequest(BaseModel):

@@ -180,6 +180,7 @@ class Submitter:
 
     # -------------------------------------------------------------------------------- preflight
     def preflight(self, path: Path, shown: str, config, tok) -> None:
+        from pf_trl.data.options import for_service, service_field
         from pf_trl.data.pretokenize import PretokenizeError, pretokenize
 
         n = self.settings.preflight_rows
@@ -198,14 +199,10 @@ class Submitter:
                     return  # a JSON array, not line-oriented: checked by the job
             pretokenize(head, work / "out", config, tokenizer=tok, progress=False)
         except PretokenizeError as exc:
-            message = str(exc).replace(str(head), shown)
+            message = for_service(str(exc).replace(str(head), shown))
             if message.startswith("no example left") and not complete:
                 return  # the first rows alone may all be dropped; the job judges the whole source
-            field = "source"
-            if "response template" in message or "response_template" in message:
-                field = "options.response_template"
-            elif "max_seq_len" in message:
-                field = "options.max_seq_len"
+            field = f"options.{exc.option}" if getattr(exc, "option", None) else (service_field(message) or "source")
             raise _unprocessable(field, f"{field}: {message} (found by the synchronous check of the first "
                                  f"{n} rows; nothing was queued)", "invalid-data") from exc
         finally:
@@ -245,13 +242,15 @@ class Submitter:
 
     # ----------------------------------------------------------------------------------- submit
     def submit(self, request: DatasetRequest) -> tuple[dict[str, Any], bool]:
+        from pf_trl.data.options import for_service
         from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
         from pf_trl.data.shards import is_shards_dir
 
         try:
             config = PretokenizeConfig(**request.options.model_dump())
         except PretokenizeError as exc:
-            raise _unprocessable("options", f"options: {exc}", "invalid-options") from exc
+            field = f"options.{exc.option}" if getattr(exc, "option", None) else "options"
+            raise _unprocessable(field, f"{field}: {for_service(str(exc))}", "invalid-options") from exc
         path, shown = self.resolve_source(request)
         tok_name, tok, fingerprint = self.tokenizer(request.tokenizer)
         sha, size = self.source_sha(path)

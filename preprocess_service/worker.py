@@ -70,6 +70,7 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
             abandon: threading.Event | None = None) -> str:
     """Run one claimed job to succeeded/failed; returns the final state. Never raises for job errors.
     ``abandon`` (set by the heartbeat when the job is no longer ours) stops it at the next progress report."""
+    from pf_trl.data.options import for_service
     from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
     from preprocess_service.submit import content_sha256
     from pf_trl.data.shards import ShardsError, is_shards_dir
@@ -131,7 +132,7 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
     except JobError as exc:
         kind, message = exc.kind, str(exc)
     except (PretokenizeError, TokenizerLoadError, ShardsError) as exc:
-        kind, message = "invalid_data", str(exc)
+        kind, message = "invalid_data", for_service(str(exc))  # the request's field names, not the CLI's flags
     except OSError as exc:
         if exc.errno in _DISK_FULL:
             kind, message = "disk_full", (f"disk full while writing shards under {settings.cache_dir} ({exc.strerror}); "

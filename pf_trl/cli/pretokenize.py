@@ -9,7 +9,7 @@ import os
 import sys
 
 from pf_trl.cli.flags import normalize_flags, one_line
-from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
+from pf_trl.data.options import PretokenizeConfig, PretokenizeError, add_cli_arguments, config_from_values
 from pf_trl.data.shards import ShardsError
 from pf_trl.data.sources import DataSourceError, check_source_path
 from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer
@@ -23,29 +23,13 @@ class PretokenizeCLIError(ValueError):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per PretokenizeConfig field (the config dataclass is the single list of options)."""
-    for f in dataclasses.fields(PretokenizeConfig):
-        flag = "--" + f.name
-        default = f.default
-        if isinstance(default, bool):
-            parser.add_argument(flag, type=_parse_bool, default=default, metavar="BOOL", help=f"(default {default})")
-        elif f.name == "max_seq_len":
-            parser.add_argument(flag, type=int, default=default, help=f"(default {default})")
-        else:
-            parser.add_argument(flag, default=default, help=f"(default {default!r})")
+    """One flag per data option (:class:`~pf_trl.data.options.PretokenizeConfig` is the single list of options)."""
+    add_cli_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> PretokenizeConfig:
-    return PretokenizeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PretokenizeConfig)})
-
-
-def _parse_bool(value: str) -> bool:
-    lowered = value.lower()
-    if lowered in ("1", "true", "yes", "y"):
-        return True
-    if lowered in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+    """The config of the parsed flags (``--chat_template FILE`` read into the template text)."""
+    return config_from_values(vars(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize a local dataset (JSON/JSONL/Parquet/CSV or a save_to_disk directory) into a shards "
         "directory. Flags take dashes or underscores (--max-seq-len = --max_seq_len).",
         exit_on_error=False,
+        allow_abbrev=False,
     )
     parser.add_argument("source")
     parser.add_argument("output_dir")
@@ -61,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokenizer folder or embedded name (alias --tokenizer); default: the model's own")
     parser.add_argument("--model_name_or_path", default=None,
                         help="the model the data is for: its folder's tokenizer is the default tokenizer")
-    parser.add_argument("--chat_template", default=None, help="Jinja chat template FILE for chat formats")
     parser.add_argument("--num_proc", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--no_progress", action="store_true")
@@ -95,13 +79,12 @@ def main(argv: list[str]) -> int:
             return 0
         args = parser.parse_args(argv)
         check_source_path(args.source, flag="source")
-        if args.chat_template and not os.path.isfile(args.chat_template):
-            raise PretokenizeCLIError(f"--chat_template {args.chat_template}: no such file")
         config = config_from_args(args)
         if args.tokenizer_name_or_path is None:
             default_tokenizer_for(args.model_name_or_path)  # a model folder without a tokenizer fails here, cheaply
-        tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path,
-                                      chat_template_file=args.chat_template)
+        tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path)
+        from pf_trl.data.pretokenize import pretokenize
+
         manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
                                overwrite=args.overwrite, progress=not args.no_progress)
     except (argparse.ArgumentError, PretokenizeCLIError, PretokenizeError, ShardsError, TokenizerLoadError,

@@ -59,7 +59,12 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class FormatError(ValueError):
-    """A row does not fit the declared input format. The message names the row and the fix."""
+    """A row does not fit the declared input format. The message names the row and the fix; ``option`` names the
+    data option to change, when one is the fix."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ def detect_format(
             raise FormatError(
                 f"column {fields.text!r} found but no response_template: pass --response_template "
                 "(e.g. '### Response:'; in Python PretokenizeConfig(response_template=...)) so pf-trl knows where the "
-                "loss starts"
+                "loss starts", "response_template"
             )
         return "text"
     raise FormatError(
@@ -186,7 +191,7 @@ def render_text(
         if at < 0:
             raise FormatError(
                 f"row {index}: response template {response_template!r} not found in column {fields.text!r}; "
-                "check --response_template (exact characters, including spaces) or the text field"
+                "check --response_template (exact characters, including spaces) or the text field", "response_template"
             )
         texts.append(text)
         spans.append([(at + len(response_template), len(text))])
@@ -332,7 +337,8 @@ def render_conversational_prompt_completion(
 def _need_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise FormatError(
-            "chat data needs a tokenizer with a chat_template; pass one with --chat_template FILE or use another format"
+            "chat data needs a chat template and the tokenizer has none; pass one with --chat_template FILE "
+            "(in Python PretokenizeConfig(chat_template=...)) or use another format", "chat_template"
         )
 
 

@@ -10,7 +10,6 @@ existing output is never touched unless ``overwrite=True``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -29,13 +28,13 @@ import pyarrow as pa
 
 from pf_trl._version import __version__
 from pf_trl.data import formats
-from pf_trl.data.formats import FieldNames, FormatError
+from pf_trl.data.formats import FormatError
+from pf_trl.data.options import TRUNCATION_POLICIES, PretokenizeConfig, PretokenizeError  # noqa: F401 (re-exported)
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
-from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint
+from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint, with_chat_template
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_POLICIES = ("truncate", "drop", "error")
 # Formats rendered with the chat template (it writes its own BOS / EOS).
 CHAT_FORMATS = ("messages", "sharegpt", "conversational_prompt_completion")
 SOURCE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -45,80 +44,6 @@ _KEEP, _TOO_LONG, _NO_LOSS = 0, 1, 2
 
 ProgressCallback = Callable[[int, int, int], None]
 """Called as ``progress(rows_done, rows_total, tokens_done)`` after each chunk."""
-
-
-class PretokenizeError(ValueError):
-    """Bad input to pretokenize. The message names the problem and the fix; nothing was written."""
-
-
-@dataclass
-class PretokenizeConfig:
-    """What to tokenize and how. Every field is part of the output's content address.
-
-    Attributes:
-        input_format: ``auto`` | one of :data:`pf_trl.data.formats.FORMATS` (``pretokenized``, ``text``,
-            ``prompt_completion``, ``messages``, ``conversational_prompt_completion``, ``alpaca``, ``sharegpt``).
-        text_field: column names read by the formats, like ``prompt_field``, ``completion_field``,
-            ``messages_field``, ``input_ids_field``, ``labels_field``, ``instruction_field``, ``input_field``,
-            ``output_field`` and ``conversations_field``.
-        completion_only_loss: prompt-completion formats and TRL's ``completion_mask`` column: loss on the
-            completion only (TRL's default); False: on the whole sequence (``assistant_masks`` still applies).
-        response_template: for ``text``: loss starts after its last occurrence.
-        max_seq_len: longest example kept, in tokens.
-        truncation: ``truncate`` (keep the first max_seq_len tokens) | ``drop`` | ``error``.
-        add_eos: append EOS (supervised) to ``text`` and ``prompt_completion`` rows.
-        drop_no_loss: drop rows left with no supervised token (they cost compute and teach nothing).
-        shard_size: ``save_to_disk(max_shard_size=...)``, e.g. ``"500MB"``.
-    """
-
-    input_format: str = "auto"
-    text_field: str = "text"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    messages_field: str = "messages"
-    input_ids_field: str = "input_ids"
-    labels_field: str = "labels"
-    response_template: str | None = None
-    max_seq_len: int = 1024
-    truncation: str = "truncate"
-    add_eos: bool = True
-    drop_no_loss: bool = True
-    shard_size: str = "500MB"
-    instruction_field: str = "instruction"
-    input_field: str = "input"
-    output_field: str = "output"
-    conversations_field: str = "conversations"
-    completion_only_loss: bool = True
-
-    def __post_init__(self) -> None:
-        if self.input_format not in ("auto", *formats.FORMATS):
-            raise PretokenizeError(
-                f"input_format {self.input_format!r} is unknown; use one of auto, {', '.join(formats.FORMATS)}"
-            )
-        if not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len <= 0:
-            raise PretokenizeError(f"max_seq_len must be a positive integer, got {self.max_seq_len!r}")
-        if self.truncation not in TRUNCATION_POLICIES:
-            raise PretokenizeError(f"truncation {self.truncation!r} is unknown; use one of {', '.join(TRUNCATION_POLICIES)}")
-        if self.input_format == "text" and not self.response_template:
-            raise PretokenizeError("input_format 'text' needs a response_template (e.g. '### Response:')")
-
-    @property
-    def fields(self) -> FieldNames:
-        return FieldNames(
-            text=self.text_field,
-            prompt=self.prompt_field,
-            completion=self.completion_field,
-            messages=self.messages_field,
-            input_ids=self.input_ids_field,
-            labels=self.labels_field,
-            instruction=self.instruction_field,
-            input=self.input_field,
-            output=self.output_field,
-            conversations=self.conversations_field,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 # ----------------------------------------------------------------------------------------- source
@@ -283,7 +208,7 @@ def _tokenize_batch(
             if config.truncation == "error":
                 raise PretokenizeError(
                     f"row {index} has {len(ids)} tokens > max_seq_len {config.max_seq_len} and truncation='error'; "
-                    "raise max_seq_len or use truncation 'truncate' or 'drop'"
+                    "raise --max_seq_len or use --truncation truncate or drop", "max_seq_len"
                 )
             if config.truncation == "drop":
                 drop = _TOO_LONG
@@ -401,8 +326,9 @@ def pretokenize(
         source: JSON / JSONL / Parquet / CSV file, a ``datasets.save_to_disk`` directory, or a ``datasets.Dataset``
             / ``DatasetDict`` (its ``train`` split).
         output_dir: the shards directory to create (must not exist unless ``overwrite``).
-        config: formats, lengths and truncation (:class:`PretokenizeConfig`).
-        tokenizer: an embedded name, a local folder, or a loaded fast tokenizer.
+        config: formats, lengths, truncation and chat template (:class:`PretokenizeConfig`).
+        tokenizer: an embedded name, a local folder, or a loaded fast tokenizer (``config.chat_template``, when set,
+            replaces its template for this call; the tokenizer object itself is not changed).
         num_proc: tokenizer worker processes for ``datasets.map``.
         overwrite: replace an existing output (still atomically: the old one stays until the new is complete).
         progress: show a tqdm progress bar.
@@ -423,6 +349,7 @@ def pretokenize(
         raise PretokenizeError(f"num_proc must be >= 1, got {num_proc}")
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(str(tokenizer))
+    tokenizer = with_chat_template(tokenizer, config.chat_template)
     started = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -502,7 +429,7 @@ def pretokenize(
         logger.info("pretokenize: %d examples, %d tokens -> %s", kept.num_rows, int(lengths.sum()), out)
         return manifest
     except FormatError as exc:
-        raise PretokenizeError(str(exc)) from exc
+        raise PretokenizeError(str(exc), getattr(exc, "option", None)) from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if bars_were_on:

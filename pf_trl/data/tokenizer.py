@@ -270,13 +270,24 @@ def apply_chat_template_file(tokenizer, path: str | Path | None) -> None:
     """Set ``tokenizer.chat_template`` from a Jinja file (``--chat_template FILE``); it enters the fingerprint."""
     if path is None:
         return
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise TokenizerLoadError(f"--chat_template {path}: no such file; pass a Jinja template file")
-    text = file.read_text(encoding="utf-8")
-    if "{%" not in text and "{{" not in text:
-        raise TokenizerLoadError(f"--chat_template {path}: not a Jinja template (no {{% or {{{{ in it)")
-    tokenizer.chat_template = text
+    from pf_trl.data.options import OptionError, read_template_file
+
+    try:
+        tokenizer.chat_template = read_template_file(path)
+    except OptionError as exc:
+        raise TokenizerLoadError(str(exc)) from exc
+
+
+def with_chat_template(tokenizer, chat_template: str | None):
+    """``tokenizer`` rendering chats with ``chat_template`` (a Jinja text): the tokenizer itself when the template is
+    None or already its own, else a shallow copy (the caller's tokenizer, possibly shared, keeps its template)."""
+    if chat_template is None or getattr(tokenizer, "chat_template", None) == chat_template:
+        return tokenizer
+    import copy
+
+    templated = copy.copy(tokenizer)
+    templated.chat_template = chat_template
+    return templated
 
 
 def resolve_tokenizer(
