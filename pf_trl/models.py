@@ -63,6 +63,7 @@ def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementati
         model = AutoModelForCausalLM.from_config(config, **kwargs)
         if torch_dtype is not None:
             model = model.to(torch_dtype)
+        model.pf_trl_base = name_or_path  # what the model card names as its origin (a config, not pretrained weights)
         return model
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype

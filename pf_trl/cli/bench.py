@@ -290,7 +290,7 @@ def default_output_dir(name: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pf-trl bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pf-trl bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("scenario", nargs="?", default="benchmarks/scenarios/cpu_tiny.yaml", help="scenario YAML")
     p.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--repeats", type=int, default=None,

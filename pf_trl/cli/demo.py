@@ -11,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pf-trl demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pf-trl demo", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--max_tokens_per_batch", type=int, default=4096, help="token budget per step (default 4096)")
     p.add_argument("--max_seq_len", type=int, default=1024)

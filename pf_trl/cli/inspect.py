@@ -21,7 +21,7 @@ class InspectCLIError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pf-trl inspect", description=__doc__, exit_on_error=False)
+    parser = argparse.ArgumentParser(prog="pf-trl inspect", description=__doc__, exit_on_error=False, allow_abbrev=False)
     parser.add_argument("shards_dir")
     parser.add_argument("--max_tokens", "--max_tokens_per_batch", dest="max_tokens", type=int, nargs="*",
                         default=[4096, 8192, 16384], help="token budgets to report packing for")
@@ -50,11 +50,28 @@ def marked_text(tokenizer, input_ids: list[int], labels: list[int]) -> str:
 
 
 def _manifest_tokenizer(manifest: dict, override: str | None):
-    from pf_trl.data.tokenizer import load_tokenizer
+    """The tokenizer the shards were made with: ``override``, else the manifest's (the embedded name, or the absolute
+    folder it records), with the chat template the data was rendered with. A tokenizer that is not the one recorded
+    is said so, with what differs."""
+    from pf_trl.data.tokenizer import (TokenizerLoadError, load_tokenizer, tokenizer_differences,
+                                       tokenizer_fingerprint, with_chat_template)
 
     info = manifest["tokenizer"]
-    name = override or (info.get("name") if info.get("name", "").startswith("pf-trl/") else info.get("path"))
-    return load_tokenizer(name or info.get("name"))
+    name = override or (info.get("name") if str(info.get("name", "")).startswith("pf-trl/") else info.get("path"))
+    try:
+        tokenizer = load_tokenizer(name or info.get("name"))
+    except TokenizerLoadError as exc:
+        if override:
+            raise
+        raise InspectCLIError(
+            f"the tokenizer the shards were made with, {name!r}, cannot be loaded ({exc}); pass its folder with "
+            "--tokenizer_name_or_path FOLDER"
+        ) from exc
+    tokenizer = with_chat_template(tokenizer, (manifest.get("options") or {}).get("chat_template"))
+    differences = tokenizer_differences(info, tokenizer_fingerprint(tokenizer))
+    if differences:
+        print(f"note: decoding with a tokenizer other than the data's: {'; '.join(differences)}")
+    return tokenizer
 
 
 def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 from pf_trl.cli.flags import normalize_flags, one_line
 from pf_trl.data.options import PretokenizeConfig, PretokenizeError, add_cli_arguments, config_from_values
+from pf_trl.data.scan import JsonLinesError, check_json_lines
 from pf_trl.data.shards import ShardsError
 from pf_trl.data.sources import DataSourceError, check_source_path
 from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer
@@ -80,6 +80,7 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         check_source_path(args.source, flag="source")
         config = config_from_args(args)
+        check_json_lines(args.source)  # the first bad line, numbered, before the tokenizer loads
         if args.tokenizer_name_or_path is None:
             default_tokenizer_for(args.model_name_or_path)  # a model folder without a tokenizer fails here, cheaply
         tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path)
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> int:
         manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
                                overwrite=args.overwrite, progress=not args.no_progress)
     except (argparse.ArgumentError, PretokenizeCLIError, PretokenizeError, ShardsError, TokenizerLoadError,
-            DataSourceError) as exc:
+            DataSourceError, JsonLinesError) as exc:
         if os.environ.get("PF_TRL_DEBUG"):
             raise
         print(f"pf-trl pretokenize: error: {one_line(exc)}", file=sys.stderr)

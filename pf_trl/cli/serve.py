@@ -17,7 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pf-trl serve",
         description="Run the pf-trl preprocessing service: tokenize once into a shared cache that training jobs read. "
-        "Flags override the PF_SERVICE_* environment variables named in brackets. See the README section 'Preprocessing service'.",
+        "Flags override the PF_SERVICE_* environment variables named in brackets. The API, the settings and "
+        "deployment: docs/service.md.",
+        allow_abbrev=False,
     )
     add = p.add_argument
     add("--host", help="bind address [PF_SERVICE_HOST] (default 127.0.0.1)")

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from pf_trl.cli.flags import ALIASES, normalize_flags, one_line
+from pf_trl.data.options import train_data_fields
 
 logger = logging.getLogger("pf_trl.cli.train")
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SERVICE_WAIT_S = 600.0
+DEFAULT_OUTPUT_DIR = "pf-trl-output"
 
 
 class TrainCLIError(ValueError):
@@ -82,60 +84,78 @@ class ModelArguments(PeftArguments):
     )
 
 
-@dataclass
-class DataArguments:
-    training_data_path: str | None = field(default=None, metadata={"help": "Shards dir, a data file or a save_to_disk dir."})
-    validation_data_path: str | None = field(default=None, metadata={"help": "Same kinds as --training_data_path."})
-    max_seq_len: int = field(default=1024, metadata={"help": "Longest example (tokens) when pretokenizing."})
-    response_template: str | None = field(default=None, metadata={"help": "Text format: loss starts after it."})
-    input_format: str = field(
-        default="auto",
-        metadata={"help": "auto, pretokenized, text, prompt_completion, messages, conversational_prompt_completion, "
-                  "alpaca, sharegpt."},
-    )
-    chat_template: str | None = field(default=None, metadata={"help": "Jinja chat template FILE for chat formats."})
-    truncation: str = field(default="truncate", metadata={"help": "truncate, drop or error (longer than max_seq_len)."})
-    prompt_field: str = field(default="prompt", metadata={"help": "Column of the prompt (prompt-completion formats)."})
-    completion_field: str = field(default="completion", metadata={"help": "Column of the completion."})
-    messages_field: str = field(default="messages", metadata={"help": "Column of chat messages."})
-    conversations_field: str = field(default="conversations", metadata={"help": "Column of ShareGPT conversations."})
-    instruction_field: str = field(default="instruction", metadata={"help": "Alpaca instruction column."})
-    input_field: str = field(default="input", metadata={"help": "Alpaca input column (optional per row)."})
-    output_field: str = field(default="output", metadata={"help": "Alpaca output column (the supervised answer)."})
-    pretokenize_num_proc: int = field(default=1, metadata={"help": "Tokenizer processes for the cache build."})
-    dataset_service_url: str | None = field(default=None, metadata={"help": "Preprocessing service base URL."})
-    dataset_id: str | None = field(default=None, metadata={"help": "Dataset id at the service."})
-    dataset_service_token: str | None = field(default=None, metadata={"help": "Bearer token (or $PF_SERVICE_TOKEN)."})
-    dataset_service_timeout_s: float = field(
-        default=SERVICE_WAIT_S, metadata={"help": "Wait at most this long (seconds) for the service's dataset."}
-    )
+def _data_arguments() -> type:
+    """``DataArguments``: where the data comes from, plus the data options of
+    :class:`~pf_trl.data.options.PretokenizeConfig` (declared there once; ``--dataset_text_field`` and
+    ``--completion_only_loss`` are TRL's own flags and come from the trainer config)."""
+    where = [
+        ("training_data_path", str | None, field(default=None, metadata={"help": "Shards dir, a data file or a "
+                                                                          "save_to_disk dir."})),
+        ("validation_data_path", str | None, field(default=None, metadata={"help": "Same kinds as "
+                                                                            "--training_data_path."})),
+    ]
+    service = [
+        ("pretokenize_num_proc", int, field(default=1, metadata={"help": "Tokenizer processes for the cache build."})),
+        ("dataset_service_url", str | None, field(default=None, metadata={"help": "Preprocessing service base URL."})),
+        ("dataset_id", str | None, field(default=None, metadata={"help": "Dataset id at the service."})),
+        ("dataset_service_token", str | None, field(default=None, metadata={"help": "Bearer token (or "
+                                                                             "$PF_SERVICE_TOKEN)."})),
+        ("dataset_service_timeout_s", float, field(default=SERVICE_WAIT_S, metadata={
+            "help": "Wait at most this long (seconds) for the service's dataset."})),
+    ]
+    return dataclasses.make_dataclass("DataArguments", [*where, *train_data_fields(), *service],
+                                      namespace={"__module__": __name__, "__doc__": _data_arguments.__doc__})
 
 
-def _parser():
+DataArguments = _data_arguments()
+
+
+def full_parser():
+    """transformers' HfArgumentParser over (ModelArguments, DataArguments, PaddingFreeConfig): the authority on the
+    flags (it imports transformers, TRL and torch). Flags are never abbreviated."""
     from transformers import HfArgumentParser
 
+    from pf_trl.cli import flag_table
     from pf_trl.trainer.config import PaddingFreeConfig
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, PaddingFreeConfig))
+    parser = HfArgumentParser((ModelArguments, DataArguments, PaddingFreeConfig), allow_abbrev=False)
     parser.exit_on_error = False
 
     def error(message: str):  # argparse would print usage and exit; a user error is one line here
         raise TrainCLIError(f"{message} (see `pf-trl train --help`)")
 
     parser.error = error
+    flag_table.remember(parser)
     return parser
+
+
+_parser = full_parser
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
     return normalize_flags(argv, ALIASES)
 
 
+def _unknown(rest: list[str], known: list[str]) -> TrainCLIError:
+    import difflib
+
+    hints = []
+    for arg in rest:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{close[0]} for {flag}")
+    hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+    return TrainCLIError(f"unknown arguments: {' '.join(rest)}{hint} (see `pf-trl train --help`)")
+
+
 def parse_args(argv: list[str]):
     """(ModelArguments, DataArguments, PaddingFreeConfig) from a command line; raises TrainCLIError."""
     argv = normalize_argv(argv)
     if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in argv):
-        argv = [*argv, "--output_dir", "pf-trl-output"]
-    parser = _parser()
+        argv = [*argv, "--output_dir", DEFAULT_OUTPUT_DIR]
+    parser = full_parser()
     try:
         model_args, data_args, config, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except argparse.ArgumentError as exc:
@@ -143,8 +163,31 @@ def parse_args(argv: list[str]):
     except ValueError as exc:  # PaddingFreeConfig / TrainingArguments validation
         raise TrainCLIError(str(exc)) from exc
     if rest:
-        raise TrainCLIError(f"unknown arguments: {' '.join(rest)} (see `pf-trl train --help`)")
+        raise _unknown(rest, [s for a in parser._actions for s in a.option_strings])  # noqa: SLF001
     return model_args, data_args, config
+
+
+def fast_parse(argv: list[str]) -> argparse.Namespace | None:
+    """Every flag and value checked against the flag table (:mod:`pf_trl.cli.flag_table`) without importing
+    transformers: the flags given (defaults are not filled in), or None when no table fits the installed versions
+    (the full parser then decides). Raises TrainCLIError for an unknown flag or a bad value."""
+    from pf_trl.cli import flag_table
+
+    rows = flag_table.load()
+    if rows is None:
+        return None
+
+    def error(message: str):
+        raise TrainCLIError(f"{message} (see `pf-trl train --help`)")
+
+    parser = flag_table.light_parser(rows, error=error)
+    try:
+        given, rest = parser.parse_known_args(normalize_argv(argv))
+    except argparse.ArgumentError as exc:
+        raise TrainCLIError(f"{exc} (see `pf-trl train --help`)") from exc
+    if rest:
+        raise _unknown(rest, [flag for row in rows for flag in row["flags"]])
+    return given
 
 
 # ------------------------------------------------------------------------------------------ cheap checks
@@ -152,12 +195,25 @@ def parse_args(argv: list[str]):
 
 def _light_args(argv: list[str]) -> argparse.Namespace:
     """The model and data flags alone, parsed without transformers (for the checks that run first)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+
+    def error(message: str):
+        raise TrainCLIError(f"{message} (see `pf-trl train --help`)")
+
+    parser.error = error
     for f in (*dataclasses.fields(ModelArguments), *dataclasses.fields(DataArguments)):
-        parser.add_argument(f"--{f.name}", default=f.default)
+        if f.type in (bool, "bool"):  # `--merge_adapter` alone means True, as HfArgumentParser reads it
+            parser.add_argument(f"--{f.name}", default=f.default, nargs="?", const="true")
+        elif f.name == "target_modules":
+            parser.add_argument(f"--{f.name}", default=f.default, nargs="+")
+        else:
+            parser.add_argument(f"--{f.name}", default=f.default)
     for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch"):
         parser.add_argument(f"--{name}", default=None)
-    args, _ = parser.parse_known_args(normalize_argv(argv))
+    try:
+        args, _ = parser.parse_known_args(normalize_argv(argv))
+    except argparse.ArgumentError as exc:
+        raise TrainCLIError(f"{exc} (see `pf-trl train --help`)") from exc
     return args
 
 
@@ -171,14 +227,63 @@ def _positive_int(value: Any, flag: str) -> int:
     return number
 
 
+def check_combinations(get) -> None:
+    """Flags that only make sense together, checked from ``get(flag, default)`` (the flag table's values before the
+    import, the parsed dataclasses after it)."""
+    from pf_trl.models import is_embedded_model
+    from pf_trl.trainer.modes import normalize_padding_free
+
+    try:
+        normalize_padding_free(get("padding_free", "huggingface"))
+    except ValueError as exc:
+        raise TrainCLIError(f"--{exc}") from exc
+    strategy = get("eval_strategy", "no")
+    strategy = str(getattr(strategy, "value", strategy))
+    if strategy != "no" and not get("validation_data_path"):
+        raise TrainCLIError(f"--eval_strategy {strategy} needs --validation_data_path")
+    if get("merge_adapter", False) and get("peft_method", "none") == "none":
+        raise TrainCLIError("--merge_adapter needs --peft_method lora")
+    if get("model_overrides") and not is_embedded_model(get("model_name_or_path", "pf-trl/tiny-llama")):
+        raise TrainCLIError("--model_overrides only applies to embedded models")
+
+
+def _check_data_options(args: argparse.Namespace) -> int:
+    """The data options given on the command line, checked as :class:`~pf_trl.data.options.PretokenizeConfig` checks
+    them (one declaration), with the flag named; returns --max_seq_len."""
+    from pf_trl.data.options import OptionError, check_option, option_specs, option_type, parse_bool, read_template_file
+
+    for name, (f, spec) in option_specs().items():
+        value = getattr(args, name, None)
+        if spec.trl_field or value is None or not isinstance(value, str):
+            continue  # TRL's own flags, and defaults, need no check here
+        try:
+            if spec.file:
+                read_template_file(value, flag=f"--{name}")
+                continue
+            kind = option_type(f)
+            if kind is int:
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise OptionError(f"{name} must be a positive integer, got {value!r}", name) from None
+            elif kind is bool:
+                value = parse_bool(value)
+            check_option(name, value)
+        except (OptionError, argparse.ArgumentTypeError) as exc:
+            text = str(exc)
+            raise TrainCLIError(text if text.startswith("--") else f"--{text}") from exc
+    return int(args.max_seq_len)
+
+
 def precheck(argv: list[str], *, say=print) -> None:
-    """Checks that need no model and no transformers import: data paths, formats, lengths, model and tokenizer
-    folders, the chat template file, the service. Raises TrainCLIError with a one-line reason and fix."""
-    from pf_trl.data.formats import FORMATS
-    from pf_trl.data.pretokenize import TRUNCATION_POLICIES
+    """Checks that need no model and no transformers import: every flag and value (the flag table), data paths and
+    their lines, data options, lengths, model and tokenizer folders, the output directory's checkpoints, the service.
+    Raises TrainCLIError with a one-line reason and fix."""
+    from pf_trl.data.scan import JsonLinesError, check_json_lines
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
     from pf_trl.models import is_embedded_model
+    from pf_trl.trainer.output_dir import OutputDirError, check_output_dir
 
     args = _light_args(argv)
     if not args.training_data_path and not args.dataset_service_url:
@@ -192,14 +297,13 @@ def precheck(argv: list[str], *, say=print) -> None:
                 check_source_path(path, flag=flag)
             except DataSourceError as exc:
                 raise TrainCLIError(str(exc)) from exc
-    if args.input_format not in ("auto", *FORMATS):
-        raise TrainCLIError(f"--input_format {args.input_format!r} is unknown; use auto, {', '.join(FORMATS)}")
-    if args.truncation not in TRUNCATION_POLICIES:
-        raise TrainCLIError(f"--truncation {args.truncation!r} is unknown; use {', '.join(TRUNCATION_POLICIES)}")
-    max_seq_len = _positive_int(args.max_seq_len, "--max_seq_len")
+    max_seq_len = _check_data_options(args)
     for flag in ("max_tokens_per_batch", "max_eval_tokens_per_batch"):
         if getattr(args, flag) is not None:
             _positive_int(getattr(args, flag), f"--{flag}")
+    given = fast_parse(argv)  # every other flag and value (None: no flag table for these versions)
+    if given is not None:
+        check_combinations(lambda flag, default=None: getattr(given, flag, default))
     name = args.model_name_or_path
     if not is_embedded_model(name) and not Path(name).expanduser().is_dir():
         raise TrainCLIError(
@@ -219,8 +323,20 @@ def precheck(argv: list[str], *, say=print) -> None:
     except TokenizerLoadError as exc:
         flag = "--tokenizer_name_or_path" if args.tokenizer_name_or_path else "--model_name_or_path"
         raise TrainCLIError(f"{flag}: {exc}") from exc
-    if args.chat_template and not Path(args.chat_template).expanduser().is_file():
-        raise TrainCLIError(f"--chat_template {args.chat_template}: no such file; pass a Jinja template file")
+    if given is not None:
+        try:
+            check_output_dir(getattr(given, "output_dir", DEFAULT_OUTPUT_DIR),
+                             resume_from_checkpoint=getattr(given, "resume_from_checkpoint", None),
+                             overwrite_output_dir=getattr(given, "overwrite_output_dir", False), cli=True)
+        except OutputDirError as exc:
+            raise TrainCLIError(str(exc)) from exc
+    for flag, path in (("--training_data_path", args.training_data_path),
+                       ("--validation_data_path", args.validation_data_path)):
+        if path:
+            try:  # a streaming scan (once per file version): the first bad line, numbered, before any import
+                check_json_lines(path, flag=flag)
+            except JsonLinesError as exc:
+                raise TrainCLIError(str(exc)) from exc
     if args.dataset_service_url:
         _probe_service(args, say)
 
@@ -272,26 +388,20 @@ def _probe_service(args: argparse.Namespace, say) -> None:
 # ----------------------------------------------------------------------------------------------- data
 
 
-def pretokenize_config(data_args: DataArguments, config):
-    """The data options of a run (one place: the cache key and the trainer's defaults use the same fields)."""
-    from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
+def pretokenize_config(data_args, config):
+    """The data options of a run: the data flags, and the two that TRL's config carries (``--dataset_text_field``,
+    ``--completion_only_loss``); ``--chat_template FILE`` is read into the template text."""
+    from pf_trl.data.options import PretokenizeError, config_from_values, option_specs
 
+    values = {}
+    for name, (f, spec) in option_specs().items():
+        if spec.trl_field:
+            value = getattr(config, spec.trl_field, None)
+            values[name] = f.default if value is None else (value is not False if f.type == "bool" else value)
+        else:
+            values[name] = getattr(data_args, name)
     try:
-        return PretokenizeConfig(
-            input_format=data_args.input_format,
-            text_field=config.dataset_text_field or "text",
-            prompt_field=data_args.prompt_field,
-            completion_field=data_args.completion_field,
-            messages_field=data_args.messages_field,
-            conversations_field=data_args.conversations_field,
-            instruction_field=data_args.instruction_field,
-            input_field=data_args.input_field,
-            output_field=data_args.output_field,
-            response_template=data_args.response_template,
-            max_seq_len=data_args.max_seq_len,
-            truncation=data_args.truncation,
-            completion_only_loss=config.completion_only_loss is not False,
-        )
+        return config_from_values(values)
     except PretokenizeError as exc:
         raise TrainCLIError(str(exc)) from exc
 
@@ -392,20 +502,15 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
             f"--model_name_or_path {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...) "
             "nor a local folder; pf-trl never downloads models"
         )
-    if config.eval_strategy != "no" and not data_args.validation_data_path:
-        strategy = getattr(config.eval_strategy, "value", config.eval_strategy)
-        raise TrainCLIError(f"--eval_strategy {strategy} needs --validation_data_path")
+    check_combinations(lambda flag, default=None: next(
+        (getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)), default))
     overrides = _parse_overrides(model_args.model_overrides)
-    if overrides and not is_embedded_model(name):
-        raise TrainCLIError("--model_overrides only applies to embedded models")
     cuda = torch.cuda.is_available() and not config.use_cpu
     dtype = resolve_dtype(model_args.torch_dtype, cuda=cuda)
     if config.fp16 and not cuda:
         raise TrainCLIError("--fp16 needs a CUDA device; drop it on CPU")
     from pf_trl.trainer.adapters import lora_config
 
-    if model_args.merge_adapter and model_args.peft_method == "none":
-        raise TrainCLIError("--merge_adapter needs --peft_method lora")
     try:
         peft_config = lora_config(model_args.peft_method, r=model_args.r, lora_alpha=model_args.lora_alpha,
                                   lora_dropout=model_args.lora_dropout, target_modules=model_args.target_modules)
@@ -444,6 +549,18 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     return trainer
 
 
+def final_step_eval(trainer) -> dict[str, Any] | None:
+    """The metrics of the evaluation the trainer ran at its last step, if it ran one (evaluating again would cost the
+    same time for the same numbers)."""
+    state = trainer.state
+    for entry in reversed(state.log_history):
+        if "eval_loss" in entry:
+            if entry.get("step") == state.global_step:
+                return {k: v for k, v in entry.items() if k != "step"}
+            return None
+    return None
+
+
 def format_metrics(metrics: dict[str, Any]) -> str:
     width = max(len(k) for k in metrics) if metrics else 0
     lines = []
@@ -461,8 +578,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pf_trl.data.shards import ShardsError
     from pf_trl.data.sources import DataSourceError
     from pf_trl.data.tokenizer import TokenizerLoadError
+    from pf_trl.trainer.output_dir import OutputDirError
 
-    errors = (TrainCLIError, DataSourceError, TokenizerLoadError, PretokenizeError, ShardsError, DatasetServiceError)
+    errors = (TrainCLIError, DataSourceError, TokenizerLoadError, PretokenizeError, ShardsError, DatasetServiceError,
+              OutputDirError)
     # PaddingFreeError: pf-trl refuses the model (with its reason) before training. Importing it imports torch, and
     # it can only have been raised once pf_trl.attention was imported: a cheap error stays cheap.
     attention_errors = sys.modules.get("pf_trl.attention.errors")
@@ -479,12 +598,16 @@ def _fail(exc: BaseException) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     if any(a in ("-h", "--help") for a in argv):
-        _parser().print_help()
+        full_parser().print_help()
         return 0
+    from pf_trl.trainer.output_dir import check_output_dir
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         precheck(argv)  # before transformers / TRL are imported (seconds) and before the model loads
         model_args, data_args, config = parse_args(argv)
+        check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
+                         overwrite_output_dir=config.overwrite_output_dir, cli=True)
         trainer = build(model_args, data_args, config)
     except _user_errors() as exc:
         return _fail(exc)
@@ -502,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(config.output_dir, "train_results.json"), "w") as f:
             json.dump(metrics, f, indent=2)
     if trainer.eval_dataset is not None and config.eval_strategy != "no":
-        ev = trainer.evaluate()
+        ev = final_step_eval(trainer) or trainer.evaluate()  # the last step's evaluation, when it ran one
         if trainer.is_world_process_zero():
             print("***** eval metrics *****")
             print(format_metrics(ev))

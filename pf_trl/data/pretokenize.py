@@ -10,6 +10,7 @@ existing output is never touched unless ``overwrite=True``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -116,6 +117,21 @@ def _locate_json_error(path: Path) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _reader_logs_silenced():
+    """datasets' packaged readers log a parse failure before raising it; the raised error is reported instead (with
+    the line number counted from 1, as editors count)."""
+    loggers = [logging.getLogger(f"datasets.packaged_modules.{name}.{name}") for name in ("json", "csv", "parquet")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def load_source(source: Any, work_dir: Path):
     """Open a source as a ``datasets.Dataset``: a local file or ``save_to_disk`` directory (the datasets cache goes
     to ``work_dir``), or a ``Dataset`` / ``DatasetDict`` (its ``train`` split) as is."""
@@ -149,7 +165,8 @@ def load_source(source: Any, work_dir: Path):
     if path.stat().st_size == 0:
         raise PretokenizeError(f"source {path} is empty (0 bytes)")
     try:
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(work_dir / "hf-cache"))
+        with _reader_logs_silenced():  # its "... in row 56" log line would precede our numbered one
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(work_dir / "hf-cache"))
     except Exception as exc:
         where = _locate_json_error(path) if builder == "json" else None
         detail = where or (str(exc).splitlines() or [type(exc).__name__])[0]

@@ -136,15 +136,16 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
             "directory was modified after it was written: re-run pretokenize"
         )
     if expected_tokenizer is not None:
+        from pf_trl.data.tokenizer import mismatch_fix, tokenizer_differences
+
         have = manifest["tokenizer"]
-        if have.get("sha256") != expected_tokenizer.get("sha256") or have.get("vocab_size") != expected_tokenizer.get(
-            "vocab_size"
-        ):
+        differences = tokenizer_differences(have, expected_tokenizer)
+        if differences:
             raise ShardsError(
-                f"{directory} was tokenized with {have.get('name')!r} (sha256 {str(have.get('sha256'))[:12]}, vocab "
-                f"{have.get('vocab_size')}) but the model uses {expected_tokenizer.get('name')!r} (sha256 "
-                f"{str(expected_tokenizer.get('sha256'))[:12]}, vocab {expected_tokenizer.get('vocab_size')}); "
-                "re-run pretokenize with the model's tokenizer"
+                f"{directory} was tokenized with another tokenizer than the model's: {'; '.join(differences)} "
+                f"(data: {have.get('name')!r}, sha256 {str(have.get('sha256'))[:12]}; model: "
+                f"{expected_tokenizer.get('name')!r}, sha256 {str(expected_tokenizer.get('sha256'))[:12]}); "
+                f"{mismatch_fix(have, expected_tokenizer)}"
             )
     dataset.pf_manifest = manifest
     return dataset

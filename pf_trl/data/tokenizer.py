@@ -136,6 +136,7 @@ def resolve_tokenizer_path(name_or_path: str) -> tuple[str, Path]:
         raise TokenizerLoadError(f"tokenizer path {path} is a file; pass the folder that contains it")
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise TokenizerLoadError(f"folder {path} holds no tokenizer files (expected tokenizer.json or tokenizer.model)")
+    path = path.resolve()  # manifests record it: an absolute path works from any working directory
     return str(path), path
 
 
@@ -169,36 +170,96 @@ def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, **kwargs: Any):
 
 
 def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
-    """Identity of a tokenizer for manifests and cache keys: name, hash of its files, ids.
+    """Identity of a tokenizer for manifests and cache keys: name, absolute path, hash of its files, chat template,
+    ids.
 
-    The hash covers the tokenizer files on disk when known, else the serialized vocabulary, so two
-    tokenizers that would tokenize differently never share a fingerprint.
+    ``sha256`` covers the tokenizer files on disk when known, else the serialized vocabulary, and the chat template,
+    so two tokenizers that would tokenize or render differently never share a fingerprint. ``files`` (a digest per
+    file) and ``chat_template_sha256`` say which part differs when two fingerprints do
+    (:func:`tokenizer_differences`).
     """
     digest = hashlib.sha256()
     path = getattr(tokenizer, "pf_trl_path", None) or getattr(tokenizer, "name_or_path", None)
-    hashed_files: list[str] = []
+    files: dict[str, str] = {}
     if path and Path(path).is_dir():
+        path = str(Path(path).resolve())
         for fname in _TOKENIZER_FILES:
             f = Path(path) / fname
             if f.is_file():
+                files[fname] = _config_digest(f) if fname == "tokenizer_config.json" else _sha256_file(f)
                 digest.update(fname.encode())
-                digest.update((_config_digest(f) if fname == "tokenizer_config.json" else _sha256_file(f)).encode())
-                hashed_files.append(fname)
-    if not hashed_files:
+                digest.update(files[fname].encode())
+    if not files:
         digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     # The chat template may be set in memory after loading; it changes the rendering of chat data.
-    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    template = getattr(tokenizer, "chat_template", None)
+    digest.update(str(template).encode())
     return {
         "name": getattr(tokenizer, "pf_trl_name", None) or getattr(tokenizer, "name_or_path", None),
         "path": str(path) if path else None,
         "class": type(tokenizer).__name__,
         "sha256": digest.hexdigest(),
-        "hashed_files": hashed_files,
+        "hashed_files": list(files),
+        "files": files,
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None,
         "vocab_size": len(tokenizer),
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+
+
+def _template_state(sha: str | None) -> str:
+    return "no chat template" if sha is None else f"chat template sha256 {sha[:12]}"
+
+
+def tokenizer_differences(made_with: dict[str, Any], used: dict[str, Any]) -> list[str]:
+    """What differs between two :func:`tokenizer_fingerprint` records (empty when they are the same tokenizer):
+    vocabulary size, tokenizer files (which ones, and how), chat template, special token ids, class. Records from
+    before per-file digests only say that the fingerprints differ."""
+    if made_with.get("sha256") == used.get("sha256") and made_with.get("vocab_size") == used.get("vocab_size"):
+        return []
+    out = []
+    if made_with.get("vocab_size") != used.get("vocab_size"):
+        out.append(f"vocabulary size {made_with.get('vocab_size')} vs {used.get('vocab_size')}")
+    have, want = made_with.get("files"), used.get("files")
+    if isinstance(have, dict) and isinstance(want, dict):
+        changed = []
+        for name in sorted(set(have) | set(want)):
+            if name not in want:
+                changed.append(f"{name} (only in the data's tokenizer)")
+            elif name not in have:
+                changed.append(f"{name} (only in the model's tokenizer)")
+            elif have[name] != want[name]:
+                changed.append(f"{name} (different content)")
+        if changed:
+            out.append("tokenizer files differ: " + ", ".join(changed))
+    if "chat_template_sha256" in made_with and "chat_template_sha256" in used:
+        a, b = made_with["chat_template_sha256"], used["chat_template_sha256"]
+        if a != b:
+            out.append(f"chat template differs: the data was rendered with {_template_state(a)}, the model's "
+                       f"tokenizer has {_template_state(b)}")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in made_with and key in used and made_with[key] != used[key]:
+            out.append(f"{key} {made_with[key]} vs {used[key]}")
+    if made_with.get("class") and used.get("class") and made_with["class"] != used["class"]:
+        out.append(f"class {made_with['class']} vs {used['class']}")
+    if not out:
+        out.append("their fingerprints differ (the data's manifest predates per-file identities; re-run pretokenize "
+                   "to see which part)")
+    return out
+
+
+def mismatch_fix(made_with: dict[str, Any], used: dict[str, Any]) -> str:
+    """The fix for a tokenizer mismatch: the same chat template when only the template differs, else the model's
+    own tokenizer."""
+    differences = tokenizer_differences(made_with, used)
+    if len(differences) == 1 and differences[0].startswith("chat template differs"):
+        if made_with.get("chat_template_sha256") is None:
+            return "train without --chat_template (the data used the tokenizer's own none), or re-run pretokenize with it"
+        return ("pass the chat template the data was made with (--chat_template FILE; the manifest's options hold its "
+                "text), or re-run pretokenize with the model's template")
+    return "re-run pretokenize with the model's tokenizer"
 
 
 def folder_has_tokenizer(path: str | Path) -> bool:

@@ -1,6 +1,29 @@
-"""Padding-free training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`, chunked cross-entropy, metrics."""
+"""Padding-free training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`, chunked cross-entropy, metrics.
 
-from pf_trl.trainer.config import PADDING_FREE_MODES, PaddingFreeConfig, to_padding_free_config
-from pf_trl.trainer.trainer import PaddingFreeSFTTrainer, derive_token_budget
+The exports are imported on first use, so that light modules of this package (``output_dir``) can be imported by the
+CLI's early checks without importing TRL and torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "PaddingFreeConfig": "pf_trl.trainer.config",
+    "PADDING_FREE_MODES": "pf_trl.trainer.config",
+    "to_padding_free_config": "pf_trl.trainer.config",
+    "PaddingFreeSFTTrainer": "pf_trl.trainer.trainer",
+    "derive_token_budget": "pf_trl.trainer.trainer",
+}
 
 __all__ = ["PaddingFreeConfig", "PaddingFreeSFTTrainer", "PADDING_FREE_MODES", "derive_token_budget", "to_padding_free_config"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pf_trl.trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -12,26 +12,9 @@ from typing import Any
 from trl import SFTConfig
 
 from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
+from pf_trl.trainer.modes import PADDING_FREE_MODES, normalize_padding_free  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("pf_trl.trainer")
-
-PADDING_FREE_MODES = ("huggingface", "internal", "none")
-_TRUE = ("true", "yes", "1", "on")
-_FALSE = ("false", "no", "0", "off", "")
-
-
-def normalize_padding_free(value) -> str:
-    """``huggingface`` | ``internal`` | ``none``; booleans (TRL style) map to ``huggingface`` / ``none``."""
-    if isinstance(value, bool) or value is None:
-        return "huggingface" if value else "none"
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return "huggingface"
-    if text in _FALSE or text == "none":
-        return "none"
-    if text in PADDING_FREE_MODES:
-        return text
-    raise ValueError(f"padding_free must be one of {', '.join(PADDING_FREE_MODES)} (or true/false), got {value!r}")
 
 
 def _accelerator_present() -> bool:
@@ -109,6 +92,12 @@ class PaddingFreeConfig(SFTConfig):
         default=None,
         metadata={"help": "Activation (gradient) checkpointing: less memory, ~20% slower. Default: on, as in TRL.",
                   "nargs": "?", "const": True},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that holds checkpoints of an earlier run without resuming from them: "
+                  "they are deleted at the start. Without it (and without resume_from_checkpoint) such a run is "
+                  "refused, naming the latest checkpoint."},
     )
     allow_unverified: bool = field(
         default=False,

@@ -448,7 +448,39 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             if was_enabled:
                 hf_logging.enable_progress_bar()
 
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None):
+        """pf-trl's card (:mod:`pf_trl.trainer.model_card`): names the base model as it was given (local folder,
+        embedded config or Hub id) and the training data, where TRL's card writes ``None`` for a local folder."""
+        if not self.is_world_process_zero():
+            return
+        from pf_trl.trainer.model_card import write_model_card
+
+        extra = [tags] if isinstance(tags, str) else list(tags or [])
+        write_model_card(self, model_name=model_name, tags=[*extra, *getattr(self, "_tag_names", [])])
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """transformers warns about every key missing from a checkpoint, including a head tied to the embeddings (a
+        checkpoint stores a tied tensor once): "missing keys ['lm_head.weight']" reads as damage. Keys whose parameter
+        is the very tensor of a loaded one are dropped from the warning; any other missing key is still reported.
+        (Private upstream hook; see docs/training.md.)"""
+        missing = list(getattr(load_result, "missing_keys", []) or [])
+        if missing:
+            untied = _untied_missing_keys(self.model, missing)
+            if len(untied) != len(missing):
+                load_result = type(load_result)(untied, list(load_result.unexpected_keys))
+        return super()._issue_warnings_after_load(load_result)
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if trial is None:  # a hyperparameter search trains each trial in its own folder
+            from pf_trl.trainer.output_dir import check_output_dir, remove_checkpoints
+
+            stale = check_output_dir(self.args.output_dir, resume_from_checkpoint=resume_from_checkpoint,
+                                     overwrite_output_dir=self.args.overwrite_output_dir)
+            if stale and self.is_world_process_zero():
+                remove_checkpoints(stale)
+                print(f"pf-trl: overwrite_output_dir: removed {len(stale)} checkpoint(s) of an earlier run from "
+                      f"{self.args.output_dir}", flush=True)
         if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true"):
             from transformers.trainer_utils import get_last_checkpoint
 
@@ -600,6 +632,14 @@ def _admit_head_adapters(active: bool):
         yield
     finally:
         sft_module.BaseTunerLayer = original
+
+
+def _untied_missing_keys(model, missing: list[str]) -> list[str]:
+    """The missing checkpoint keys whose parameter is not shared with a parameter that was loaded (tied weights share
+    one tensor: loading its other name filled it)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(p) for name, p in params.items() if name not in missing}
+    return [key for key in missing if key not in params or id(params[key]) not in loaded]
 
 
 def _transformers_model(model):

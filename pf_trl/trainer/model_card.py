@@ -1,0 +1,120 @@
+"""The model card written next to the trained model (``README.md`` in ``output_dir``): what it was fine-tuned from,
+on which data, with which versions.
+
+TRL's card links the base model to the Hugging Face Hub by its config's ``_name_or_path`` and writes ``None`` when
+that is a local folder or empty; pf-trl trains local folders and embedded configs, so the card names them as they
+are and links only a Hub id.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+{{ origin }}
+
+Fine-tuned with pf-trl {{ pf_trl_version }}: supervised fine-tuning with TRL's
+`SFTTrainer`, padding-free (`padding_free={{ mode }}`; every example of a batch in one packed row, the loss as a
+padded run computes it).
+
+## Training data
+
+{{ data }}
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{{ path }}")
+tokenizer = AutoTokenizer.from_pretrained("{{ path }}")
+```
+
+## Framework versions
+
+{{ versions }}
+"""
+
+EMBEDDED_PREFIX = "pf-trl/"
+
+
+def base_model_of(model: Any) -> str | None:
+    """What ``model`` was loaded from: a local folder (absolute), a Hub id, an embedded pf-trl name, or None (built
+    from a config in memory)."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    name = getattr(inner, "pf_trl_base", None) or getattr(getattr(inner, "config", None), "_name_or_path", None)
+    if not name:
+        return None
+    return str(Path(name).resolve()) if os.path.isdir(name) else str(name)
+
+
+def describe_origin(base: str | None, model_type: str | None) -> tuple[str, str | None]:
+    """(a sentence on where the weights came from, the Hub id for the card's ``base_model`` metadata or None)."""
+    if base is None:
+        return f"Trained from a `{model_type or 'transformers'}` model built from its config (random initial weights).", None
+    if base.startswith(EMBEDDED_PREFIX):
+        return (f"Trained from pf-trl's embedded `{base}` config (random initial weights, `{model_type}`).", None)
+    if os.path.isabs(base) or os.path.isdir(base):
+        return f"Fine-tuned from the local model folder `{base}` (`{model_type}`).", None
+    return f"Fine-tuned from [{base}](https://huggingface.co/{base}) (`{model_type}`).", base
+
+
+def describe_data(dataset: Any) -> str:
+    """One line per fact of the training data's manifest (pf-trl shards), or what is known of another dataset."""
+    manifest = getattr(dataset, "pf_manifest", None)
+    if not manifest:
+        rows = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+        return f"- {rows} tokenized examples" if rows is not None else "- not recorded"
+    source, counts = manifest.get("source", {}), manifest.get("counts", {})
+    tok = manifest.get("tokenizer", {})
+    lines = [
+        f"- source: `{source.get('path')}` (sha256 `{str(source.get('sha256'))[:16]}`), format "
+        f"`{source.get('input_format')}`",
+        f"- {counts.get('examples')} examples, {counts.get('tokens')} tokens, {counts.get('loss_tokens')} supervised; "
+        f"max_seq_len {manifest.get('max_seq_len')}, {counts.get('truncated')} truncated, "
+        f"{counts.get('dropped')} dropped",
+        f"- tokenizer `{tok.get('name')}` (vocab {tok.get('vocab_size')}, sha256 `{str(tok.get('sha256'))[:16]}`)",
+    ]
+    return "\n".join(lines)
+
+
+def _versions() -> str:
+    out = []
+    for dist, shown in (("pf-trl", "pf-trl"), ("trl", "TRL"), ("transformers", "Transformers"), ("torch", "PyTorch"),
+                        ("datasets", "Datasets"), ("tokenizers", "Tokenizers")):
+        try:
+            out.append(f"- {shown}: {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return "\n".join(out)
+
+
+def write_model_card(trainer, model_name: str | None = None, tags: list[str] | None = None) -> Path:
+    """Render the card for ``trainer`` into ``<output_dir>/README.md`` and return its path."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from pf_trl._version import __version__
+
+    config = getattr(trainer.model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    origin, hub_id = describe_origin(base_model_of(trainer.model), model_type)
+    output_dir = Path(trainer.args.output_dir)
+    card_tags = sorted({"pf-trl", "padding-free", "sft", "trl", *(tags or [])})
+    data = ModelCardData(library_name="transformers", base_model=hub_id, model_name=model_name or output_dir.name,
+                         tags=card_tags)
+    card = ModelCard.from_template(
+        data, template_str=TEMPLATE, model_name=model_name or output_dir.name, origin=origin,
+        pf_trl_version=__version__, mode=getattr(trainer.args, "padding_free", "huggingface"),
+        data=describe_data(trainer.train_dataset), path=str(output_dir.resolve()), versions=_versions(),
+    )
+    path = output_dir / "README.md"
+    card.save(str(path))
+    return path
