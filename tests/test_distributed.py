@@ -188,7 +188,7 @@ def single_process_run(tmp_path_factory, sample_shards):
     script = out / "dist_train.py"
     script.write_text(SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(sample_shards), str(out), "single"], env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result_single_0.json").read_text()), torch.load(out / "weights_single.pt")
 
@@ -201,7 +201,7 @@ def test_torchrun_two_ranks_match_single_process(tmp_path, sample_shards, single
     script = tmp_path / "dist_train.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(_torchrun(script, str(sample_shards), str(tmp_path), mode), env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, _failure(proc)
     s, w_single = single_process_run
 
@@ -233,7 +233,7 @@ def test_fsdp2_sharded_pf_loss_matches_single_process(tmp_path):
     gradients equal one process over both rows (loss / all supervised tokens, x world size as the trainer does)."""
     script = tmp_path / "fsdp_loss.py"
     script.write_text(FSDP2_SCRIPT)
-    proc = subprocess.run(_torchrun(script, str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(_torchrun(script, str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, _failure(proc)
     r = json.loads((tmp_path / "fsdp_result.json").read_text())
     assert r["sharded"] == r["params"] > 0, "FSDP2 did not shard the parameters"
@@ -297,7 +297,7 @@ def test_torchrun_cli_saves_checkpoint_and_final_model_on_every_rank(tmp_path, s
             "--report_to", "none", "--padding_free", "internal", "--use_cpu", "True", "--max_seq_len", "128",
             "--disable_tqdm", "True", "--save_only_model", "True"]
     env = {**_env(), "PF_TRL_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(_torchrun(script, str(tmp_path), *args), env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(_torchrun(script, str(tmp_path), *args), env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, _failure(proc)
     calls = [(tmp_path / f"save_calls_{r}.txt").read_text().split() for r in (0, 1)]
     assert calls[0] == calls[1] and len(calls[0]) == 3, calls  # checkpoint-1, checkpoint-2, final: on both ranks

@@ -72,13 +72,14 @@ def test_kill_9_mid_job_then_restart(tmp_path, database_env):
             time.sleep(0.05)
         assert running["progress"]["rows_total"] == 6000 and 0 < running["progress"]["rows_done"] < 6000
         assert running["progress"]["tokens_done"] > 0 and running["progress"]["fraction"] < 1
-        assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+        # an API blocked by the job would take a chunk's 3 s sleep to answer; a busy machine adds well under that
+        assert len(latencies) >= 5 and max(latencies) < 2.5, latencies
         worker_pid = running["worker_pid"]
         assert worker_pid and _alive(worker_pid)
     s2.kill9()
 
     # The worker dies with the server (parent watchdog), and nothing partial is visible.
-    deadline = time.time() + 5
+    deadline = time.time() + 30  # its watchdog polls the parent; a busy machine may take a few seconds
     while _alive(worker_pid) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(worker_pid), f"worker {worker_pid} outlived the killed server"
