@@ -17,7 +17,7 @@ from pf_trl._version import __version__
 
 _EXPORTS = {
     "pretokenize": "pf_trl.data.pretokenize",
-    "PretokenizeConfig": "pf_trl.data.pretokenize",
+    "PretokenizeConfig": "pf_trl.data.options",
     "load_shards": "pf_trl.data.shards",
     "ShardsError": "pf_trl.data.shards",
     "load_tokenizer": "pf_trl.data.tokenizer",

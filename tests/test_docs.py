@@ -29,3 +29,16 @@ def test_readme_first_hour():
     head = "\n".join(lines[:12])
     assert "bash scripts/setup.sh && .venv/bin/pf-trl demo" in head
     assert "bash scripts/test.sh" in head
+
+
+def test_docs_check_anchors_and_speak_to_users():
+    """The strict build also fails on a link to a missing anchor; README and docs say nothing about how pf-trl was
+    made (development history and tooling are not user documentation)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "anchors: warn" in config.split("validation:", 1)[1]
+    phrases = ("this round", "the sessions", " lent ", "device tool", "device call", "between gpu sessions",
+               "in this session", "before this change", "before this fix")
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text().lower()
+        found = [p for p in phrases if p in text]
+        assert not found, f"{page.name}: {found}"
