@@ -101,6 +101,17 @@ def test_messages_speak_the_door_they_go_through():
     assert service_field("no field here") is None
 
 
+def test_options_given_on_the_command_line_and_how_shards_differ():
+    from pf_trl.cli.train import given_options
+    from pf_trl.data.options import option_differences
+
+    assert given_options(["--max-seq-len", "9", "--dataset_text_field", "t", "--learning_rate", "1", "--truncation=drop"]) \
+        == {"max_seq_len", "text_field", "truncation"}
+    made = PretokenizeConfig(max_seq_len=512, chat_template=TEMPLATE).to_dict()
+    assert option_differences(made, {"max_seq_len": 2048, "truncation": "truncate"}) == ["max_seq_len 512 (not 2048)"]
+    assert option_differences(made, {"chat_template": None})[0].startswith("chat_template sha256 ")
+
+
 def test_pretokenize_applies_the_template_without_touching_the_callers_tokenizer(tmp_path, tokenizer):
     import json
 

@@ -52,7 +52,7 @@ def data(tmp_path):
     return write_jsonl(tmp_path / "d.jsonl", ROWS)
 
 
-def test_train_user_errors_come_before_any_heavy_import(tmp_path, data):
+def test_train_user_errors_come_before_any_heavy_import(tmp_path, data, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     lines = [json.dumps(r) for r in ROWS]
     lines.insert(56, '{"instruction": "broken" "output": "x"}')  # line 57, where an editor shows it
@@ -60,6 +60,10 @@ def test_train_user_errors_come_before_any_heavy_import(tmp_path, data):
     ckpt = tmp_path / "out" / "checkpoint-6"
     ckpt.mkdir(parents=True)
     (tmp_path / "out" / "checkpoint-2").mkdir()
+    from pf_trl.data.pretokenize import pretokenize
+
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+    longest = pretokenize(data, tmp_path / "shards", progress=False)["lengths"]["max"]
     base = ["train", "--training_data_path", str(data), "--output_dir", str(tmp_path / "fresh")]
     cases = {
         "typo": ([*base, "--learnin_rate", "1e-4"], ["unknown arguments: --learnin_rate 1e-4",
@@ -76,6 +80,9 @@ def test_train_user_errors_come_before_any_heavy_import(tmp_path, data):
         "checkpoints": (["train", "--training_data_path", str(data), "--output_dir", str(tmp_path / "out")],
                         ["holds 2 checkpoint(s)", "checkpoint-6 (step 6)", "--resume_from_checkpoint True",
                          "--overwrite_output_dir True"]),
+        "budget": (["train", "--training_data_path", str(tmp_path / "shards"), "--output_dir", str(tmp_path / "fresh"),
+                    "--max_tokens_per_batch", "8"], [f"--max_tokens_per_batch 8 is smaller than the longest example "
+                                                     f"({longest} tokens)"]),
         "pretokenize jsonl": (["pretokenize", str(bad), str(tmp_path / "s")], ["line 57:", "fix or remove"]),
         "pretokenize prefix": (["pretokenize", str(data), str(tmp_path / "s"), "--max_seq", "9"],
                                ["unrecognized arguments: --max_seq"]),

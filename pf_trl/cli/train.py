@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     their lines, data options, lengths, model and tokenizer folders, the output directory's checkpoints, the service.
     Raises TrainCLIError with a one-line reason and fix."""
     from pf_trl.data.scan import JsonLinesError, check_json_lines
+    from pf_trl.data.shards import is_shards_dir, read_manifest
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
     from pf_trl.models import is_embedded_model
@@ -298,9 +300,12 @@ def precheck(argv: list[str], *, say=print) -> None:
             except DataSourceError as exc:
                 raise TrainCLIError(str(exc)) from exc
     max_seq_len = _check_data_options(args)
-    for flag in ("max_tokens_per_batch", "max_eval_tokens_per_batch"):
+    for flag, path in (("max_tokens_per_batch", args.training_data_path),
+                       ("max_eval_tokens_per_batch", args.validation_data_path)):
         if getattr(args, flag) is not None:
-            _positive_int(getattr(args, flag), f"--{flag}")
+            budget = _positive_int(getattr(args, flag), f"--{flag}")
+            if path and is_shards_dir(path):  # shards know their longest example: no need to wait for the data
+                check_budget(types.SimpleNamespace(pf_manifest=read_manifest(path)), budget, f"--{flag}")
     given = fast_parse(argv)  # every other flag and value (None: no flag table for these versions)
     if given is not None:
         check_combinations(lambda flag, default=None: getattr(given, flag, default))
@@ -406,8 +411,33 @@ def pretokenize_config(data_args, config):
         raise TrainCLIError(str(exc)) from exc
 
 
-def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = False):
-    """(train, eval) shards through :mod:`pf_trl.data.sources`."""
+def given_options(argv: list[str]) -> frozenset[str]:
+    """The data options set on the command line (their flags, or TRL's ``--dataset_text_field`` /
+    ``--completion_only_loss``)."""
+    from pf_trl.data.options import option_specs
+
+    flags = {a.split("=", 1)[0] for a in normalize_argv(argv) if a.startswith("--")}
+    return frozenset(name for name, (_, spec) in option_specs().items()
+                     if f"--{name}" in flags or (spec.trl_field and f"--{spec.trl_field}" in flags))
+
+
+def _note_made_with_other_options(dataset, options, given: frozenset[str], say) -> None:
+    """Shards used as they are (a shards directory, a service dataset) ignore the data flags: say so when a flag
+    given differs from what the shards were made with."""
+    from pf_trl.data.options import option_differences
+
+    manifest = getattr(dataset, "pf_manifest", None) or {}
+    made_with = manifest.get("options") or {}
+    differences = option_differences(made_with, {k: v for k, v in options.to_dict().items() if k in given})
+    if differences:
+        where = manifest.get("source", {}).get("path", "the data")
+        say(f"note: the shards of {where} were made with {', '.join(differences)}; data options apply only when "
+            "tokenizing, so these shards are used as they are (pretokenize again to change them)")
+
+
+def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = False, given: frozenset[str] = frozenset()):
+    """(train, eval) shards through :mod:`pf_trl.data.sources`; ``given``: the data options set on the command line
+    (a note names those the shards were not made with)."""
     from pf_trl.data import sources
 
     say = (lambda *_: None) if quiet else (lambda msg: print(f"pf-trl: {msg}", flush=True))
@@ -427,6 +457,8 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
                                                  what="validation")
     except sources.DataSourceError as exc:
         raise TrainCLIError(_service_message(exc)) from exc
+    for dataset in (train, evalset):
+        _note_made_with_other_options(dataset, options, given, say)
     return train, evalset
 
 
@@ -482,7 +514,8 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
-def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet: bool = False):
+def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet: bool = False,
+          given: frozenset[str] = frozenset()):
     """Model, tokenizer, datasets and trainer for the parsed arguments (the data before the model loads)."""
     import torch
 
@@ -537,7 +570,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     if not quiet:
         print(f"pf-trl: tokenizer {getattr(tokenizer, 'pf_trl_name', None) or tokenizer.name_or_path} "
               f"(vocab {len(tokenizer)})", flush=True)
-    train, evalset = load_data(data_args, config, tokenizer, quiet=quiet)
+    train, evalset = load_data(data_args, config, tokenizer, quiet=quiet, given=given)
     check_budget(train, config.max_tokens_per_batch, "--max_tokens_per_batch")
     check_budget(evalset, config.max_eval_tokens_per_batch, "--max_eval_tokens_per_batch")
 
@@ -608,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         model_args, data_args, config = parse_args(argv)
         check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
                          overwrite_output_dir=config.overwrite_output_dir, cli=True)
-        trainer = build(model_args, data_args, config)
+        trainer = build(model_args, data_args, config, given=given_options(argv))
     except _user_errors() as exc:
         return _fail(exc)
     except ValueError as exc:  # the trainer's own checks of the configuration and data

@@ -266,6 +266,20 @@ def config_from_values(values: dict[str, Any], *, files: bool = True) -> Pretoke
     return PretokenizeConfig(**kwargs)
 
 
+def option_differences(made_with: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """``["max_seq_len 512 (not 2048)", ...]`` for the options of ``wanted`` whose value differs from ``made_with``
+    (a manifest's ``options``); a chat template is named by its sha256, not its text."""
+    import hashlib
+
+    def shown(name: str, value: Any) -> str:
+        if name == "chat_template" and isinstance(value, str):
+            return f"sha256 {hashlib.sha256(value.encode()).hexdigest()[:12]}"
+        return repr(value)
+
+    return [f"{name} {shown(name, made_with[name])} (not {shown(name, value)})" for name, value in wanted.items()
+            if name in made_with and made_with[name] != value]
+
+
 # -------------------------------------------------------------------------------------------- the service door
 
 _FLAG = re.compile(r"--([a-z][a-z0-9_]*)( FILE)?")
