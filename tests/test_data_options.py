@@ -131,3 +131,27 @@ def test_pretokenize_applies_the_template_without_touching_the_callers_tokenizer
     assert manifest["tokenizer"]["chat_template_sha256"] != tokenizer_fingerprint(tokenizer)["chat_template_sha256"]
     ids = load_shards(tmp_path / "o")[0]["input_ids"]
     assert tokenizer.decode(ids).startswith("user: Hi\nassistant: Hello")
+
+
+@pytest.mark.slow
+def test_python_api_takes_the_template_in_the_data_options(tmp_path, tokenizer, monkeypatch):
+    """PaddingFreeSFTTrainer(pretokenize_config=PretokenizeConfig(chat_template=...)) with a tokenizer that has none:
+    the chat rows are rendered with it, and the trainer's tokenizer (saved with the model) carries it."""
+    import copy
+
+    import datasets
+
+    from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    template = tokenizer.chat_template
+    rows = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": f"Hi {i}"},
+                                                     {"role": "assistant", "content": f"Hello {i}."}]} for i in range(4)])
+    args = PaddingFreeConfig(output_dir=str(tmp_path / "o"), report_to=[], save_strategy="no", use_cpu=True)
+    trainer = PaddingFreeSFTTrainer("pf-trl/tiny-llama", args=args, train_dataset=rows, processing_class=plain,
+                                    pretokenize_config=PretokenizeConfig(chat_template=template))
+    assert trainer.processing_class.chat_template == template and plain.chat_template is None
+    first = trainer.train_dataset[0]
+    assert plain.decode(first["input_ids"]).startswith("<s>[INST] Hi 0 [/INST] Hello 0.</s>")

@@ -11,8 +11,9 @@ JSONL / Parquet / CSV) or a ``datasets.save_to_disk`` directory in any format of
 same data path as ``PaddingFreeSFTTrainer`` and the service). ``--dataset_service_url/--dataset_id`` read a dataset
 built by the preprocessing service instead. The tokenizer defaults to the model folder's own.
 
-This module only handles arguments: cheap checks first (paths, formats, lengths, the service), before transformers
-and TRL are imported, then the data path and the trainer.
+This module only handles arguments: cheap checks first, before transformers and TRL are imported (every flag and
+value against the flag table of :mod:`pf_trl.cli.flag_table`, data paths and JSON lines, data options, lengths, the
+output directory's checkpoints, the service), then the data path and the trainer.
 """
 
 from __future__ import annotations

@@ -98,16 +98,18 @@ def load_training_data(source: Any, tokenizer, config: PretokenizeConfig | None 
     Args:
         source: a shards directory, a data file, a ``save_to_disk`` directory, or a ``Dataset`` / ``DatasetDict``.
         tokenizer: the loaded tokenizer the model trains with (see :func:`pf_trl.data.tokenizer.resolve_tokenizer`).
-        config: formats, lengths and truncation; shards directories ignore it.
+        config: formats, lengths, truncation and chat template; shards directories ignore it, except its
+            ``chat_template``, which the shards must have been rendered with.
         say: called with one-line progress notes (which source, cache hit or tokenizing).
 
     Raises:
         DataSourceError: missing or unreadable source, bad rows, or shards made with another tokenizer.
     """
     from pf_trl.data.shards import ShardsError, is_shards_dir, load_shards
-    from pf_trl.data.tokenizer import tokenizer_fingerprint
+    from pf_trl.data.tokenizer import tokenizer_fingerprint, with_chat_template
 
     config = config or PretokenizeConfig()
+    tokenizer = with_chat_template(tokenizer, config.chat_template)  # the template the data is (to be) rendered with
     expected = tokenizer_fingerprint(tokenizer)
     if isinstance(source, (str, os.PathLike)):
         path = check_source_path(source, flag=f"{what} data")

@@ -227,6 +227,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         elif not isinstance(args, PaddingFreeConfig):
             args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
         processing_class = _pf_resolve_tokenizer(model, processing_class)
+        if pretokenize_config is not None and getattr(pretokenize_config, "chat_template", None):
+            from pf_trl.data.tokenizer import with_chat_template
+
+            # the data's template is the model's: the fingerprints agree and the saved tokenizer carries it
+            processing_class = with_chat_template(processing_class, pretokenize_config.chat_template)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
