@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -31,6 +30,7 @@ from pf_trl._version import __version__
 from pf_trl.data import formats
 from pf_trl.data.formats import FormatError
 from pf_trl.data.options import TRUNCATION_POLICIES, PretokenizeConfig, PretokenizeError  # noqa: F401 (re-exported)
+from pf_trl.data.scan import first_bad_line
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint, with_chat_template
 
@@ -98,25 +98,6 @@ def describe_source(source: Any) -> str:
     return f"datasets.{type(source).__name__}({rows} rows, fingerprint {getattr(source, '_fingerprint', None)})"
 
 
-def _locate_json_error(path: Path) -> str | None:
-    """Find the first malformed line of a JSONL file (the Arrow JSON reader does not say which)."""
-    with open(path, "rb") as f:
-        head = f.read(1).lstrip()
-        if head == b"[":
-            return None  # a JSON array: not line-oriented
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                return f"line {lineno}: {exc.msg} (column {exc.colno})"
-            if not isinstance(value, dict):
-                return f"line {lineno}: expected a JSON object, got {type(value).__name__}"
-    return None
-
-
 @contextlib.contextmanager
 def _reader_logs_silenced():
     """datasets' packaged readers log a parse failure before raising it; the raised error is reported instead (with
@@ -168,7 +149,7 @@ def load_source(source: Any, work_dir: Path):
         with _reader_logs_silenced():  # its "... in row 56" log line would precede our numbered one
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(work_dir / "hf-cache"))
     except Exception as exc:
-        where = _locate_json_error(path) if builder == "json" else None
+        where = first_bad_line(path) if builder == "json" else None  # the reader does not say which line
         detail = where or (str(exc).splitlines() or [type(exc).__name__])[0]
         raise PretokenizeError(f"cannot read {path} as {builder}: {detail}") from exc
     if ds.num_rows == 0:
