@@ -151,8 +151,8 @@ def option_specs() -> dict[str, tuple[dataclasses.Field, OptionSpec]]:
 
 
 def option_type(f: dataclasses.Field) -> type:
-    """The value type of an option (``str | None`` -> ``str``)."""
-    return {"str": str, "str | None": str, "int": int, "bool": bool}[str(f.type)]
+    """The value type of an option (``str | None`` -> ``str``; the annotations are strings here)."""
+    return {"str": str, "int": int, "bool": bool}[str(f.type).replace(" | None", "")]
 
 
 def check_option(name: str, value: Any) -> None:
