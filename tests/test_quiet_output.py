@@ -1,6 +1,7 @@
 """Quiet, true output of `pf-trl train`: a resume of a model with tied embeddings does not warn about the head
 "missing" from the checkpoint, the model card names what the model was trained from (an embedded config, a local
-folder), and the evaluation of the last step is not run a second time."""
+folder), and the evaluation of the last step is not run a second time; PaddingFreeSFTTrainer never trains over
+the checkpoints of an earlier run silently."""
 
 from __future__ import annotations
 
@@ -85,3 +86,34 @@ def test_only_tied_keys_leave_the_warning():
     # both names missing: nothing of that tensor was loaded
     assert _untied_missing_keys(tied, ["lm_head.weight", "model.embed_tokens.weight"]) == [
         "lm_head.weight", "model.embed_tokens.weight"]
+
+
+@pytest.mark.slow
+def test_python_api_never_trains_over_checkpoints_silently(tmp_path, capsys):
+    """trainer.train() into a folder with checkpoints: refused naming the latest; resume passes; overwrite_output_dir
+    deletes the old checkpoints (a later resume must not pick one up) and trains from step 0."""
+    import datasets
+
+    from pf_trl.models import build_model
+    from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+    from pf_trl.trainer.output_dir import OutputDirError
+
+    rows = datasets.Dataset.from_list(ROWS)
+    overrides = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                     num_key_value_heads=1)
+
+    def trainer(**kw):
+        args = PaddingFreeConfig(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, save_strategy="steps",
+                                 disable_tqdm=True, max_tokens_per_batch=256, **kw)
+        return PaddingFreeSFTTrainer(build_model("pf-trl/tiny-llama", **overrides), args=args, train_dataset=rows)
+
+    trainer(max_steps=3, save_steps=3).train()
+    (tmp_path / "out" / "checkpoint-7").mkdir()  # as if an earlier, longer run had been there
+    with pytest.raises(OutputDirError, match=r"holds 2 checkpoint\(s\), the latest .*checkpoint-7 \(step 7\).*"
+                       r"trainer.train\(resume_from_checkpoint=True\).*overwrite_output_dir=True"):
+        trainer(max_steps=4, save_steps=4).train()
+    trainer(max_steps=4, save_steps=4).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    capsys.readouterr()
+    trainer(max_steps=2, save_steps=2, overwrite_output_dir=True).train()
+    assert "removed 3 checkpoint(s) of an earlier run" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2"]
