@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from pf_trl._version import __version__
-from pf_trl.data import formats
+from pf_trl.data import formats, identity
 from pf_trl.data.formats import FieldNames, FormatError
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint
@@ -467,6 +467,10 @@ def pretokenize(
         # `.data` is the table before the filter's index mapping: select the kept rows ourselves.
         lengths = np.asarray(full.data.column("length"))[keep]
         shards_tmp = work / "shards"
+        source_sha = source_fingerprint_value or source_fingerprint(source)
+        # the identity travels with the Arrow data (Dataset.info), so shards passed as a Dataset are checked too
+        identity.stamp(kept, {"tokenizer": tokenizer_fingerprint(tokenizer),
+                              "source": {"input_format": input_format, "sha256": source_sha}}, where=str(out))
         kept.save_to_disk(str(shards_tmp), max_shard_size=config.shard_size)
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -475,7 +479,7 @@ def pretokenize(
             "tokenize_seconds": round(time.time() - started, 3),
             "source": {
                 "path": describe_source(source),
-                "sha256": source_fingerprint_value or source_fingerprint(source),
+                "sha256": source_sha,
                 "rows": rows_total,
                 "input_format": input_format,
                 "chat_mask": formats.chat_mask_method(tokenizer) if input_format in CHAT_FORMATS else None,

@@ -146,6 +146,9 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
                 f"{str(expected_tokenizer.get('sha256'))[:12]}, vocab {expected_tokenizer.get('vocab_size')}); "
                 "re-run pretokenize with the model's tokenizer"
             )
+    from pf_trl.data.identity import stamp
+
+    stamp(dataset, manifest, where=str(directory))  # shards written before identities were stamped carry one too
     dataset.pf_manifest = manifest
     return dataset
 
