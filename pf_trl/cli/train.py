@@ -85,6 +85,11 @@ class ModelArguments(PeftArguments):
 @dataclass
 class DataArguments:
     training_data_path: str | None = field(default=None, metadata={"help": "Shards dir, a data file or a save_to_disk dir."})
+    data_config: str | None = field(
+        default=None,
+        metadata={"help": "A data config (YAML/JSON, fms-hf-tuning's schema): several datasets, each with its format, "
+                  "mixed by `sampling` weights or concatenated; `streaming: true` streams them. Alias --data_config_path."},
+    )
     validation_data_path: str | None = field(default=None, metadata={"help": "Same kinds as --training_data_path."})
     max_seq_len: int = field(default=1024, metadata={"help": "Longest example (tokens) when pretokenizing."})
     response_template: str | None = field(default=None, metadata={"help": "Text format: loss starts after it."})
@@ -181,10 +186,14 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.models import is_embedded_model
 
     args = _light_args(argv)
-    if not args.training_data_path and not args.dataset_service_url:
-        raise TrainCLIError("no training data: pass --training_data_path PATH (or --dataset_service_url URL --dataset_id ID)")
-    if args.training_data_path and args.dataset_service_url:
-        raise TrainCLIError("pass either --training_data_path or --dataset_service_url, not both")
+    _check_data_choice(args)
+    if args.data_config:
+        from pf_trl.data.mixture import DataConfigError, check_data_config_paths, read_data_config
+
+        try:
+            check_data_config_paths(read_data_config(args.data_config))
+        except DataConfigError as exc:
+            raise TrainCLIError(f"--data_config: {exc}") from exc
     for flag, path in (("--training_data_path", args.training_data_path),
                        ("--validation_data_path", args.validation_data_path)):
         if path:
@@ -223,6 +232,17 @@ def precheck(argv: list[str], *, say=print) -> None:
         raise TrainCLIError(f"--chat_template {args.chat_template}: no such file; pass a Jinja template file")
     if args.dataset_service_url:
         _probe_service(args, say)
+
+
+def _check_data_choice(args) -> None:
+    given = [flag for flag, value in (("--training_data_path", args.training_data_path),
+                                      ("--data_config", args.data_config),
+                                      ("--dataset_service_url", args.dataset_service_url)) if value]
+    if not given:
+        raise TrainCLIError("no training data: pass --training_data_path PATH, --data_config FILE (several datasets) "
+                            "or --dataset_service_url URL --dataset_id ID")
+    if len(given) > 1:
+        raise TrainCLIError(f"pass one of {' / '.join(given)}, not several (a data config lists several datasets)")
 
 
 def _max_positions(name: str) -> int | None:
@@ -303,7 +323,9 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
     say = (lambda *_: None) if quiet else (lambda msg: print(f"pf-trl: {msg}", flush=True))
     options = pretokenize_config(data_args, config)
     try:
-        if data_args.dataset_service_url:
+        if data_args.data_config:
+            train = _load_data_config(data_args, options, tokenizer, quiet=quiet, say=say)
+        elif data_args.dataset_service_url:
             train = sources.load_service_dataset(
                 data_args.dataset_service_url, data_args.dataset_id, tokenizer, token=data_args.dataset_service_token,
                 timeout_s=data_args.dataset_service_timeout_s, progress=not quiet, say=say)
@@ -318,6 +340,21 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
     except sources.DataSourceError as exc:
         raise TrainCLIError(_service_message(exc)) from exc
     return train, evalset
+
+
+def _load_data_config(data_args: DataArguments, options, tokenizer, *, quiet: bool, say):
+    """A data config: its sources loaded here (the trainer's own loader), or, when it streams, the config itself
+    (the trainer opens the streams per rank)."""
+    from pf_trl.data.mixture import DataConfigError, load_mixture, read_data_config
+
+    try:
+        config = read_data_config(data_args.data_config)
+        if config.streaming:
+            return config
+        return load_mixture(config, tokenizer, options, num_proc=data_args.pretokenize_num_proc, progress=not quiet,
+                            say=say)
+    except DataConfigError as exc:
+        raise TrainCLIError(f"--data_config: {exc}") from exc
 
 
 def check_budget(dataset, budget: int | None, flag: str) -> None:
@@ -380,10 +417,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     from pf_trl.models import build_model, is_embedded_model
     from pf_trl.trainer import PaddingFreeSFTTrainer
 
-    if not data_args.training_data_path and not data_args.dataset_service_url:
-        raise TrainCLIError("no training data: pass --training_data_path PATH (or --dataset_service_url URL --dataset_id ID)")
-    if data_args.training_data_path and data_args.dataset_service_url:
-        raise TrainCLIError("pass either --training_data_path or --dataset_service_url, not both")
+    _check_data_choice(data_args)
     if data_args.dataset_service_url and not data_args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
     name = model_args.model_name_or_path

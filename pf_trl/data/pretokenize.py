@@ -310,6 +310,8 @@ def resolve_format(ds, config: PretokenizeConfig) -> str:
     if input_format == "auto":
         first = ds[0] if ds.num_rows else None
         input_format = formats.detect_format(ds.column_names, fields, config.response_template, first)
+    if config.input_format == "auto":
+        _refuse_mixed_formats(ds, input_format, config)
     missing = [c for c in formats.required_columns(input_format, fields) if c not in ds.column_names]
     if missing:
         raise PretokenizeError(
@@ -318,6 +320,34 @@ def resolve_format(ds, config: PretokenizeConfig) -> str:
             "or pass another --input_format"
         )
     return input_format
+
+
+def _refuse_mixed_formats(ds, input_format: str, config: PretokenizeConfig) -> None:
+    """Rows of different formats in one table (``concatenate_datasets`` of an Alpaca and a ShareGPT file: the
+    columns are the union, each row fills its own) cannot be tokenized with one format: refuse, naming a row of each."""
+    import pyarrow.compute as pc
+
+    table = getattr(ds, "data", None)
+    needed = [c for c in formats.required_columns(input_format, config.fields) if c in ds.column_names]
+    if table is None or not needed or getattr(ds, "_indices", None) is not None:
+        return
+    for column in needed:
+        nulls = pc.is_null(table.column(column))
+        if not pc.any(nulls).as_py():
+            continue
+        bad = int(pc.index(nulls, True).as_py())
+        good = int(pc.index(nulls, False).as_py())
+        row = {k: v for k, v in ds[bad].items() if v is not None}
+        try:
+            other = formats.detect_format(list(row), config.fields, config.response_template, row)
+        except FormatError:
+            other = "no known format"
+        raise PretokenizeError(
+            f"the rows mix input formats: row {good} is {input_format!r} but row {bad} has no {column!r} and reads as "
+            f"{other!r} (e.g. datasets.concatenate_datasets of files in different formats); tokenize each format as "
+            "its own source: pass a list of sources or a data config (docs/data.md, Mixtures), which keeps each "
+            "source's format"
+        )
 
 
 _resolve_format = resolve_format

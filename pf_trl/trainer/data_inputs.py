@@ -36,7 +36,7 @@ def _rank_world(args) -> tuple[int, int]:
     return (int(args.process_index) if world > 1 else 0), world
 
 
-def prepare(dataset, *, tokenizer, args, config, what: str) -> tuple[Any, bool]:
+def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple[Any, bool]:
     """``(prepared, done)``: a data config or a stream prepared; ``done=False`` leaves ``prepared`` to the default
     path (raw rows, shards, tokenized rows).
 
@@ -50,6 +50,10 @@ def prepare(dataset, *, tokenizer, args, config, what: str) -> tuple[Any, bool]:
     rank, world = _rank_world(args)
     try:
         data_config = coerce_data_config(dataset)
+        if (data_config is not None or is_stream(dataset)) and model is not None:
+            from pf_trl.data.tokenizer import check_vocab_fits, model_vocab_size
+
+            check_vocab_fits(tokenizer, model_vocab_size(model))  # these rows are tokenized with it
         if data_config is not None:
             if data_config.is_mixture and training and args.padding_free == "none":
                 raise DataConfigError("a weighted mixture is drawn by pf-trl's mixture sampler, which padding_free='none' "

@@ -575,7 +575,8 @@ def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, 
     from pf_trl.trainer import data_inputs
 
     config = _pf_pretokenize_config(args, pretokenize_config)
-    dataset, done = data_inputs.prepare(dataset, tokenizer=tokenizer, args=args, config=config, what=what)
+    dataset, done = data_inputs.prepare(dataset, tokenizer=tokenizer, args=args, config=config, what=what,
+                                         model=model)
     if not done:
         dataset = _pf_prepare_rows(dataset, tokenizer=tokenizer, model=model, args=args, config=config, what=what)
     return data_inputs.finish(dataset, tokenizer=tokenizer, args=args, what=what)
