@@ -41,6 +41,7 @@ from preprocess_service.schemas import (
     DatasetEvent,
     Health,
     LengthStats,
+    MixtureRequest,
     PretokenizeOptions,
     SourceSpec,
     UploadInfo,
@@ -258,6 +259,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 store.remember_key(key, fingerprint, row["id"])
             except IdempotencyMismatch as exc:  # a concurrent request won the key with another body
                 raise _key_reused(key) from exc
+        return _answer(status_of(row), response)
+
+    @app.post("/v1/mixtures", response_model=DatasetStatus, status_code=202, tags=["datasets"],
+              responses={200: {"model": DatasetStatus, "description": "already built: the manifest, no work"},
+                         202: {"description": "queued or running (Location: the status URL)"},
+                         **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 503)}})
+    def create_mixture(body: MixtureRequest, response: Response) -> DatasetStatus:
+        """Tokenize several sources, each with its own options, into one dataset that records each source and the
+        mixing rule (weights, seed, sample_by); train from its id like any dataset. Content-addressed."""
+        from preprocess_service.mixtures import submit_mixture
+
+        row, _created = submit_mixture(app.state.submitter, body)
         return _answer(status_of(row), response)
 
     def _key_reused(key: str) -> ServiceError:

@@ -284,3 +284,51 @@ def test_mixture_training_resumes_exactly(tmp_path, three_sources, tokenizer, mo
     assert resumed.trained == full.trained[len(first.trained):], "the rest of the run, batch for batch"
     for name, value in resumed.model.state_dict().items():
         torch.testing.assert_close(value, full.model.state_dict()[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_service_mixture_trains_the_same_batches(tmp_path, three_sources, tokenizer, monkeypatch):
+    """POST /v1/mixtures (three sources, their weights, the config's seed) -> one dataset id; `pf-trl train
+    --dataset_service_url/--dataset_id` on it draws the same batches as the data config through the Python API."""
+    from test_service_support import Server, wait_state
+
+    from pf_trl.cli.train import build, parse_args
+    from pf_trl.models import build_model
+    from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+    server = Server(tmp_path / "svc", [three_sources]).start()
+    try:
+        body = {"sources": [
+            {"name": "alpaca", "source": {"path": str(three_sources / "alpaca.jsonl")}, "weight": 0.5,
+             "options": {"max_seq_len": 512}},
+            {"name": "sharegpt", "source": {"path": str(three_sources / "sharegpt.jsonl")}, "weight": 0.3,
+             "options": {"max_seq_len": 512, "input_format": "sharegpt"}},
+            {"name": "chats", "source": {"path": str(three_sources / "chats.jsonl")}, "weight": 0.2,
+             "options": {"max_seq_len": 512}}], "mixture": {"seed": 11}}
+        with server.client() as client:
+            r = client.post("/v1/mixtures", json=body)
+            assert r.status_code in (200, 202), r.text
+            dataset_id = r.json()["id"]
+            done = wait_state(client, dataset_id, timeout=300)
+            assert done["state"] == "succeeded", done
+            assert client.post("/v1/mixtures", json=body).json()["id"] == dataset_id  # content-addressed
+            bad = client.post("/v1/mixtures", json={**body, "sources": [{**body["sources"][0], "weight": None},
+                                                                        *body["sources"][1:]]})
+            assert bad.status_code == 422 and "every source a `weight`" in bad.text
+        sources = done["manifest"]["sources"]
+        assert [(s["name"], s["input_format"], s["weight"]) for s in sources] == [
+            ("alpaca", "alpaca", 0.5), ("sharegpt", "sharegpt", 0.3), ("chats", "messages", 0.2)]
+        flags = ["--model_overrides", TINY_FLAG, "--max_seq_len", "512", "--output_dir", str(tmp_path / "o"),
+                 "--report_to", "none", "--use_cpu", "True", "--num_train_epochs", "2", "--max_tokens_per_batch",
+                 "2048", "--save_strategy", "no"]
+        service = build(*parse_args(["--dataset_service_url", server.url, "--dataset_id", dataset_id, *flags]),
+                        quiet=True)
+        api = PaddingFreeSFTTrainer(
+            build_model("pf-trl/tiny-llama", seed=42, **TINY), processing_class=tokenizer,
+            train_dataset=str(three_sources / "mix.yaml"),
+            args=PaddingFreeConfig(output_dir=str(tmp_path / "o2"), report_to=[], use_cpu=True, max_length=512,
+                                   num_train_epochs=2, max_tokens_per_batch=2048, save_strategy="no"))
+        assert _batches(service) == _batches(api)
+    finally:
+        server.stop()
