@@ -50,7 +50,7 @@ def _trainer(train_dataset, tokenizer, tmp_path):
                                  train_dataset=train_dataset, processing_class=tokenizer)
 
 
-@pytest.mark.parametrize("how", ["load_shards", "load_from_disk", "concatenated", "selected", "mapped"])
+@pytest.mark.parametrize("how", ["load_shards", "load_from_disk", "concatenated", "selected", "mapped", "streamed"])
 def test_shards_of_another_tokenizer_refused_however_they_arrive(shards, tokenizer, tmp_path, how):
     import datasets
 
@@ -63,6 +63,7 @@ def test_shards_of_another_tokenizer_refused_however_they_arrive(shards, tokeniz
         "concatenated": lambda: datasets.concatenate_datasets([good, other]),
         "selected": lambda: datasets.concatenate_datasets([good, other]).shuffle(seed=0).select(range(5)),
         "mapped": lambda: other.map(lambda r: {"labels": r["labels"]}).flatten_indices(),
+        "streamed": lambda: other.to_iterable_dataset(),
     }[how]()
     assert other.features == good.features and max(max(r) for r in other["input_ids"]) < len(tokenizer)  # ids fit
     with pytest.raises(ValueError, match="was tokenized with .* but the model uses"):

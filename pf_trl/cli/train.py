@@ -185,11 +185,11 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
     from pf_trl.models import is_embedded_model
 
+    from pf_trl.data.mixture import DataConfigError, check_data_config_paths, is_data_config_path, read_data_config
+
     args = _light_args(argv)
     _check_data_choice(args)
     if args.data_config:
-        from pf_trl.data.mixture import DataConfigError, check_data_config_paths, read_data_config
-
         try:
             check_data_config_paths(read_data_config(args.data_config))
         except DataConfigError as exc:
@@ -198,9 +198,12 @@ def precheck(argv: list[str], *, say=print) -> None:
                        ("--validation_data_path", args.validation_data_path)):
         if path:
             try:
-                check_source_path(path, flag=flag)
-            except DataSourceError as exc:
-                raise TrainCLIError(str(exc)) from exc
+                if flag == "--validation_data_path" and is_data_config_path(path):
+                    check_data_config_paths(read_data_config(path))  # eval on several datasets: all their rows
+                else:
+                    check_source_path(path, flag=flag)
+            except (DataSourceError, DataConfigError) as exc:
+                raise TrainCLIError(f"{flag}: {exc}" if isinstance(exc, DataConfigError) else str(exc)) from exc
     if args.input_format not in ("auto", *FORMATS):
         raise TrainCLIError(f"--input_format {args.input_format!r} is unknown; use auto, {', '.join(FORMATS)}")
     if args.truncation not in TRUNCATION_POLICIES:
@@ -319,6 +322,7 @@ def pretokenize_config(data_args: DataArguments, config):
 def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = False):
     """(train, eval) shards through :mod:`pf_trl.data.sources`."""
     from pf_trl.data import sources
+    from pf_trl.data.mixture import is_data_config_path
 
     say = (lambda *_: None) if quiet else (lambda msg: print(f"pf-trl: {msg}", flush=True))
     options = pretokenize_config(data_args, config)
@@ -333,7 +337,10 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
             train = sources.load_training_data(data_args.training_data_path, tokenizer, options,
                                                num_proc=data_args.pretokenize_num_proc, progress=not quiet, say=say)
         evalset = None
-        if data_args.validation_data_path:
+        if data_args.validation_data_path and is_data_config_path(data_args.validation_data_path):
+            evalset = _load_data_config(data_args, options, tokenizer, quiet=quiet, say=say,
+                                        path=data_args.validation_data_path, streaming=False)
+        elif data_args.validation_data_path:
             evalset = sources.load_training_data(data_args.validation_data_path, tokenizer, options,
                                                  num_proc=data_args.pretokenize_num_proc, progress=not quiet, say=say,
                                                  what="validation")
@@ -342,15 +349,17 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
     return train, evalset
 
 
-def _load_data_config(data_args: DataArguments, options, tokenizer, *, quiet: bool, say):
+def _load_data_config(data_args: DataArguments, options, tokenizer, *, quiet: bool, say, path: str | None = None,
+                      streaming: bool = True):
     """A data config: its sources loaded here (the trainer's own loader), or, when it streams, the config itself
     (the trainer opens the streams per rank)."""
     from pf_trl.data.mixture import DataConfigError, load_mixture, read_data_config
 
     try:
-        config = read_data_config(data_args.data_config)
-        if config.streaming:
+        config = read_data_config(path or data_args.data_config)
+        if config.streaming and streaming:
             return config
+        config.streaming = False
         return load_mixture(config, tokenizer, options, num_proc=data_args.pretokenize_num_proc, progress=not quiet,
                             say=say)
     except DataConfigError as exc:

@@ -79,11 +79,27 @@ def identities(dataset) -> list[dict[str, Any]]:
                 found.append(identity_of_manifest(json.loads(path.read_text(encoding="utf-8")), str(directory)))
             except (OSError, ValueError):
                 continue
+    for shard in _stream_shards(dataset):  # a stream made by Dataset.to_iterable_dataset(): its Arrow shards
+        found.extend(identities(shard))
     unique: dict[str, dict[str, Any]] = {}
     for ident in found:
         key = json.dumps({k: ident.get(k) for k in ("tokenizer", "input_format", "source_sha256")}, sort_keys=True)
         unique.setdefault(key, ident)
     return list(unique.values())
+
+
+def _stream_shards(dataset) -> list:
+    """The ``Dataset`` shards behind an ``IterableDataset`` made by ``to_iterable_dataset()`` (which drops the
+    description): datasets keeps them in the examples iterable's ``kwargs["shards"]``, behind any map / split."""
+    found, ex = [], getattr(dataset, "_ex_iterable", None)
+    for _ in range(64):  # a chain of wrapped iterables (map, filter, split...), never a cycle in practice
+        if ex is None:
+            break
+        shards = (getattr(ex, "kwargs", None) or {}).get("shards")
+        if isinstance(shards, list):
+            found.extend(d for d in shards if hasattr(d, "info"))
+        ex = getattr(ex, "ex_iterable", None)
+    return found
 
 
 def _cache_files(dataset) -> list[str]:

@@ -341,7 +341,9 @@ def _refuse_mixed_formats(ds, input_format: str, config: PretokenizeConfig) -> N
         try:
             other = formats.detect_format(list(row), config.fields, config.response_template, row)
         except FormatError:
-            other = "no known format"
+            return  # a broken row, not another format: the row's own error says what is wrong
+        if other == input_format:
+            return
         raise PretokenizeError(
             f"the rows mix input formats: row {good} is {input_format!r} but row {bad} has no {column!r} and reads as "
             f"{other!r} (e.g. datasets.concatenate_datasets of files in different formats); tokenize each format as "

@@ -16,6 +16,7 @@ The trainer calls these hooks; each is a no-op for the data it does not concern.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -23,6 +24,8 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 logger = logging.getLogger("pf_trl.trainer")
 
@@ -43,7 +46,9 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
     Raises:
         ValueError: a bad data config, a stream without ``max_steps``, a stream whose first rows do not tokenize.
     """
+    from pf_trl.data.identity import IdentityError, check_dataset_identity
     from pf_trl.data.mixture import DataConfigError, coerce_data_config, load_mixture
+    from pf_trl.data.tokenizer import tokenizer_fingerprint
     from pf_trl.data.streaming import StreamError, is_stream, materialize, prepare_stream, stream_mixture
 
     training = what == "training"
@@ -62,13 +67,18 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
             if data_config.streaming and training and args.padding_free != "none":
                 _require_max_steps(args)
                 return stream_mixture(data_config, tokenizer, config, rank=rank, world_size=world, what=what), True
-            if data_config.streaming:
-                data_config = type(data_config)(**{**data_config.__dict__, "streaming": False})
+            if data_config.streaming:  # evaluation, or padded training: read the sources into shards
+                data_config = dataclasses.replace(data_config, streaming=False)
             say = (lambda msg: logger.info("pf-trl: %s", msg))
             return load_mixture(data_config, tokenizer, config, progress=False, say=say, what=what), True
         if is_stream(dataset):
-            if args.padding_free == "none":
-                return dataset, True  # padded training of a stream: TRL's own path
+            if hasattr(tokenizer, "backend_tokenizer"):  # shards streamed with to_iterable_dataset() are checked too
+                check_dataset_identity(dataset, tokenizer_fingerprint(tokenizer), what=what)
+            if args.padding_free == "none" and training:
+                # padded training: the same tokens (pf-trl's formats and masks), batched and padded by TRL
+                tokenized = prepare_stream(dataset, tokenizer, config, what=what).dataset
+                return tokenized.filter(lambda row: row["_drop"] == 0).remove_columns(
+                    ["_drop", "_truncated", "_loss", "length"]), True
             if not training:
                 # evaluation reads the whole set every time: a stream is read once, here (eval_max_examples rows)
                 rows = materialize(dataset, args.eval_max_examples, what)
@@ -76,7 +86,7 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
                 return rows, False
             _require_max_steps(args)
             return prepare_stream(dataset, tokenizer, config, rank=rank, world_size=world, what=what), True
-    except (DataConfigError, StreamError) as exc:
+    except (DataConfigError, StreamError, IdentityError) as exc:
         raise ValueError(str(exc)) from exc
     return dataset, False
 
@@ -173,7 +183,7 @@ def stream_budget(stream, args) -> int:
     return int(max(stream.max_seq_len, math.ceil(mean * args.per_device_train_batch_size)))
 
 
-class _PackedBatches:
+class PackedStream(IterableDataset):
     """The packer as a torch ``IterableDataset`` of example lists (one per batch)."""
 
     def __init__(self, packer) -> None:
@@ -187,9 +197,6 @@ class _PackedBatches:
 def stream_dataloader(trainer, collate_fn):
     """The train dataloader of a stream: the packer (restored from the checkpoint's stream state on resume) in the
     main process. Not wrapped by accelerate: each rank already reads its own part of the stream."""
-    import torch
-    from torch.utils.data import DataLoader, IterableDataset
-
     from pf_trl.stream_sampler import StreamPacker
 
     args = trainer.args
@@ -208,8 +215,7 @@ def stream_dataloader(trainer, collate_fn):
     if args.dataloader_num_workers:
         logger.warning("pf-trl: dataloader_num_workers=%d is not used for a stream: it is read and packed in the main "
                        "process (its position is saved for an exact resume)", args.dataloader_num_workers)
-    dataset = type("PackedStream", (_PackedBatches, IterableDataset), {})(packer)
-    return DataLoader(dataset, batch_size=None, collate_fn=collate_fn, num_workers=0,
+    return DataLoader(PackedStream(packer), batch_size=None, collate_fn=collate_fn, num_workers=0,
                       pin_memory=bool(args.dataloader_pin_memory and torch.cuda.is_available()))
 
 
