@@ -332,3 +332,48 @@ def test_service_mixture_trains_the_same_batches(tmp_path, three_sources, tokeni
         assert _batches(service) == _batches(api)
     finally:
         server.stop()
+
+
+def test_pretokenize_and_inspect_a_data_config(tmp_path, three_sources, capsys, monkeypatch):
+    from pf_trl.cli import inspect as inspect_cli
+    from pf_trl.cli import pretokenize as pretokenize_cli
+
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "mixdir"
+    assert pretokenize_cli.main(["--data_config_path", str(three_sources / "mix.yaml"), str(out), "--no_progress",
+                                 "--max_seq_len", "512"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in summary["sources"]] == ["alpaca", "sharegpt", "chats"]
+    assert summary["mixture"]["weights"] == list(WEIGHTS) and summary["mixture"]["seed"] == 11
+    assert inspect_cli.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "source sharegpt: format sharegpt" in text and "weight 0.300" in text
+    assert "mixture by examples (all_exhausted, seed 11)" in text
+    assert pretokenize_cli.main(["--data_config", str(three_sources / "mix.yaml"), str(out)]) == 2  # exists
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_train_cli_checks_a_data_config_before_loading_anything(tmp_path, three_sources):
+    from pf_trl.cli.train import TrainCLIError, precheck
+
+    (tmp_path / "gone.yaml").write_text(
+        f"datasets:\n  - {{name: a, sampling: 1, data_paths: [{tmp_path / 'missing.jsonl'}]}}\n")
+    with pytest.raises(TrainCLIError, match="dataset 'a': data path .*missing.jsonl: no such file"):
+        precheck(["--data_config", str(tmp_path / "gone.yaml")], say=lambda _: None)
+    with pytest.raises(TrainCLIError, match="pass one of --training_data_path / --data_config"):
+        precheck(["--data_config", str(three_sources / "mix.yaml"), "--training_data_path",
+                  str(three_sources / "alpaca.jsonl")], say=lambda _: None)
+
+
+def test_rename_and_retain_columns_apply_before_tokenizing(tmp_path, three_sources, tokenizer, monkeypatch):
+    from pf_trl.data.mixture import load_mixture, read_data_config
+
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
+    rows = [json.loads(line) for line in (three_sources / "chats.jsonl").read_text().splitlines()[:8]]
+    write_jsonl(tmp_path / "dialogs.jsonl", [{"dialog": r["messages"], "text": "unused"} for r in rows])
+    (tmp_path / "renamed.yaml").write_text(
+        "datasets:\n  - name: dialogs\n    data_paths: [dialogs.jsonl]\n"
+        "    rename_columns: {dialog: messages}\n    retain_columns: [messages]\n")
+    mixture = load_mixture(read_data_config(tmp_path / "renamed.yaml"), tokenizer)
+    assert mixture.pf_manifest["sources"][0]["input_format"] == "messages"
+    assert mixture.pf_manifest["mixture"] is None and mixture.num_rows == 8

@@ -81,13 +81,22 @@ def _trainer(tokenizer, tmp_path, train, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["raw", "shards"])
-def test_stream_trains_padding_free_at_the_budget(alpaca_file, tokenizer, tmp_path, kind):
+@pytest.mark.parametrize("kind", ["raw", "shards", "data_config"])
+def test_stream_trains_padding_free_at_the_budget(alpaca_file, tokenizer, tmp_path, kind, sample_rows):
     from pf_trl.data.pretokenize import pretokenize
     from pf_trl.data.shards import load_shards
 
     if kind == "raw":
         train = _stream(alpaca_file)
+    elif kind == "data_config":  # fms-hf-tuning's `streaming: true`: each source its format, interleaved by weight
+        chats = write_jsonl(tmp_path / "chats.jsonl", [
+            {"messages": [{"role": "user", "content": r["prompt"][15:300]},
+                          {"role": "assistant", "content": r["completion"][:500]}]} for r in sample_rows[300:360]])
+        (tmp_path / "stream.yaml").write_text(
+            "dataprocessor: {type: default, streaming: true, seed: 3}\ndatasets:\n"
+            f"  - {{name: alpaca, sampling: 0.7, data_paths: [{alpaca_file}]}}\n"
+            f"  - {{name: chats, sampling: 0.3, data_paths: [{chats}]}}\n")
+        train = str(tmp_path / "stream.yaml")
     else:
         pretokenize(alpaca_file, tmp_path / "shards", tokenizer=tokenizer, progress=False)
         train = load_shards(tmp_path / "shards").to_iterable_dataset()
@@ -97,6 +106,9 @@ def test_stream_trains_padding_free_at_the_budget(alpaca_file, tokenizer, tmp_pa
     assert metrics["train_padding_share"] == 0.0
     assert metrics["train_real_tokens"] >= 0.95 * 3 * 1024, "fill >= 0.95 of the token budget"
     assert trainer.eval_dataset.num_rows == 6  # a streamed eval set, read at construction
+    if kind == "data_config":
+        assert [(x["name"], x["input_format"]) for x in trainer._pf_stream.sources] == [("alpaca", "alpaca"),
+                                                                                       ("chats", "messages")]
     assert np.isfinite(trainer.evaluate()["eval_loss"])
 
 
@@ -109,7 +121,7 @@ def test_stream_refused_at_construction_for_what_is_known_then(alpaca_file, toke
     with pytest.raises(ValueError, match=r"stream, checked on its first 4 rows\): cannot detect the input format"):
         _trainer(tokenizer, tmp_path, odd)
     with pytest.raises(ValueError, match="smaller than max_length 512"):
-        _trainer(tokenizer, tmp_path, _stream(alpaca_file), max_tokens_per_batch=256).get_train_dataloader()
+        _trainer(tokenizer, tmp_path, _stream(alpaca_file), max_tokens_per_batch=256)
 
 
 DDP_SCRIPT = textwrap.dedent(

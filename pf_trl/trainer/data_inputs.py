@@ -66,7 +66,9 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
                                       "'huggingface' or 'internal', or drop the sampling weights")
             if data_config.streaming and training and args.padding_free != "none":
                 _require_max_steps(args)
-                return stream_mixture(data_config, tokenizer, config, rank=rank, world_size=world, what=what), True
+                stream = stream_mixture(data_config, tokenizer, config, rank=rank, world_size=world, what=what)
+                stream_budget(stream, args)  # a budget below max_length: refused now, not at the first step
+                return stream, True
             if data_config.streaming:  # evaluation, or padded training: read the sources into shards
                 data_config = dataclasses.replace(data_config, streaming=False)
             say = (lambda msg: logger.info("pf-trl: %s", msg))
@@ -85,7 +87,9 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
                 logger.info("pf-trl: %s data: a stream, read into %d rows for evaluation", what, rows.num_rows)
                 return rows, False
             _require_max_steps(args)
-            return prepare_stream(dataset, tokenizer, config, rank=rank, world_size=world, what=what), True
+            stream = prepare_stream(dataset, tokenizer, config, rank=rank, world_size=world, what=what)
+            stream_budget(stream, args)  # a budget below max_length: refused now, not at the first step
+            return stream, True
     except (DataConfigError, StreamError, IdentityError) as exc:
         raise ValueError(str(exc)) from exc
     return dataset, False

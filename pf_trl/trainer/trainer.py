@@ -216,7 +216,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
     (``pf-trl/tiny-llama``) or a local folder: pf-trl never downloads. ``processing_class`` defaults to the model
     folder's tokenizer (the embedded one for embedded / in-memory models) and must fit the model's embeddings.
     ``train_dataset`` / ``eval_dataset`` may be shards, raw rows in any format of ``docs/data.md``, a path or a
-    ``DatasetDict``; ``pretokenize_config`` (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data
+    ``DatasetDict``, a data config (``"mix.yaml"``, a list of ``(path, weight)``: a mixture) or a
+    ``datasets.IterableDataset`` (a stream; see :mod:`pf_trl.trainer.data_inputs`); ``pretokenize_config`` (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data
     options the trainer config does not carry (response template, field names, format).
     """
 
