@@ -265,6 +265,9 @@ def data_config_from_sources(items: Sequence[Any], *, seed: int = 42, sample_by:
         if isinstance(item, MixtureSource):
             sources.append(item)
         elif isinstance(item, dict):
+            if "data_paths" not in item:
+                raise DataConfigError(f"sources[{i}] has no data_paths: a list of sources names files with weights; "
+                                      "to train on rows held in memory pass datasets.Dataset.from_list(rows)")
             sources.append(_parse_dataset(item, i, None, "sources"))
         elif isinstance(item, (tuple, list)) and len(item) == 2:
             path, weight = item
