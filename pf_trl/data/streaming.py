@@ -50,12 +50,24 @@ class TokenizedStream:
 
 
 def is_stream(obj: Any) -> bool:
-    """True for a ``datasets.IterableDataset`` (not an ``IterableDatasetDict``: pass its split)."""
+    """True for a ``datasets.IterableDataset`` or an ``IterableDatasetDict`` (its ``train`` split is used)."""
     try:
         import datasets
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(obj, datasets.IterableDataset)
+    return isinstance(obj, (datasets.IterableDataset, datasets.IterableDatasetDict))
+
+
+def train_split(obj: Any, what: str):
+    """An ``IterableDatasetDict``'s ``train`` split (as for a ``DatasetDict``); other streams as they are."""
+    import datasets
+
+    if isinstance(obj, datasets.IterableDatasetDict):
+        if "train" not in obj:
+            raise StreamError(f"{what} data: the IterableDatasetDict has no 'train' split (splits: {list(obj)}); pass "
+                              "the split to use, e.g. ds['validation']")
+        return obj["train"]
+    return obj
 
 
 def _first_rows(stream, n: int, what: str) -> list[dict[str, Any]]:

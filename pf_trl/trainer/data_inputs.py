@@ -49,7 +49,8 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
     from pf_trl.data.identity import IdentityError, check_dataset_identity
     from pf_trl.data.mixture import DataConfigError, coerce_data_config, load_mixture
     from pf_trl.data.tokenizer import tokenizer_fingerprint
-    from pf_trl.data.streaming import StreamError, is_stream, materialize, prepare_stream, stream_mixture
+    from pf_trl.data.streaming import (StreamError, is_stream, materialize, prepare_stream, stream_mixture,
+                                       train_split)
 
     training = what == "training"
     rank, world = _rank_world(args)
@@ -74,6 +75,7 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
             say = (lambda msg: logger.info("pf-trl: %s", msg))
             return load_mixture(data_config, tokenizer, config, progress=False, say=say, what=what), True
         if is_stream(dataset):
+            dataset = train_split(dataset, what)
             if hasattr(tokenizer, "backend_tokenizer"):  # shards streamed with to_iterable_dataset() are checked too
                 check_dataset_identity(dataset, tokenizer_fingerprint(tokenizer), what=what)
             if args.padding_free == "none" and training:
