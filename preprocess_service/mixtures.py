@@ -94,7 +94,8 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
 def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any], tokenizers, work: Path,
                   abandon: threading.Event | None) -> dict[str, Any]:
     """Tokenize every source into ``work/parts``, then write the mixture to ``work/out``; returns its manifest."""
-    from pf_trl.data.mixture import DataConfig, MixtureSource, load_mixture, write_mixture_shards
+    from pf_trl.data.data_config import DataConfig, MixtureSource
+    from pf_trl.data.mixture import load_mixture, write_mixture_shards
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
     from pf_trl.data.tokenizer import tokenizer_fingerprint
     from preprocess_service.submit import content_sha256

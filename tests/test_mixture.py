@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,7 +141,7 @@ def test_mixture_sampler_resumes_exactly_at_every_batch():
 
 
 def test_fms_data_config_read_as_it_is(tmp_path, three_sources):
-    from pf_trl.data.mixture import read_data_config
+    from pf_trl.data.data_config import read_data_config
 
     (tmp_path / "fms.yaml").write_text(
         "dataprocessor:\n  type: default\n  streaming: false\n  sampling_stopping_strategy: first_exhausted\n"
@@ -167,7 +166,7 @@ def test_fms_data_config_read_as_it_is(tmp_path, three_sources):
     ("input_format: yaml", "input_format 'yaml' is unknown"),
 ])
 def test_data_config_refusals_name_the_entry(tmp_path, three_sources, entry, message):
-    from pf_trl.data.mixture import DataConfigError, read_data_config
+    from pf_trl.data.data_config import DataConfigError, read_data_config
 
     (tmp_path / "bad.yaml").write_text(
         f"datasets:\n  - name: first\n    data_paths: [{three_sources / 'alpaca.jsonl'}]\n    {entry}\n")
@@ -177,7 +176,7 @@ def test_data_config_refusals_name_the_entry(tmp_path, three_sources, entry, mes
 
 
 def test_data_config_weights_on_some_datasets_only_refused(three_sources):
-    from pf_trl.data.mixture import DataConfigError, data_config_from_sources
+    from pf_trl.data.data_config import DataConfigError, data_config_from_sources
 
     with pytest.raises(DataConfigError, match="have no `sampling`"):
         data_config_from_sources([{"name": "a", "data_paths": [str(three_sources / "alpaca.jsonl")], "sampling": 1},
@@ -207,7 +206,8 @@ def _batches(trainer, epochs=2):
 @pytest.mark.slow
 def test_cli_api_and_mixture_dir_same_batches(tmp_path, three_sources, tokenizer, monkeypatch):
     from pf_trl.cli.train import build, parse_args
-    from pf_trl.data.mixture import load_mixture, read_data_config, write_mixture_shards
+    from pf_trl.data.data_config import read_data_config
+    from pf_trl.data.mixture import load_mixture, write_mixture_shards
     from pf_trl.data.pretokenize import PretokenizeConfig
     from pf_trl.data.shards import load_shards
     from pf_trl.models import build_model
@@ -366,7 +366,8 @@ def test_train_cli_checks_a_data_config_before_loading_anything(tmp_path, three_
 
 
 def test_rename_and_retain_columns_apply_before_tokenizing(tmp_path, three_sources, tokenizer, monkeypatch):
-    from pf_trl.data.mixture import load_mixture, read_data_config
+    from pf_trl.data.data_config import read_data_config
+    from pf_trl.data.mixture import load_mixture
 
     monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
     rows = [json.loads(line) for line in (three_sources / "chats.jsonl").read_text().splitlines()[:8]]

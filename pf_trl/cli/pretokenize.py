@@ -93,7 +93,7 @@ def summary(args: argparse.Namespace, manifest: dict) -> dict:
 
 
 def _read_data_config(path: str):
-    from pf_trl.data.mixture import DataConfigError, check_data_config_paths, read_data_config
+    from pf_trl.data.data_config import DataConfigError, check_data_config_paths, read_data_config
 
     try:
         config = read_data_config(path)

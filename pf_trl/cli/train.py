@@ -185,7 +185,8 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
     from pf_trl.models import is_embedded_model
 
-    from pf_trl.data.mixture import DataConfigError, check_data_config_paths, is_data_config_path, read_data_config
+    from pf_trl.data.data_config import (DataConfigError, check_data_config_paths, is_data_config_path,
+                                         read_data_config)
 
     args = _light_args(argv)
     _check_data_choice(args)
@@ -322,7 +323,7 @@ def pretokenize_config(data_args: DataArguments, config):
 def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = False):
     """(train, eval) shards through :mod:`pf_trl.data.sources`."""
     from pf_trl.data import sources
-    from pf_trl.data.mixture import is_data_config_path
+    from pf_trl.data.data_config import is_data_config_path
 
     say = (lambda *_: None) if quiet else (lambda msg: print(f"pf-trl: {msg}", flush=True))
     options = pretokenize_config(data_args, config)
@@ -353,7 +354,8 @@ def _load_data_config(data_args: DataArguments, options, tokenizer, *, quiet: bo
                       streaming: bool = True):
     """A data config: its sources loaded here (the trainer's own loader), or, when it streams, the config itself
     (the trainer opens the streams per rank)."""
-    from pf_trl.data.mixture import DataConfigError, load_mixture, read_data_config
+    from pf_trl.data.data_config import DataConfigError, read_data_config
+    from pf_trl.data.mixture import load_mixture
 
     try:
         config = read_data_config(path or data_args.data_config)

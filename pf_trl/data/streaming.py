@@ -191,7 +191,7 @@ def stream_mixture(data_config, tokenizer, base: PretokenizeConfig | None = None
     """
     import datasets
 
-    from pf_trl.data.mixture import DataConfigError, expand_data_path, source_config
+    from pf_trl.data.data_config import DataConfigError, expand_data_path, source_config
 
     base = base or PretokenizeConfig()
     if data_config.sample_by != "examples":

@@ -47,7 +47,8 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
         ValueError: a bad data config, a stream without ``max_steps``, a stream whose first rows do not tokenize.
     """
     from pf_trl.data.identity import IdentityError, check_dataset_identity
-    from pf_trl.data.mixture import DataConfigError, coerce_data_config, load_mixture
+    from pf_trl.data.data_config import DataConfigError, coerce_data_config
+    from pf_trl.data.mixture import load_mixture
     from pf_trl.data.tokenizer import tokenizer_fingerprint
     from pf_trl.data.streaming import (StreamError, is_stream, materialize, prepare_stream, stream_mixture,
                                        train_split)
