@@ -17,6 +17,7 @@ PROBLEM_BASE = "https://pf-trl.dev/problems/"  # identifiers only; documented in
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 UPLOAD_ID_PATTERN = r"^[0-9a-f]{64}\.(jsonl|json|parquet|csv)$"
+MAX_MIXTURE_SOURCES = 16
 
 
 def _exactly_one_schema(schema: dict[str, Any]) -> None:
@@ -132,7 +133,9 @@ class MixtureRequest(BaseModel):
         {"name": "chats", "source": {"path": "/data/chats.jsonl"}, "weight": 0.5,
          "options": {"input_format": "messages"}}]}]})
 
-    sources: list[MixtureSourceSpec] = Field(min_length=1, max_length=64)
+    sources: list[MixtureSourceSpec] = Field(min_length=1, max_length=MAX_MIXTURE_SOURCES,
+                                             description="At most 16 sources; the body may be up to 32x the "
+                                             "service's max body size.")
     tokenizer: str = Field(DEFAULT_TOKENIZER, min_length=1, max_length=4096,
                            description="As in POST /v1/datasets; one tokenizer for every source.")
     mixture: MixtureRule = Field(default_factory=MixtureRule)

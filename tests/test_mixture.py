@@ -316,6 +316,8 @@ def test_service_mixture_trains_the_same_batches(tmp_path, three_sources, tokeni
             bad = client.post("/v1/mixtures", json={**body, "sources": [{**body["sources"][0], "weight": None},
                                                                         *body["sources"][1:]]})
             assert bad.status_code == 422 and "every source a `weight`" in bad.text
+            typo = client.post("/v1/mixtures", json={**body, "sources": [{**body["sources"][0], "wieght": 1}]})
+            assert typo.status_code == 422 and "allowed here: name, source, weight, options" in typo.text
         sources = done["manifest"]["sources"]
         assert [(s["name"], s["input_format"], s["weight"]) for s in sources] == [
             ("alpaca", "alpaca", 0.5), ("sharegpt", "sharegpt", 0.3), ("chats", "messages", 0.2)]
