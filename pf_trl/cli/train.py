@@ -9,7 +9,8 @@ Data (``--training_data_path`` / ``--validation_data_path``): a shards directory
 JSONL / Parquet / CSV) or a ``datasets.save_to_disk`` directory in any format of ``docs/data.md`` (auto-detected,
 ``--input_format`` to override), tokenized once into the content-addressed cache by :mod:`pf_trl.data.sources` (the
 same data path as ``PaddingFreeSFTTrainer`` and the service). ``--dataset_service_url/--dataset_id`` read a dataset
-built by the preprocessing service instead. The tokenizer defaults to the model folder's own.
+built by the preprocessing service instead; ``--data_config FILE`` (alias ``--data_config_path``) several datasets,
+mixed by weight (:mod:`pf_trl.data.data_config`). The tokenizer defaults to the model folder's own.
 
 This module only handles arguments: cheap checks first (paths, formats, lengths, the service), before transformers
 and TRL are imported, then the data path and the trainer.
@@ -183,10 +184,9 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.data.pretokenize import TRUNCATION_POLICIES
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
-    from pf_trl.models import is_embedded_model
-
     from pf_trl.data.data_config import (DataConfigError, check_data_config_paths, is_data_config_path,
                                          read_data_config)
+    from pf_trl.models import is_embedded_model
 
     args = _light_args(argv)
     _check_data_choice(args)
