@@ -2,8 +2,10 @@
 
 Public API (imported lazily so that ``import pf_trl`` stays cheap and the sampler works without torch):
 
-- data: :func:`pretokenize`, :class:`PretokenizeConfig`, :func:`load_shards`, :func:`load_tokenizer`
-- batching: :class:`TokenBudgetBatchSampler`, :class:`PaddingFreeCollator`
+- data: :func:`pretokenize`, :class:`PretokenizeConfig`, :func:`load_shards`, :func:`load_tokenizer`; mixtures:
+  :class:`DataConfig`, :class:`MixtureSource`, :func:`read_data_config`, :func:`load_mixture`
+- batching: :class:`TokenBudgetBatchSampler`, :class:`MixtureBatchSampler`, :class:`StreamPacker`,
+  :class:`PaddingFreeCollator`
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
 - training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`
 """
@@ -21,6 +23,12 @@ _EXPORTS = {
     "load_shards": "pf_trl.data.shards",
     "ShardsError": "pf_trl.data.shards",
     "load_tokenizer": "pf_trl.data.tokenizer",
+    "DataConfig": "pf_trl.data.data_config",
+    "MixtureSource": "pf_trl.data.data_config",
+    "read_data_config": "pf_trl.data.data_config",
+    "load_mixture": "pf_trl.data.mixture",
+    "MixtureBatchSampler": "pf_trl.mixture_sampler",
+    "StreamPacker": "pf_trl.stream_sampler",
     "TokenBudgetBatchSampler": "pf_trl.sampler",
     "PaddingFreeCollator": "pf_trl.collator",
     "enable_padding_free": "pf_trl.attention",

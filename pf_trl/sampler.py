@@ -217,6 +217,7 @@ class TokenBudgetBatchSampler:
         self._plan_cache: _EpochPlan | None = None
         self._fingerprint: str | None = None
         self._base_count: int | None = None  # bins of epoch 0's packing (or the global BFD count if larger)
+        self._partial: tuple[int, int] | None = None  # (epoch, batches) of a fractional last epoch
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -434,10 +435,26 @@ class TokenBudgetBatchSampler:
             groups = by_tokens.reshape(num_steps, r)
             if self.shuffle:
                 groups = groups[rng.permutation(num_steps)]
+            groups = self._front_load(groups, offsets, epoch)
             steps = self._assign_ranks(groups, tokens)
         dropped_examples = n - int(offsets[-1])
         return _EpochPlan(epoch, flat, offsets, tokens, steps, num_packed, window, num_merged, num_split,
                           len(dropped_tokens), dropped_examples, dropped_tokens)
+
+    def _front_load(self, groups: np.ndarray, offsets: np.ndarray, epoch: int) -> np.ndarray:
+        """In a fractional last epoch (:meth:`set_partial_epoch`), move forward the steps that will be trained: the
+        ``k`` steps at evenly spaced ranks of examples per step, so that they hold ``k / num_steps`` of the epoch's
+        examples (and, batches being near the budget, of its tokens) rather than whatever ``k`` steps come first."""
+        if self._partial is None or self._partial[0] != epoch:
+            return groups
+        num_steps, k = len(groups), min(self._partial[1], len(groups))
+        if k <= 0 or k >= num_steps:
+            return groups
+        per_step = np.diff(offsets)[groups].sum(axis=1)
+        by_examples = np.argsort(per_step, kind="stable")  # ties keep the shuffled order
+        chosen = np.zeros(num_steps, dtype=bool)
+        chosen[by_examples[((np.arange(k) + 0.5) * num_steps / k).astype(np.int64)]] = True
+        return np.concatenate([groups[chosen], groups[~chosen]])
 
     @staticmethod
     def _assign_ranks(groups: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -474,6 +491,16 @@ class TokenBudgetBatchSampler:
             self.epoch = int(epoch)
             self._resume_at = 0
             self._yielded = 0
+
+    def set_partial_epoch(self, epoch: int, num_batches: int) -> None:
+        """Declare that only the first ``num_batches`` batches (per rank) of ``epoch`` will be trained (a fractional
+        ``num_train_epochs``): that epoch's steps are ordered so those batches hold the same share of its examples as
+        of its batches. Every example of the epoch is still planned (and yielded if iterated to the end)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._partial = (int(epoch), int(num_batches))
+        if self._plan_cache is not None and self._plan_cache.epoch == int(epoch):
+            self._plan_cache = None
 
     def __iter__(self) -> Iterator[list[int]]:
         plan = self._plan()

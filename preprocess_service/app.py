@@ -41,6 +41,9 @@ from preprocess_service.schemas import (
     DatasetEvent,
     Health,
     LengthStats,
+    MixtureRequest,
+    MixtureRule,
+    MixtureSourceSpec,
     PretokenizeOptions,
     SourceSpec,
     UploadInfo,
@@ -53,13 +56,24 @@ from preprocess_service.submit import Submitter
 logger = logging.getLogger("preprocess_service")
 
 _MODELS_AT = {("",): DatasetRequest, ("source",): SourceSpec, ("options",): PretokenizeOptions}
+_MIXTURE_MODELS_AT = {("",): MixtureRequest, ("mixture",): MixtureRule}  # sources.N.* : see _model_at
 
 
 def problem(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
 
 
-def _validation_message(err: dict[str, Any]) -> dict[str, str]:
+def _model_at(where: list[str], mixture: bool):
+    """The request model whose fields an unknown field sits among (for the "allowed here" hint)."""
+    if not mixture:
+        return _MODELS_AT.get(tuple(where[:-1]) or ("",))
+    if len(where) >= 3 and where[0] == "sources":  # sources.<i>.<field> / sources.<i>.source.<field> / ...options
+        inner = tuple(where[2:-1])
+        return {(): MixtureSourceSpec, ("source",): SourceSpec, ("options",): PretokenizeOptions}.get(inner)
+    return _MIXTURE_MODELS_AT.get(tuple(where[:-1]) or ("",))
+
+
+def _validation_message(err: dict[str, Any], mixture: bool = False) -> dict[str, str]:
     where = [str(x) for x in err.get("loc", ())]
     if where and where[0] == "body":
         where = where[1:]
@@ -68,7 +82,7 @@ def _validation_message(err: dict[str, Any]) -> dict[str, str]:
     if kind == "missing":
         text = f"{field}: required field is missing; add it"
     elif kind == "extra_forbidden":
-        model = _MODELS_AT.get(tuple(where[:-1]) or ("",))
+        model = _model_at(where, mixture)
         allowed = ", ".join(model.model_fields) if model else "see /openapi.json"
         text = f"{field}: unknown field; remove it (allowed here: {allowed})"
     elif kind == "json_invalid":
@@ -152,7 +166,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = [_validation_message(e) for e in exc.errors()]
+        errors = [_validation_message(e, request.url.path == "/v1/mixtures") for e in exc.errors()]
         detail = f"{len(errors)} invalid field(s): " + "; ".join(e["message"] for e in errors)
         return problem(422, problem_body(422, "Unprocessable Content", detail, kind="validation",
                                          instance=request.url.path, errors=errors))
@@ -258,6 +272,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 store.remember_key(key, fingerprint, row["id"])
             except IdempotencyMismatch as exc:  # a concurrent request won the key with another body
                 raise _key_reused(key) from exc
+        return _answer(status_of(row), response)
+
+    @app.post("/v1/mixtures", response_model=DatasetStatus, status_code=202, tags=["datasets"],
+              responses={200: {"model": DatasetStatus, "description": "already built: the manifest, no work"},
+                         202: {"description": "queued or running (Location: the status URL)"},
+                         **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 503)}})
+    def create_mixture(body: MixtureRequest, response: Response) -> DatasetStatus:
+        """Tokenize several sources, each with its own options, into one dataset that records each source and the
+        mixing rule (weights, seed, sample_by); train from its id like any dataset. Content-addressed."""
+        from preprocess_service.mixtures import submit_mixture
+
+        row, _created = submit_mixture(app.state.submitter, body)
         return _answer(status_of(row), response)
 
     def _key_reused(key: str) -> ServiceError:

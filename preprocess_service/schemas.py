@@ -18,6 +18,7 @@ PROBLEM_BASE = "https://pf-trl.dev/problems/"  # identifiers only; documented in
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 UPLOAD_ID_PATTERN = r"^[0-9a-f]{64}\.(jsonl|json|parquet|csv)$"
+MAX_MIXTURE_SOURCES = 16
 
 
 def _exactly_one_schema(schema: dict[str, Any]) -> None:
@@ -96,6 +97,60 @@ class DatasetRequest(BaseModel):
                            description="The embedded default 'pf-trl/mistral-7b-v0.1', or a local tokenizer "
                            "folder under a data root. No hub access; remote code is never executed.")
     options: PretokenizeOptions = Field(default_factory=PretokenizeOptions)
+
+
+class MixtureSourceSpec(BaseModel):
+    """One source of a mixture: where its rows are, its share, and its own pretokenize options (its format)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.-]+$",
+                             description="Unique name (reported per source in the manifest). Default: source_<i>.")
+    source: SourceSpec
+    weight: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False,
+                                 description="Share of each epoch (weights are normalised); omit on every source for a "
+                                 "plain concatenation.")
+    options: PretokenizeOptions = Field(default_factory=PretokenizeOptions)
+
+
+class MixtureRule(BaseModel):
+    """How the sources are mixed (the data config's ``dataprocessor`` fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    seed: int = Field(42, ge=0, le=2**63 - 1, description="Seed of the per-epoch draws.")
+    sample_by: Literal["examples", "tokens"] = Field("examples", description="What the weights are shares of.")
+    stopping_strategy: Literal["all_exhausted", "first_exhausted"] = Field(
+        "all_exhausted", description="all_exhausted: an epoch sees every source whole (light ones repeated); "
+        "first_exhausted: no source is repeated within an epoch.")
+
+
+class MixtureRequest(BaseModel):
+    """Body of ``POST /v1/mixtures``: several sources, each tokenized with its own options, as one dataset."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{"sources": [
+        {"name": "alpaca", "source": {"path": "/data/alpaca.jsonl"}, "weight": 0.5},
+        {"name": "chats", "source": {"path": "/data/chats.jsonl"}, "weight": 0.5,
+         "options": {"input_format": "messages"}}]}]})
+
+    sources: list[MixtureSourceSpec] = Field(min_length=1, max_length=MAX_MIXTURE_SOURCES,
+                                             description="At most 16 sources; the body may be up to 32x the "
+                                             "service's max body size.")
+    tokenizer: str = Field(DEFAULT_TOKENIZER, min_length=1, max_length=4096,
+                           description="As in POST /v1/datasets; one tokenizer for every source.")
+    mixture: MixtureRule = Field(default_factory=MixtureRule)
+
+    @model_validator(mode="after")
+    def _weights_and_names(self) -> "MixtureRequest":
+        given = [s.weight is not None for s in self.sources]
+        if any(given) and not all(given):
+            raise ValueError("give every source a `weight` (a mixture) or none (a concatenation)")
+        if any(given) and sum(s.weight for s in self.sources) <= 0:
+            raise ValueError("the weights sum to 0; give at least one source a positive weight")
+        names = [s.name or f"source_{i}" for i, s in enumerate(self.sources)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique, got {names}")
+        return self
 
 
 class Progress(BaseModel):

@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from preprocess_service.schemas import PROBLEM_JSON, problem_body
+from preprocess_service.schemas import MAX_MIXTURE_SOURCES, PROBLEM_JSON, problem_body
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
 UPLOAD_PATH = "/v1/uploads"
+MIXTURES_PATH = "/v1/mixtures"
+MIXTURE_BODY_FACTOR = 2 * MAX_MIXTURE_SOURCES  # a source can be as large as a dataset request, twice over
 
 
 class ServiceError(Exception):
@@ -89,6 +91,8 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         is_upload = scope.get("path") == UPLOAD_PATH
         limit = self.max_upload if is_upload else self.max_body
+        if scope.get("path") == MIXTURES_PATH:  # a mixture lists up to MAX_MIXTURE_SOURCES sources
+            limit *= MIXTURE_BODY_FACTOR
         length = _header(scope, b"content-length")
         if length is not None:
             try:

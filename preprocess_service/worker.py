@@ -84,6 +84,13 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
     target = settings.datasets_dir / job_id
     delay = settings.debug_progress_delay_s
     try:
+        if request.get("kind") == "mixture":  # several sources as one dataset (preprocess_service.mixtures)
+            from preprocess_service.mixtures import build_mixture, publish_to
+
+            manifest = build_mixture(settings, store, job_id, pid, request, tokenizers, work, abandon)
+            if not store.finish_success(job_id, pid, manifest, lambda: publish_to(work, target)):
+                return "discarded"
+            return "succeeded"
         source = Path(request["source_path"])
         if not source.exists():
             raise JobError("invalid_data", f"source {source} disappeared after the request was accepted; POST again")

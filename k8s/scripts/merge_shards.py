@@ -71,6 +71,21 @@ def check_markers(parts_dir: Path, parts: list[Path], expect: int | None) -> Non
             raise MergeError(f"{marker.name} does not describe {part.name} (another run or source); re-run index {i}")
 
 
+def part_records(parts: list[Path], manifests: list[dict]) -> list[dict]:
+    """The manifest's ``sources``: each part's name, format, row range and counts (``pf-trl inspect`` prints them)."""
+    records, start = [], 0
+    examples = sum(int(m["counts"]["examples"]) for m in manifests) or 1
+    tokens = sum(int(m["counts"]["tokens"]) for m in manifests) or 1
+    for part, m in zip(parts, manifests):
+        n = int(m["counts"]["examples"])
+        records.append({"name": part.name, "input_format": m["source"].get("input_format"), "rows": [start, start + n],
+                        "counts": {k: int(m["counts"].get(k, 0)) for k in SUMMED_COUNTS}, "weight": None,
+                        "share_of_rows": round(n / examples, 6),
+                        "share_of_tokens": round(int(m["counts"]["tokens"]) / tokens, 6)})
+        start += n
+    return records
+
+
 def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None = None,
           overwrite: bool = False) -> dict:
     import datasets
@@ -97,6 +112,7 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
     merged = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
     lengths = np.asarray(merged.data.column("length")) if len(loaded) == 1 else np.concatenate(
         [np.asarray(ds.data.column("length")) for ds in loaded])
+    formats = sorted({m["source"].get("input_format") for m in manifests})
     source_digest = hashlib.sha256("".join(m["source"]["sha256"] for m in manifests).encode()).hexdigest()
     manifest = {
         "format_version": first["format_version"],
@@ -106,8 +122,9 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
             "path": str(parts_dir.resolve()),
             "sha256": source_digest,
             "rows": sum(m["source"].get("rows", 0) for m in manifests),
-            "input_format": first["source"].get("input_format"),
-            "parts": [{"path": m["source"].get("path"), "sha256": m["source"]["sha256"]} for m in manifests],
+            "input_format": formats[0] if len(formats) == 1 else "mixed",
+            "parts": [{"path": m["source"].get("path"), "sha256": m["source"]["sha256"],
+                       "input_format": m["source"].get("input_format")} for m in manifests],
         },
         "tokenizer": first["tokenizer"],
         "options": first["options"],
@@ -117,6 +134,8 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
         "lengths": length_stats(lengths, first["max_seq_len"]),
         "columns": first.get("columns"),
         "merged_from": [str(p) for p in parts],
+        "sources": part_records(parts, manifests),  # one record per part: its format, rows and counts
+        "mixture": None,
     }
     if manifest["counts"]["examples"] != merged.num_rows:
         raise MergeError(f"part manifests count {manifest['counts']['examples']} examples, data has {merged.num_rows}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 ALIASES = {
     "--evaluation_strategy": "--eval_strategy",
     "--max_seq_length": "--max_seq_len",
+    "--max_eval_samples": "--eval_max_examples",
+    "--data_config_path": "--data_config",
 }
 
 

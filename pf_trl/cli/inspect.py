@@ -91,6 +91,36 @@ def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:
         print(marked_text(tokenizer, row["input_ids"], row["labels"]))
 
 
+def source_lines(manifest: dict, lengths: np.ndarray) -> list[str]:
+    """One line per source of a mixture or a merge (its format, rows and share), then the mixing rule and the share
+    each source gets in an epoch."""
+    records = manifest.get("sources") or []
+    if not records:
+        return []
+    lines = []
+    for r in records:
+        c, weight = r.get("counts", {}), r.get("weight")
+        lines.append(f"source {r['name']}: format {r.get('input_format')}, rows {r['rows'][0]}..{r['rows'][1] - 1}, "
+                     f"{c.get('examples')} examples ({r.get('share_of_rows', 0):.3f}), {c.get('tokens')} tokens "
+                     f"({r.get('share_of_tokens', 0):.3f})" + (f", weight {weight:.3f}" if weight is not None else ""))
+    rule = manifest.get("mixture")
+    if not rule:
+        lines.append("sources concatenated (no sampling weights): each example once per epoch")
+        return lines
+    from pf_trl.mixture_sampler import MixtureSchedule
+
+    schedule = MixtureSchedule(lengths, [tuple(r["rows"]) for r in records], rule["weights"], seed=rule["seed"],
+                               sample_by=rule["sample_by"], stopping_strategy=rule["stopping_strategy"])
+    shares = schedule.shares(0)
+    size = sum(s["examples"] for s in shares)
+    lines.append(f"mixture by {rule['sample_by']} ({rule['stopping_strategy']}, seed {rule['seed']}): an epoch draws "
+                 f"{size} examples, {sum(s['tokens'] for s in shares)} tokens")
+    for r, s in zip(records, shares):
+        lines.append(f"  {r['name']}: {s['examples']} examples ({s['share_of_examples']:.3f}), {s['tokens']} tokens "
+                     f"({s['share_of_tokens']:.3f}) per epoch")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     argv = normalize_flags(argv)
     try:
@@ -115,6 +145,8 @@ def main(argv: list[str]) -> int:
               f"{manifest['tokenizer']['name']} (vocab {manifest['tokenizer']['vocab_size']}), "
               f"max_seq_len {manifest['max_seq_len']}, truncation {manifest['truncation']}")
         print(f"lengths: min {s['min']} mean {s['mean']} p50 {s['p50']} p90 {s['p90']} p99 {s['p99']} max {s['max']}")
+        for line in source_lines(manifest, lengths):
+            print(line)
         for budget in args.max_tokens:
             if budget < lengths.max():
                 print(f"budget {budget}: smaller than the longest example ({lengths.max()})")

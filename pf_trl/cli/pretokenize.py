@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         exit_on_error=False,
         allow_abbrev=False,
     )
-    parser.add_argument("source")
+    parser.add_argument("source", nargs="?", help="a data file or directory (or pass --data_config)")
     parser.add_argument("output_dir")
+    parser.add_argument("--data_config", default=None,
+                        help="a data config (alias --data_config_path): every dataset tokenized with its own options, "
+                        "written as one shards directory that records each source and the mixing rule")
     parser.add_argument("--tokenizer_name_or_path", default=None,
                         help="tokenizer folder or embedded name (alias --tokenizer); default: the model's own")
     parser.add_argument("--model_name_or_path", default=None,
@@ -66,8 +69,39 @@ def summary(args: argparse.Namespace, manifest: dict) -> dict:
         "chat_mask": source.get("chat_mask"),
         "tokenizer": manifest["tokenizer"]["name"],
         "counts": manifest["counts"],
+        **({"sources": [{k: r.get(k) for k in ("name", "input_format", "weight", "rows", "counts")}
+                        for r in manifest["sources"]], "mixture": manifest.get("mixture")}
+           if manifest.get("sources") else {}),
         "lengths": {k: v for k, v in manifest["lengths"].items() if k != "histogram"},
     }
+
+
+def _read_data_config(path: str):
+    from pf_trl.data.data_config import DataConfigError, check_data_config_paths, read_data_config
+
+    try:
+        config = read_data_config(path)
+        check_data_config_paths(config)
+    except DataConfigError as exc:
+        raise PretokenizeCLIError(f"--data_config {path}: {exc}") from exc
+    if config.streaming:
+        raise PretokenizeCLIError(f"--data_config {path} streams (dataprocessor.streaming: true): a stream is "
+                                  "tokenized while training; set streaming: false to write shards")
+    return config
+
+
+def _pretokenize_mixture(data_config, args: argparse.Namespace, config: PretokenizeConfig, tokenizer) -> dict:
+    """Each dataset into its own content-addressed shards, then all of them as one shards directory."""
+    from pathlib import Path
+
+    from pf_trl.data.mixture import load_mixture, write_mixture_shards
+
+    if Path(args.output_dir).exists() and not args.overwrite:
+        raise PretokenizeCLIError(f"output {args.output_dir} already exists; choose a new directory or pass --overwrite")
+    say = (lambda *_: None) if args.no_progress else (lambda msg: print(f"pf-trl: {msg}", file=sys.stderr, flush=True))
+    mixture = load_mixture(data_config, tokenizer, config, num_proc=args.num_proc, progress=not args.no_progress,
+                           say=say)
+    return write_mixture_shards(mixture, args.output_dir, overwrite=args.overwrite, shard_size=config.shard_size)
 
 
 def main(argv: list[str]) -> int:
@@ -78,18 +112,26 @@ def main(argv: list[str]) -> int:
             parser.print_help()
             return 0
         args = parser.parse_args(argv)
-        check_source_path(args.source, flag="source")
+        if (args.source is None) == (args.data_config is None):
+            raise PretokenizeCLIError("pass a SOURCE or --data_config FILE (not both) before OUTPUT_DIR")
+        data_config = _read_data_config(args.data_config) if args.data_config else None
+        if data_config is None:
+            check_source_path(args.source, flag="source")
         config = config_from_args(args)
-        check_json_lines(args.source)  # the first bad line, numbered, before the tokenizer loads
+        if data_config is None:
+            check_json_lines(args.source)  # the first bad line, numbered, before the tokenizer loads
         if args.tokenizer_name_or_path is None:
             default_tokenizer_for(args.model_name_or_path)  # a model folder without a tokenizer fails here, cheaply
         tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path)
-        from pf_trl.data.pretokenize import pretokenize
+        if data_config is not None:
+            manifest = _pretokenize_mixture(data_config, args, config, tokenizer)
+        else:
+            from pf_trl.data.pretokenize import pretokenize
 
-        manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
-                               overwrite=args.overwrite, progress=not args.no_progress)
+            manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
+                                   overwrite=args.overwrite, progress=not args.no_progress)
     except (argparse.ArgumentError, PretokenizeCLIError, PretokenizeError, ShardsError, TokenizerLoadError,
-            DataSourceError, JsonLinesError) as exc:
+            DataSourceError, JsonLinesError, ValueError) as exc:
         if os.environ.get("PF_TRL_DEBUG"):
             raise
         print(f"pf-trl pretokenize: error: {one_line(exc)}", file=sys.stderr)

@@ -9,7 +9,8 @@ Data (``--training_data_path`` / ``--validation_data_path``): a shards directory
 JSONL / Parquet / CSV) or a ``datasets.save_to_disk`` directory in any format of ``docs/data.md`` (auto-detected,
 ``--input_format`` to override), tokenized once into the content-addressed cache by :mod:`pf_trl.data.sources` (the
 same data path as ``PaddingFreeSFTTrainer`` and the service). ``--dataset_service_url/--dataset_id`` read a dataset
-built by the preprocessing service instead. The tokenizer defaults to the model folder's own.
+built by the preprocessing service instead; ``--data_config FILE`` (alias ``--data_config_path``) several datasets,
+mixed by weight (:mod:`pf_trl.data.data_config`). The tokenizer defaults to the model folder's own.
 
 This module only handles arguments: cheap checks first, before transformers and TRL are imported (every flag and
 value against the flag table of :mod:`pf_trl.cli.flag_table`, data paths and JSON lines, data options, lengths, the
@@ -93,6 +94,9 @@ def _data_arguments() -> type:
     where = [
         ("training_data_path", str | None, field(default=None, metadata={"help": "Shards dir, a data file or a "
                                                                           "save_to_disk dir."})),
+        ("data_config", str | None, field(default=None, metadata={
+            "help": "A data config (YAML/JSON, fms-hf-tuning's schema): several datasets, each with its format, mixed "
+                    "by `sampling` weights or concatenated; `streaming: true` streams them. Alias --data_config_path."})),
         ("validation_data_path", str | None, field(default=None, metadata={"help": "Same kinds as "
                                                                             "--training_data_path."})),
     ]
@@ -285,21 +289,28 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.data.shards import is_shards_dir, read_manifest
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
+    from pf_trl.data.data_config import (DataConfigError, check_data_config_paths, is_data_config_path,
+                                         read_data_config)
     from pf_trl.models import is_embedded_model
     from pf_trl.trainer.output_dir import OutputDirError, check_output_dir
 
     args = _light_args(argv)
-    if not args.training_data_path and not args.dataset_service_url:
-        raise TrainCLIError("no training data: pass --training_data_path PATH (or --dataset_service_url URL --dataset_id ID)")
-    if args.training_data_path and args.dataset_service_url:
-        raise TrainCLIError("pass either --training_data_path or --dataset_service_url, not both")
+    _check_data_choice(args)
+    if args.data_config:
+        try:
+            check_data_config_paths(read_data_config(args.data_config))
+        except DataConfigError as exc:
+            raise TrainCLIError(f"--data_config: {exc}") from exc
     for flag, path in (("--training_data_path", args.training_data_path),
                        ("--validation_data_path", args.validation_data_path)):
         if path:
             try:
-                check_source_path(path, flag=flag)
-            except DataSourceError as exc:
-                raise TrainCLIError(str(exc)) from exc
+                if flag == "--validation_data_path" and is_data_config_path(path):
+                    check_data_config_paths(read_data_config(path))  # eval on several datasets: all their rows
+                else:
+                    check_source_path(path, flag=flag)
+            except (DataSourceError, DataConfigError) as exc:
+                raise TrainCLIError(f"{flag}: {exc}" if isinstance(exc, DataConfigError) else str(exc)) from exc
     max_seq_len = _check_data_options(args)
     for flag, path in (("max_tokens_per_batch", args.training_data_path),
                        ("max_eval_tokens_per_batch", args.validation_data_path)):
@@ -338,13 +349,24 @@ def precheck(argv: list[str], *, say=print) -> None:
             raise TrainCLIError(str(exc)) from exc
     for flag, path in (("--training_data_path", args.training_data_path),
                        ("--validation_data_path", args.validation_data_path)):
-        if path:
+        if path and not is_data_config_path(path):
             try:  # a streaming scan (once per file version): the first bad line, numbered, before any import
                 check_json_lines(path, flag=flag)
             except JsonLinesError as exc:
                 raise TrainCLIError(str(exc)) from exc
     if args.dataset_service_url:
         _probe_service(args, say)
+
+
+def _check_data_choice(args) -> None:
+    given = [flag for flag, value in (("--training_data_path", args.training_data_path),
+                                      ("--data_config", args.data_config),
+                                      ("--dataset_service_url", args.dataset_service_url)) if value]
+    if not given:
+        raise TrainCLIError("no training data: pass --training_data_path PATH, --data_config FILE (several datasets) "
+                            "or --dataset_service_url URL --dataset_id ID")
+    if len(given) > 1:
+        raise TrainCLIError(f"pass one of {' / '.join(given)}, not several (a data config lists several datasets)")
 
 
 def _max_positions(name: str) -> int | None:
@@ -440,11 +462,14 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
     """(train, eval) shards through :mod:`pf_trl.data.sources`; ``given``: the data options set on the command line
     (a note names those the shards were not made with)."""
     from pf_trl.data import sources
+    from pf_trl.data.data_config import is_data_config_path
 
     say = (lambda *_: None) if quiet else (lambda msg: print(f"pf-trl: {msg}", flush=True))
     options = pretokenize_config(data_args, config)
     try:
-        if data_args.dataset_service_url:
+        if data_args.data_config:
+            train = _load_data_config(data_args, options, tokenizer, quiet=quiet, say=say)
+        elif data_args.dataset_service_url:
             train = sources.load_service_dataset(
                 data_args.dataset_service_url, data_args.dataset_id, tokenizer, token=data_args.dataset_service_token,
                 timeout_s=data_args.dataset_service_timeout_s, progress=not quiet, say=say)
@@ -452,7 +477,10 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
             train = sources.load_training_data(data_args.training_data_path, tokenizer, options,
                                                num_proc=data_args.pretokenize_num_proc, progress=not quiet, say=say)
         evalset = None
-        if data_args.validation_data_path:
+        if data_args.validation_data_path and is_data_config_path(data_args.validation_data_path):
+            evalset = _load_data_config(data_args, options, tokenizer, quiet=quiet, say=say,
+                                        path=data_args.validation_data_path, streaming=False)
+        elif data_args.validation_data_path:
             evalset = sources.load_training_data(data_args.validation_data_path, tokenizer, options,
                                                  num_proc=data_args.pretokenize_num_proc, progress=not quiet, say=say,
                                                  what="validation")
@@ -461,6 +489,24 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
     for dataset in (train, evalset):
         _note_made_with_other_options(dataset, options, given, say)
     return train, evalset
+
+
+def _load_data_config(data_args: DataArguments, options, tokenizer, *, quiet: bool, say, path: str | None = None,
+                      streaming: bool = True):
+    """A data config: its sources loaded here (the trainer's own loader), or, when it streams, the config itself
+    (the trainer opens the streams per rank)."""
+    from pf_trl.data.data_config import DataConfigError, read_data_config
+    from pf_trl.data.mixture import load_mixture
+
+    try:
+        config = read_data_config(path or data_args.data_config)
+        if config.streaming and streaming:
+            return config
+        config.streaming = False
+        return load_mixture(config, tokenizer, options, num_proc=data_args.pretokenize_num_proc, progress=not quiet,
+                            say=say)
+    except DataConfigError as exc:
+        raise TrainCLIError(f"--data_config: {exc}") from exc
 
 
 def check_budget(dataset, budget: int | None, flag: str) -> None:
@@ -524,10 +570,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     from pf_trl.models import build_model, is_embedded_model
     from pf_trl.trainer import PaddingFreeSFTTrainer
 
-    if not data_args.training_data_path and not data_args.dataset_service_url:
-        raise TrainCLIError("no training data: pass --training_data_path PATH (or --dataset_service_url URL --dataset_id ID)")
-    if data_args.training_data_path and data_args.dataset_service_url:
-        raise TrainCLIError("pass either --training_data_path or --dataset_service_url, not both")
+    _check_data_choice(data_args)
     if data_args.dataset_service_url and not data_args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
     name = model_args.model_name_or_path

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from pf_trl._version import __version__
-from pf_trl.data import formats
+from pf_trl.data import formats, identity
 from pf_trl.data.formats import FormatError
 from pf_trl.data.options import TRUNCATION_POLICIES, PretokenizeConfig, PretokenizeError  # noqa: F401 (re-exported)
 from pf_trl.data.scan import first_bad_line
@@ -233,6 +233,8 @@ def resolve_format(ds, config: PretokenizeConfig) -> str:
     if input_format == "auto":
         first = ds[0] if ds.num_rows else None
         input_format = formats.detect_format(ds.column_names, fields, config.response_template, first)
+    if config.input_format == "auto":
+        _refuse_mixed_formats(ds, input_format, config)
     missing = [c for c in formats.required_columns(input_format, fields) if c not in ds.column_names]
     if missing:
         raise PretokenizeError(
@@ -241,6 +243,36 @@ def resolve_format(ds, config: PretokenizeConfig) -> str:
             "or pass another --input_format"
         )
     return input_format
+
+
+def _refuse_mixed_formats(ds, input_format: str, config: PretokenizeConfig) -> None:
+    """Rows of different formats in one table (``concatenate_datasets`` of an Alpaca and a ShareGPT file: the
+    columns are the union, each row fills its own) cannot be tokenized with one format: refuse, naming a row of each."""
+    import pyarrow.compute as pc
+
+    table = getattr(ds, "data", None)
+    needed = [c for c in formats.required_columns(input_format, config.fields) if c in ds.column_names]
+    if table is None or not needed or getattr(ds, "_indices", None) is not None:
+        return
+    for column in needed:
+        nulls = pc.is_null(table.column(column))
+        if not pc.any(nulls).as_py():
+            continue
+        bad = int(pc.index(nulls, True).as_py())
+        good = int(pc.index(nulls, False).as_py())
+        row = {k: v for k, v in ds[bad].items() if v is not None}
+        try:
+            other = formats.detect_format(list(row), config.fields, config.response_template, row)
+        except FormatError:
+            return  # a broken row, not another format: the row's own error says what is wrong
+        if other == input_format:
+            return
+        raise PretokenizeError(
+            f"the rows mix input formats: row {good} is {input_format!r} but row {bad} has no {column!r} and reads as "
+            f"{other!r} (e.g. datasets.concatenate_datasets of files in different formats); tokenize each format as "
+            "its own source: pass a list of sources or a data config (docs/data.md, Mixtures), which keeps each "
+            "source's format"
+        )
 
 
 _resolve_format = resolve_format
@@ -392,6 +424,10 @@ def pretokenize(
         # `.data` is the table before the filter's index mapping: select the kept rows ourselves.
         lengths = np.asarray(full.data.column("length"))[keep]
         shards_tmp = work / "shards"
+        source_sha = source_fingerprint_value or source_fingerprint(source)
+        # the identity travels with the Arrow data (Dataset.info), so shards passed as a Dataset are checked too
+        identity.stamp(kept, {"tokenizer": tokenizer_fingerprint(tokenizer),
+                              "source": {"input_format": input_format, "sha256": source_sha}}, where=str(out))
         kept.save_to_disk(str(shards_tmp), max_shard_size=config.shard_size)
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -400,7 +436,7 @@ def pretokenize(
             "tokenize_seconds": round(time.time() - started, 3),
             "source": {
                 "path": describe_source(source),
-                "sha256": source_fingerprint_value or source_fingerprint(source),
+                "sha256": source_sha,
                 "rows": rows_total,
                 "input_format": input_format,
                 "chat_mask": formats.chat_mask_method(tokenizer) if input_format in CHAT_FORMATS else None,

@@ -147,6 +147,9 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
                 f"{expected_tokenizer.get('name')!r}, sha256 {str(expected_tokenizer.get('sha256'))[:12]}); "
                 f"{mismatch_fix(have, expected_tokenizer)}"
             )
+    from pf_trl.data.identity import stamp
+
+    stamp(dataset, manifest, where=str(directory))  # shards written before identities were stamped carry one too
     dataset.pf_manifest = manifest
     return dataset
 

@@ -99,6 +99,16 @@ class PaddingFreeConfig(SFTConfig):
                   "they are deleted at the start. Without it (and without resume_from_checkpoint) such a run is "
                   "refused, naming the latest checkpoint."},
     )
+    eval_max_examples: int | None = field(
+        default=None,
+        metadata={"help": "Evaluate on this many examples of each eval set: a fixed random subset (seed 0), the same "
+                  "examples at every evaluation and in every run. Default: the whole eval set. Alias --max_eval_samples."},
+    )
+    stream_buffer_size: int = field(
+        default=1024,
+        metadata={"help": "Streamed training data (an IterableDataset): examples read ahead and packed to the token "
+                  "budget together. Memory is bounded by it; larger fills batches closer to the budget."},
+    )
     allow_unverified: bool = field(
         default=False,
         metadata={"help": "Accept a model type that pf-trl's coverage sweep has no evidence for (docs/models.md), "
@@ -122,6 +132,10 @@ class PaddingFreeConfig(SFTConfig):
             raise ValueError(f"max_tokens_per_batch must be a positive integer, got {self.max_tokens_per_batch}")
         if self.max_eval_tokens_per_batch is not None and self.max_eval_tokens_per_batch <= 0:
             raise ValueError(f"max_eval_tokens_per_batch must be positive, got {self.max_eval_tokens_per_batch}")
+        if self.eval_max_examples is not None and self.eval_max_examples <= 0:
+            raise ValueError(f"eval_max_examples must be a positive integer, got {self.eval_max_examples}")
+        if self.stream_buffer_size < 1:
+            raise ValueError(f"stream_buffer_size must be a positive integer, got {self.stream_buffer_size}")
         if self.fused_loss not in FUSED_LOSS_CHOICES:
             raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
         if self.loss_chunk_size < 1:

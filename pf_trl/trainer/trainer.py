@@ -216,7 +216,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
     (``pf-trl/tiny-llama``) or a local folder: pf-trl never downloads. ``processing_class`` defaults to the model
     folder's tokenizer (the embedded one for embedded / in-memory models) and must fit the model's embeddings.
     ``train_dataset`` / ``eval_dataset`` may be shards, raw rows in any format of ``docs/data.md``, a path or a
-    ``DatasetDict``; ``pretokenize_config`` (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data
+    ``DatasetDict``, a data config (``"mix.yaml"``, a list of ``(path, weight)``: a mixture) or a
+    ``datasets.IterableDataset`` (a stream; see :mod:`pf_trl.trainer.data_inputs`); ``pretokenize_config`` (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data
     options the trainer config does not carry (response template, field names, format).
     """
 
@@ -244,6 +245,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 eval_dataset = {k: prepare(v, what=f"evaluation {k}") for k, v in eval_dataset.items()}
             else:
                 eval_dataset = prepare(eval_dataset, what="evaluation")
+        from pf_trl.data.streaming import TokenizedStream
+
+        pf_stream = train_dataset if isinstance(train_dataset, TokenizedStream) else None
+        if pf_stream is not None:
+            train_dataset = pf_stream.dataset  # Trainer sees the stream (no length: max_steps); the packer reads it
         self.pf_mode = args.padding_free
         if self.pf_mode != "none":
             if data_collator is not None and not isinstance(data_collator, PaddingFreeCollator):
@@ -282,6 +288,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         self.add_callback(SamplerStateCallback(self))
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_resume_dir: str | None = None
+        self._pf_stream, self._pf_packer = pf_stream, None  # a streamed train set and its packer (data_inputs)
         self.pf_token_budget: int | None = args.max_tokens_per_batch
         if self.pf_mode != "none":
             self.pf_loss_impl = resolve_fused_loss(args.fused_loss, self.args.device,
@@ -302,6 +309,12 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         world = max(1, self.args.world_size)
         rank = self.args.process_index if world > 1 else 0
+        if shuffle:  # a mixture draws each epoch's rows by its weights
+            from pf_trl.trainer import data_inputs
+
+            mixed = data_inputs.mixture_sampler(dataset, lengths, int(budget), seed=int(seed), args=self.args)
+            if mixed is not None:
+                return mixed
         return TokenBudgetBatchSampler(lengths, int(budget), shuffle=shuffle, seed=int(seed), num_replicas=world,
                                        rank=rank, drop_last=False)
 
@@ -342,8 +355,13 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             return super().get_train_dataloader()
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        from pf_trl.trainer import data_inputs
+
+        if self._pf_stream is not None:
+            return data_inputs.stream_dataloader(self, _CountingCollator(self._pf_collator))
         sampler = self._pf_sampler(self.train_dataset, self.args.max_tokens_per_batch,
                                    self.args.per_device_train_batch_size, shuffle=True)
+        data_inputs.apply_partial_epoch(self.args, sampler)
         self.pf_token_budget = sampler.max_tokens
         if self.args.max_tokens_per_batch is None:
             logger.info("pf-trl: token budget %d = per_device_train_batch_size %d x mean length (min: longest example)",
@@ -498,6 +516,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
             self._pf_resume_dir = None
+            if hasattr(self, "_pf_saved_ignore_data_skip"):  # set while a stream resumed from its saved position
+                self.args.ignore_data_skip = self._pf_saved_ignore_data_skip
+                del self._pf_saved_ignore_data_skip
 
     def _pf_sampler_position(self) -> dict[str, int]:
         """Epoch and consumed batches implied by global_step, with Trainer's own resume arithmetic."""
@@ -509,6 +530,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     def _pf_write_sampler_state(self, folder: str) -> None:
         """Write the train sampler's position into checkpoint ``folder`` (called by :class:`SamplerStateCallback`)."""
+        if self._pf_packer is not None:
+            from pf_trl.trainer.data_inputs import write_stream_state
+
+            return write_stream_state(self, folder)  # every rank: each reads its own part of the stream
         if self._pf_train_sampler is None or not self.args.should_save or not os.path.isdir(folder):
             return
         pos = self._pf_sampler_position()
@@ -585,6 +610,18 @@ def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, 
     ``completion_mask`` / ``assistant_masks`` folded into ``labels`` before any column is dropped."""
     if dataset is None:
         return dataset
+    from pf_trl.trainer import data_inputs
+
+    config = _pf_pretokenize_config(args, pretokenize_config)
+    dataset, done = data_inputs.prepare(dataset, tokenizer=tokenizer, args=args, config=config, what=what,
+                                         model=model)
+    if not done:
+        dataset = _pf_prepare_rows(dataset, tokenizer=tokenizer, model=model, args=args, config=config, what=what)
+    return data_inputs.finish(dataset, tokenizer=tokenizer, args=args, what=what)
+
+
+def _pf_prepare_rows(dataset, *, tokenizer, model, args, config, what: str):
+    """One source: raw rows or a path through pf-trl's data path, tokenized rows as they are."""
     from pf_trl.data import sources
     from pf_trl.data.tokenizer import check_vocab_fits, model_vocab_size
 
@@ -600,7 +637,6 @@ def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, 
         if isinstance(dataset, datasets.IterableDataset):
             return dataset  # streamed rows: left to TRL
         check_vocab_fits(tokenizer, vocab)
-        config = _pf_pretokenize_config(args, pretokenize_config)
         try:
             return sources.load_training_data(dataset, tokenizer, config, progress=False,
                                               say=lambda msg: logger.info("pf-trl: %s", msg), what=what)

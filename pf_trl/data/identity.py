@@ -1,0 +1,137 @@
+"""One identity check for every way shards arrive: a path, ``load_shards``, ``datasets.load_from_disk``, a
+``concatenate_datasets`` of parts, a ``select`` / ``map`` of any of these.
+
+Shards carry their identity (the tokenizer fingerprint and input format of the manifest) in two places that survive
+what users do with a ``datasets.Dataset``:
+
+- ``Dataset.info.description``: pretokenize writes one line ``pf-trl-shards {json}`` into it, so ``load_from_disk``
+  reads it back, and ``select`` / ``map`` / ``shuffle`` / ``select_columns`` keep it; ``concatenate_datasets`` joins
+  the descriptions of its parts, one identity line per distinct part;
+- ``Dataset.cache_files``: the Arrow files of a shards directory sit next to its ``pf_manifest.json`` (this also
+  covers shards written before identities were stamped).
+
+:func:`check_dataset_identity` refuses any part made with another tokenizer than the model's (the same comparison as
+a shards path in :func:`pf_trl.data.shards.load_shards`), naming the part.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+IDENTITY_PREFIX = "pf-trl-shards "
+MANIFEST_FILE = "pf_manifest.json"
+
+
+class IdentityError(ValueError):
+    """A part of the data was made with another tokenizer than the model's; the message names the part."""
+
+
+def identity_of_manifest(manifest: dict[str, Any], where: str | None = None) -> dict[str, Any]:
+    """The identity fields of a manifest: tokenizer (name, sha256, vocab size) and input format."""
+    tok = manifest.get("tokenizer") or {}
+    source = manifest.get("source") or {}
+    return {
+        "tokenizer": {k: tok.get(k) for k in ("name", "sha256", "vocab_size")},
+        "input_format": source.get("input_format"),
+        "source_sha256": source.get("sha256"),
+        "where": where or source.get("path"),
+    }
+
+
+def identity_line(identity: dict[str, Any]) -> str:
+    """The line written into ``Dataset.info.description``."""
+    return IDENTITY_PREFIX + json.dumps(identity, sort_keys=True)
+
+
+def stamp(dataset, manifest: dict[str, Any], where: str | None = None):
+    """Write the manifest's identity into ``dataset.info.description`` (in place; returns the dataset)."""
+    line = identity_line(identity_of_manifest(manifest, where))
+    kept = [ln for ln in (dataset.info.description or "").split("\n\n") if ln and not ln.startswith(IDENTITY_PREFIX)]
+    dataset.info.description = "\n\n".join([*kept, line])
+    return dataset
+
+
+def identities(dataset) -> list[dict[str, Any]]:
+    """Every identity a dataset carries (description lines, then manifests next to its Arrow files), deduplicated."""
+    found: list[dict[str, Any]] = []
+    info = getattr(dataset, "info", None)
+    for chunk in (getattr(info, "description", None) or "").split("\n"):
+        chunk = chunk.strip()
+        if chunk.startswith(IDENTITY_PREFIX):
+            try:
+                found.append(json.loads(chunk[len(IDENTITY_PREFIX):]))
+            except json.JSONDecodeError:
+                continue
+    manifest = getattr(dataset, "pf_manifest", None)
+    if isinstance(manifest, dict) and "tokenizer" in manifest:
+        found.append(identity_of_manifest(manifest))
+    seen_dirs: set[str] = set()
+    for entry in _cache_files(dataset):
+        directory = Path(entry).parent
+        if str(directory) in seen_dirs:
+            continue
+        seen_dirs.add(str(directory))
+        path = directory / MANIFEST_FILE
+        if path.is_file():
+            try:
+                found.append(identity_of_manifest(json.loads(path.read_text(encoding="utf-8")), str(directory)))
+            except (OSError, ValueError):
+                continue
+    for shard in _stream_shards(dataset):  # a stream made by Dataset.to_iterable_dataset(): its Arrow shards
+        found.extend(identities(shard))
+    unique: dict[str, dict[str, Any]] = {}
+    for ident in found:
+        key = json.dumps({k: ident.get(k) for k in ("tokenizer", "input_format", "source_sha256")}, sort_keys=True)
+        unique.setdefault(key, ident)
+    return list(unique.values())
+
+
+def _stream_shards(dataset) -> list:
+    """The ``Dataset`` shards behind an ``IterableDataset`` made by ``to_iterable_dataset()`` (which drops the
+    description): datasets keeps them in the examples iterable's ``kwargs["shards"]``, behind any map / split."""
+    found, ex = [], getattr(dataset, "_ex_iterable", None)
+    for _ in range(64):  # a chain of wrapped iterables (map, filter, split...), never a cycle in practice
+        if ex is None:
+            break
+        shards = (getattr(ex, "kwargs", None) or {}).get("shards")
+        if isinstance(shards, list):
+            found.extend(d for d in shards if hasattr(d, "info"))
+        ex = getattr(ex, "ex_iterable", None)
+    return found
+
+
+def _cache_files(dataset) -> list[str]:
+    try:
+        files = dataset.cache_files or []
+    except Exception:  # noqa: BLE001 - an IterableDataset or a custom object: no files to look at
+        return []
+    return [f["filename"] for f in files if isinstance(f, dict) and f.get("filename")]
+
+
+def tokenizer_mismatch(have: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """True when ``have`` (from a manifest) is not the tokenizer ``expected`` (its fingerprint); the same rule as
+    :func:`pf_trl.data.shards.load_shards`: file hash (chat template included) and vocabulary size."""
+    return have.get("sha256") != expected.get("sha256") or have.get("vocab_size") != expected.get("vocab_size")
+
+
+def check_dataset_identity(dataset, expected_tokenizer: dict[str, Any], *, what: str = "training") -> list[dict]:
+    """Refuse a dataset any part of which was tokenized with another tokenizer; returns the identities found.
+
+    Raises:
+        IdentityError: naming the part (its shards directory or source), both tokenizers and the fix.
+    """
+    found = identities(dataset)
+    for ident in found:
+        have = ident.get("tokenizer") or {}
+        if tokenizer_mismatch(have, expected_tokenizer):
+            where = ident.get("where") or "a part of it"
+            raise IdentityError(
+                f"{what} data: {where} was tokenized with {have.get('name')!r} (sha256 {str(have.get('sha256'))[:12]}, "
+                f"vocab {have.get('vocab_size')}) but the model uses {expected_tokenizer.get('name')!r} (sha256 "
+                f"{str(expected_tokenizer.get('sha256'))[:12]}, vocab {expected_tokenizer.get('vocab_size')}); the same "
+                "token ids would mean other tokens or another chat rendering: re-run pretokenize with the model's "
+                "tokenizer"
+            )
+    return found

@@ -1,0 +1,149 @@
+"""``POST /v1/mixtures``: several sources, each tokenized with its own options, published as one dataset.
+
+The request is checked like ``POST /v1/datasets`` source by source (confinement, uploads, the preflight of each
+source's first rows); its id is the content address of every source, its options and weight, the tokenizer and the
+mixing rule. The job tokenizes each source (``pretokenize``) and writes them as one shards directory with
+:func:`pf_trl.data.mixture.write_mixture_shards`: the same directory ``pf-trl pretokenize --data_config`` writes, so
+training from the dataset id draws the same batches as training from the equivalent data config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from preprocess_service.schemas import MixtureRequest
+from preprocess_service.security import ServiceError
+
+ID_KIND = "mixture"
+
+
+def mixture_id(parts: list[dict[str, Any]], tokenizer_sha256: str, rule: dict[str, Any]) -> str:
+    """Content address of a mixture: every source's bytes, options, weight and name, the tokenizer, the rule."""
+    from pf_trl.data.shards import FORMAT_VERSION
+    from preprocess_service.submit import ID_VERSION
+
+    key = {"id_version": ID_VERSION, "format_version": FORMAT_VERSION, "kind": ID_KIND, "tokenizer_sha256":
+           tokenizer_sha256, "rule": rule, "sources": [{k: p[k] for k in ("name", "source_sha256", "options", "weight")}
+                                                        for p in parts]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], bool]:
+    """Resolve and preflight every source, then create (or find) the one job of the mixture."""
+    from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
+    from pf_trl.data.shards import is_shards_dir
+    from preprocess_service.schemas import DatasetRequest
+    from preprocess_service.store import QueueFull
+    from preprocess_service.submit import count_rows
+
+    tok_name, tok, fingerprint = submitter.tokenizer(request.tokenizer)
+    parts, configs = [], []
+    for i, spec in enumerate(request.sources):
+        name = spec.name or f"source_{i}"
+        try:
+            config = PretokenizeConfig(**spec.options.model_dump())
+        except PretokenizeError as exc:
+            raise ServiceError(422, "Unprocessable Content", f"sources[{i}].options: {exc}", kind="invalid-options",
+                               field=f"sources.{i}.options") from exc
+        path, shown = submitter.resolve_source(DatasetRequest(source=spec.source))
+        sha, size = submitter.source_sha(path)
+        parts.append({"name": name, "source_path": str(path), "source_shown": shown, "source_sha256": sha,
+                      "source_size": size, "options": config.to_dict(), "weight": spec.weight})
+        configs.append((path, shown, config))
+    rule = request.mixture.model_dump()
+    job_id = mixture_id(parts, fingerprint["sha256"], rule)
+    combined = hashlib.sha256("".join(p["source_sha256"] for p in parts).encode()).hexdigest()
+    record = {
+        "kind": ID_KIND, "sources": parts, "mixture": rule,
+        "source_path": None, "source_shown": {"path": "mixture of " + ", ".join(p["name"] for p in parts)},
+        "source_sha256": combined, "source_size": sum(p["source_size"] for p in parts),
+        "tokenizer": tok_name, "tokenizer_name": fingerprint.get("name") or tok_name,
+        "tokenizer_sha256": fingerprint["sha256"],
+        "options": {"sources": [{"name": p["name"], "weight": p["weight"], **p["options"]} for p in parts],
+                    "mixture": rule},
+    }
+
+    def stands(row: dict[str, Any]) -> bool:
+        return row["state"] != "succeeded" or is_shards_dir(submitter.settings.datasets_dir / job_id)
+
+    with submitter._lock(job_id):
+        row = submitter.store.get(job_id)
+        if row is not None and row["state"] not in ("failed", "cancelled") and stands(row):
+            return row, False
+        for (path, shown, config), part in zip(configs, parts):
+            try:
+                submitter.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}", config, tok)
+            except ServiceError as exc:
+                exc.detail = f"source {part['name']!r}: {exc.detail}"
+                raise
+        counts = [count_rows(path) for path, _, _ in configs]
+        record["rows_total"] = sum(counts) if all(c is not None for c in counts) else None
+        try:
+            return submitter.store.submit(job_id, record, max_queued=submitter.settings.max_queued, exists_ok=stands)
+        except QueueFull as exc:
+            raise ServiceError(503, "Service Unavailable", f"the queue is full ({exc.args[0]} jobs waiting, "
+                               f"max_queued {submitter.settings.max_queued}); retry later", kind="queue-full",
+                               headers={"Retry-After": "30"}) from exc
+
+
+def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any], tokenizers, work: Path,
+                  abandon: threading.Event | None) -> dict[str, Any]:
+    """Tokenize every source into ``work/parts``, then write the mixture to ``work/out``; returns its manifest."""
+    from pf_trl.data.data_config import DataConfig, MixtureSource
+    from pf_trl.data.mixture import load_mixture, write_mixture_shards
+    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+    from pf_trl.data.tokenizer import tokenizer_fingerprint
+    from preprocess_service.submit import content_sha256
+    from preprocess_service.worker import JobAbandoned, JobError
+
+    tok = tokenizers.get(request["tokenizer"])
+    if tokenizer_fingerprint(tok)["sha256"] != request["tokenizer_sha256"]:
+        raise JobError("invalid_data", f"tokenizer {request['tokenizer']} changed after the request was accepted; "
+                       "POST again to get the new dataset id")
+    parts = request["sources"]
+    total = request.get("rows_total") or 0
+    done_rows = done_tokens = 0
+    sources = []
+    for i, part in enumerate(parts):
+        source = Path(part["source_path"])
+        if not source.exists() or content_sha256(source) != part["source_sha256"]:
+            raise JobError("invalid_data", f"source {part['name']!r} ({source}) changed or disappeared after the "
+                           "request was accepted; POST again to get the new id")
+
+        def on_progress(rows_done: int, rows_total: int, tokens_done: int, base=(done_rows, done_tokens)) -> None:
+            if not store.progress(job_id, pid, base[0] + rows_done, total or None, base[1] + tokens_done) or (
+                    abandon and abandon.is_set()):
+                raise JobAbandoned(job_id)
+
+        out = work / "parts" / f"part-{i}"
+        manifest = pretokenize(source, out, PretokenizeConfig(**part["options"]), tokenizer=tok,
+                               num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
+                               source_fingerprint_value=part["source_sha256"])
+        done_rows += manifest["counts"]["source_rows"]
+        done_tokens += manifest["counts"]["tokens"]
+        sources.append(MixtureSource(name=part["name"], data_paths=[str(out)], sampling=part["weight"],
+                                     options=part["options"]))
+    rule = request["mixture"]
+    config = DataConfig(sources=sources, seed=rule["seed"], sample_by=rule["sample_by"],
+                        stopping_strategy=rule["stopping_strategy"], path="service mixture")
+    mixture = load_mixture(config, tok, PretokenizeConfig(**parts[0]["options"]), progress=False)
+    for record, part in zip(mixture.pf_manifest["sources"], parts):  # name the real sources, not the scratch parts
+        record["data_paths"] = [part["source_shown"].get("path") or f"upload {part['source_shown'].get('upload_id')}"]
+        record["shards"] = None
+    return write_mixture_shards(mixture, work / "out", shard_size=PretokenizeConfig(**parts[0]["options"]).shard_size)
+
+
+def publish_to(work: Path, target: Path) -> None:
+    """Move the finished mixture into place (an identical dataset published meanwhile is fine)."""
+    from pf_trl.data.shards import is_shards_dir
+
+    try:
+        os.rename(work / "out", target)
+    except OSError:
+        if not is_shards_dir(target):
+            raise
