@@ -71,7 +71,10 @@ class PretokenizeOptions(BaseModel):
     response_template: str | None = Field(None, min_length=1, max_length=1024,
                                           description="For input_format 'text': loss starts after its last occurrence.")
     max_seq_len: int = Field(1024, gt=0, le=1 << 20, description="Longest example kept, in tokens.")
-    truncation: Literal["truncate", "drop", "error"] = "truncate"
+    truncation: Literal["truncate", "drop", "refuse", "error"] = Field(
+        "truncate", description="Longer examples: 'truncate' (as TRL), 'drop' or 'refuse' ('error' = 'refuse').")
+    truncation_mode: Literal["keep_start", "keep_end"] = Field(
+        "keep_start", description="Which tokens 'truncate' keeps: the first max_seq_len (TRL's default) or the last.")
     add_eos: bool = True
     drop_no_loss: bool = True
     shard_size: str = Field("500MB", description="Arrow shard size: 1MB .. 9999999MB (MB, GB, MiB, GiB).",

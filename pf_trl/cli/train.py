@@ -86,7 +86,12 @@ class ModelArguments(PeftArguments):
 class DataArguments:
     training_data_path: str | None = field(default=None, metadata={"help": "Shards dir, a data file or a save_to_disk dir."})
     validation_data_path: str | None = field(default=None, metadata={"help": "Same kinds as --training_data_path."})
-    max_seq_len: int = field(default=1024, metadata={"help": "Longest example (tokens) when pretokenizing."})
+    max_seq_len: int | None = field(
+        default=None,
+        metadata={"help": "Longest example in tokens: TRL's --max_length under pf-trl's name (pass one of the two). "
+                  "Default 1024 (TRL's); a shards directory keeps the limit it was made with. Longer examples follow "
+                  "--truncation."},
+    )
     response_template: str | None = field(default=None, metadata={"help": "Text format: loss starts after it."})
     input_format: str = field(
         default="auto",
@@ -94,7 +99,6 @@ class DataArguments:
                   "alpaca, sharegpt."},
     )
     chat_template: str | None = field(default=None, metadata={"help": "Jinja chat template FILE for chat formats."})
-    truncation: str = field(default="truncate", metadata={"help": "truncate, drop or error (longer than max_seq_len)."})
     prompt_field: str = field(default="prompt", metadata={"help": "Column of the prompt (prompt-completion formats)."})
     completion_field: str = field(default="completion", metadata={"help": "Column of the completion."})
     messages_field: str = field(default="messages", metadata={"help": "Column of chat messages."})
@@ -144,7 +148,21 @@ def parse_args(argv: list[str]):
         raise TrainCLIError(str(exc)) from exc
     if rest:
         raise TrainCLIError(f"unknown arguments: {' '.join(rest)} (see `pf-trl train --help`)")
+    one_sequence_limit(argv, data_args, config)
     return model_args, data_args, config
+
+
+def one_sequence_limit(argv: list[str], data_args: DataArguments, config) -> None:
+    """``--max_seq_len`` (pf-trl's, fms-hf-tuning's name) and ``--max_length`` (TRL's) are one limit: the one given
+    becomes both (``config.max_length`` is what tokenizing and the trainer read); two different values are refused."""
+    given = {flag for flag in ("--max_seq_len", "--max_length") for a in argv if a == flag or a.startswith(flag + "=")}
+    if given == {"--max_seq_len", "--max_length"} and data_args.max_seq_len != config.max_length:
+        raise TrainCLIError(f"--max_seq_len {data_args.max_seq_len} and --max_length {config.max_length} are the same "
+                            "limit with two values; pass one of them")
+    if "--max_seq_len" in given:
+        config.max_length = data_args.max_seq_len
+    elif "--max_length" in given:
+        data_args.max_seq_len = config.max_length
 
 
 # ------------------------------------------------------------------------------------------ cheap checks
@@ -155,7 +173,8 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for f in (*dataclasses.fields(ModelArguments), *dataclasses.fields(DataArguments)):
         parser.add_argument(f"--{f.name}", default=f.default)
-    for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch"):
+    for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch", "max_length", "truncation",
+                 "truncation_mode"):
         parser.add_argument(f"--{name}", default=None)
     args, _ = parser.parse_known_args(normalize_argv(argv))
     return args
@@ -175,7 +194,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     """Checks that need no model and no transformers import: data paths, formats, lengths, model and tokenizer
     folders, the chat template file, the service. Raises TrainCLIError with a one-line reason and fix."""
     from pf_trl.data.formats import FORMATS
-    from pf_trl.data.pretokenize import TRUNCATION_POLICIES
+    from pf_trl.data.truncation import TRUNCATION_MODES, TRUNCATION_POLICIES, normalize_policy
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
     from pf_trl.models import is_embedded_model
@@ -194,9 +213,18 @@ def precheck(argv: list[str], *, say=print) -> None:
                 raise TrainCLIError(str(exc)) from exc
     if args.input_format not in ("auto", *FORMATS):
         raise TrainCLIError(f"--input_format {args.input_format!r} is unknown; use auto, {', '.join(FORMATS)}")
-    if args.truncation not in TRUNCATION_POLICIES:
-        raise TrainCLIError(f"--truncation {args.truncation!r} is unknown; use {', '.join(TRUNCATION_POLICIES)}")
-    max_seq_len = _positive_int(args.max_seq_len, "--max_seq_len")
+    if args.truncation is not None:
+        try:
+            normalize_policy(args.truncation)
+        except ValueError:
+            raise TrainCLIError(f"--truncation {args.truncation!r} is unknown; use {', '.join(TRUNCATION_POLICIES)}") from None
+    if args.truncation_mode is not None and args.truncation_mode not in TRUNCATION_MODES:
+        raise TrainCLIError(f"--truncation_mode {args.truncation_mode!r} is unknown; use {' or '.join(TRUNCATION_MODES)}")
+    limit_flag = "--max_seq_len" if args.max_seq_len is not None else "--max_length"
+    limit = args.max_seq_len if args.max_seq_len is not None else args.max_length
+    given = limit is not None
+    limit = 1024 if limit is None else limit  # TRL's default max_length
+    max_seq_len = None if limit in ("None", "none") else _positive_int(limit, limit_flag)
     for flag in ("max_tokens_per_batch", "max_eval_tokens_per_batch"):
         if getattr(args, flag) is not None:
             _positive_int(getattr(args, flag), f"--{flag}")
@@ -207,9 +235,10 @@ def precheck(argv: list[str], *, say=print) -> None:
             "nor a local folder; pf-trl never downloads models"
         )
     positions = _max_positions(name)
-    if positions is not None and max_seq_len > positions:
+    if positions is not None and max_seq_len is not None and max_seq_len > positions:
         raise TrainCLIError(
-            f"--max_seq_len {max_seq_len} exceeds the model's max_position_embeddings ({positions}); lower --max_seq_len"
+            f"{limit_flag} {max_seq_len}{'' if given else ' (the default)'} exceeds the model's max_position_embeddings "
+            f"({positions}); {'lower' if given else 'pass'} {limit_flag}"
         )
     try:
         if args.tokenizer_name_or_path:
@@ -275,6 +304,7 @@ def _probe_service(args: argparse.Namespace, say) -> None:
 def pretokenize_config(data_args: DataArguments, config):
     """The data options of a run (one place: the cache key and the trainer's defaults use the same fields)."""
     from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
+    from pf_trl.trainer.sequence_limit import pretokenize_limits
 
     try:
         return PretokenizeConfig(
@@ -288,9 +318,8 @@ def pretokenize_config(data_args: DataArguments, config):
             input_field=data_args.input_field,
             output_field=data_args.output_field,
             response_template=data_args.response_template,
-            max_seq_len=data_args.max_seq_len,
-            truncation=data_args.truncation,
             completion_only_loss=config.completion_only_loss is not False,
+            **pretokenize_limits(config),  # --max_seq_len / --max_length, --truncation, --truncation_mode
         )
     except PretokenizeError as exc:
         raise TrainCLIError(str(exc)) from exc
@@ -317,7 +346,19 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
                                                  what="validation")
     except sources.DataSourceError as exc:
         raise TrainCLIError(_service_message(exc)) from exc
+    say_truncation(train, "training data", say)
+    say_truncation(evalset, "validation data", say)
     return train, evalset
+
+
+def say_truncation(dataset, what: str, say) -> None:
+    """The line of issue 23: how many examples the sequence limit cut, and the supervised tokens lost."""
+    from pf_trl.data.truncation import report_from_manifest
+
+    manifest = getattr(dataset, "pf_manifest", None)
+    line = report_from_manifest(manifest).summary(what, limit_name="--max_seq_len") if manifest else None
+    if line:
+        say(line)
 
 
 def check_budget(dataset, budget: int | None, flag: str) -> None:
@@ -437,8 +478,9 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     check_budget(evalset, config.max_eval_tokens_per_batch, "--max_eval_tokens_per_batch")
 
     model = build_model(name, torch_dtype=dtype, attn_implementation=attn, seed=config.seed, **overrides)
-    if config.max_length is None or config.max_length < data_args.max_seq_len:
-        config.max_length = data_args.max_seq_len
+    made_with = (getattr(train, "pf_manifest", None) or {}).get("max_seq_len")
+    if data_args.max_seq_len is None and config.max_length is not None and made_with and made_with > config.max_length:
+        config.max_length = made_with  # no limit given: shards made with a longer one are trained as they are
     trainer = PaddingFreeSFTTrainer(model, args=config, train_dataset=train, eval_dataset=evalset,
                                     processing_class=tokenizer, peft_config=peft_config)
     return trainer

@@ -32,10 +32,17 @@ from pf_trl.data import formats
 from pf_trl.data.formats import FieldNames, FormatError
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint
+from pf_trl.data.truncation import (
+    TRUNCATION_MODES,
+    TRUNCATION_POLICIES,
+    TruncationReport,
+    check_mode,
+    cut,
+    normalize_policy,
+)
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_POLICIES = ("truncate", "drop", "error")
 # Formats rendered with the chat template (it writes its own BOS / EOS).
 CHAT_FORMATS = ("messages", "sharegpt", "conversational_prompt_completion")
 SOURCE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -65,7 +72,10 @@ class PretokenizeConfig:
             completion only (TRL's default); False: on the whole sequence (``assistant_masks`` still applies).
         response_template: for ``text``: loss starts after its last occurrence.
         max_seq_len: longest example kept, in tokens.
-        truncation: ``truncate`` (keep the first max_seq_len tokens) | ``drop`` | ``error``.
+        truncation: the policy for longer examples (:mod:`pf_trl.data.truncation`): ``truncate`` (TRL's behaviour,
+            the default) | ``drop`` | ``refuse`` (``error`` is accepted for ``refuse``).
+        truncation_mode: which tokens ``truncate`` keeps: ``keep_start`` (the first max_seq_len, TRL's default) or
+            ``keep_end`` (the last).
         add_eos: append EOS (supervised) to ``text`` and ``prompt_completion`` rows.
         drop_no_loss: drop rows left with no supervised token (they cost compute and teach nothing).
         shard_size: ``save_to_disk(max_shard_size=...)``, e.g. ``"500MB"``.
@@ -89,6 +99,7 @@ class PretokenizeConfig:
     output_field: str = "output"
     conversations_field: str = "conversations"
     completion_only_loss: bool = True
+    truncation_mode: str = "keep_start"
 
     def __post_init__(self) -> None:
         if self.input_format not in ("auto", *formats.FORMATS):
@@ -97,8 +108,11 @@ class PretokenizeConfig:
             )
         if not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len <= 0:
             raise PretokenizeError(f"max_seq_len must be a positive integer, got {self.max_seq_len!r}")
-        if self.truncation not in TRUNCATION_POLICIES:
-            raise PretokenizeError(f"truncation {self.truncation!r} is unknown; use one of {', '.join(TRUNCATION_POLICIES)}")
+        try:
+            self.truncation = normalize_policy(self.truncation)
+            check_mode(self.truncation_mode)
+        except ValueError as exc:
+            raise PretokenizeError(str(exc)) from None
         if self.input_format == "text" and not self.response_template:
             raise PretokenizeError("input_format 'text' needs a response_template (e.g. '### Response:')")
 
@@ -276,28 +290,27 @@ def _tokenize_batch(
                 ids.append(eos)
                 labels.append(eos)
 
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": []}
-    for ids, labels, index in zip(ids_list, labels_list, indices):
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": [],
+                            "_lost": []}
+    for ids, labels in zip(ids_list, labels_list):
         drop, truncated = _KEEP, False
+        before = len(labels) - labels.count(formats.IGNORE_INDEX)
         if len(ids) > config.max_seq_len:
-            if config.truncation == "error":
-                raise PretokenizeError(
-                    f"row {index} has {len(ids)} tokens > max_seq_len {config.max_seq_len} and truncation='error'; "
-                    "raise max_seq_len or use truncation 'truncate' or 'drop'"
-                )
-            if config.truncation == "drop":
+            if config.truncation == "truncate":
+                ids, labels = cut(ids, labels, config.max_seq_len, config.truncation_mode)
+                truncated = True
+            else:  # drop, or refuse (refused after the scan, with the count of every row too long)
                 drop = _TOO_LONG
-            else:
-                ids, labels, truncated = ids[: config.max_seq_len], labels[: config.max_seq_len], True
         loss = len(labels) - labels.count(formats.IGNORE_INDEX)
         if drop == _KEEP and loss == 0 and config.drop_no_loss:
-            drop = _NO_LOSS
+            drop = _NO_LOSS  # as TRL: an example left without a supervised label is dropped
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["length"].append(len(ids))
         out["_drop"].append(drop)
         out["_truncated"].append(truncated)
         out["_loss"].append(loss)
+        out["_lost"].append(before if drop == _TOO_LONG else before - loss)
     # An Arrow table, not a dict: datasets then writes it as is instead of converting every list element
     # through its own typed-sequence path (a quarter of the non-tokenizer time).
     return pa.Table.from_pydict(out, schema=_processing_schema())
@@ -455,10 +468,21 @@ def pretokenize(
         drop = np.asarray(full.data.column("_drop"))
         truncated = np.asarray(full.data.column("_truncated"))
         loss = np.asarray(full.data.column("_loss"))
+        lost = np.asarray(full.data.column("_lost"), dtype=np.int64)
         keep = drop == _KEEP
+        too_long = drop == _TOO_LONG
+        report = TruncationReport(
+            examples=rows_total, too_long=int(too_long.sum()) + int(truncated.sum()), truncated=int(truncated.sum()),
+            dropped_too_long=int(too_long.sum()), loss_tokens_lost=int(lost.sum()),
+            dropped_no_loss=int((drop == _NO_LOSS).sum()), max_length=config.max_seq_len,
+            mode=config.truncation_mode, policy=config.truncation)
+        if config.truncation == "refuse" and too_long.any():
+            first = int(np.flatnonzero(too_long)[0])
+            raise PretokenizeError(report.refusal(first, int(np.asarray(full.data.column("length"))[first]),
+                                                  limit_name="max_seq_len"))
         # An index mapping, not a rewrite: save_to_disk below writes the kept rows once.
         kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
-        kept = kept.remove_columns(["_drop", "_truncated", "_loss"])
+        kept = kept.remove_columns(["_drop", "_truncated", "_loss", "_lost"])
         if kept.num_rows == 0:
             raise PretokenizeError(
                 f"no example left after tokenization ({int((drop == _TOO_LONG).sum())} too long, "
@@ -490,6 +514,7 @@ def pretokenize(
                 "tokens": int(lengths.sum()),
                 "loss_tokens": int(loss[keep].sum()),
                 "truncated": int(truncated[keep].sum()),
+                "loss_tokens_lost": report.loss_tokens_lost,
                 "dropped": int((~keep).sum()),
                 "dropped_too_long": int((drop == _TOO_LONG).sum()),
                 "dropped_no_loss": int((drop == _NO_LOSS).sum()),
@@ -522,6 +547,7 @@ def _processing_features():
     features["_drop"] = Value("int8")
     features["_truncated"] = Value("bool")
     features["_loss"] = Value("int32")
+    features["_lost"] = Value("int32")
     return features
 
 

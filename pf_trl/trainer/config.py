@@ -11,6 +11,7 @@ from typing import Any
 
 from trl import SFTConfig
 
+from pf_trl.data.truncation import POLICY_HELP, check_mode, normalize_policy
 from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
 
 logger = logging.getLogger("pf_trl.trainer")
@@ -110,6 +111,10 @@ class PaddingFreeConfig(SFTConfig):
         metadata={"help": "Activation (gradient) checkpointing: less memory, ~20% slower. Default: on, as in TRL.",
                   "nargs": "?", "const": True},
     )
+    truncation: str = field(
+        default="truncate",
+        metadata={"help": POLICY_HELP},
+    )
     allow_unverified: bool = field(
         default=False,
         metadata={"help": "Accept a model type that pf-trl's coverage sweep has no evidence for (docs/models.md), "
@@ -135,6 +140,8 @@ class PaddingFreeConfig(SFTConfig):
             raise ValueError(f"max_eval_tokens_per_batch must be positive, got {self.max_eval_tokens_per_batch}")
         if self.fused_loss not in FUSED_LOSS_CHOICES:
             raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
+        self.truncation = normalize_policy(self.truncation)
+        check_mode(self.truncation_mode)
         if self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.padding_free != "none" and self.packing:

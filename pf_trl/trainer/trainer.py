@@ -535,10 +535,12 @@ def _pf_pretokenize_config(args, pretokenize_config):
 
     if pretokenize_config is not None:
         return pretokenize_config
+    from pf_trl.trainer.sequence_limit import pretokenize_limits
+
     return PretokenizeConfig(
         text_field=args.dataset_text_field or "text",
-        max_seq_len=int(args.max_length or 1024),
         completion_only_loss=args.completion_only_loss is not False,
+        **pretokenize_limits(args),  # max_length, truncation_mode, the truncation policy: as TRL, see sequence_limit
     )
 
 
@@ -557,6 +559,8 @@ def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, 
         sources.check_token_ids(dataset, vocab)  # shards made with a tokenizer that fits need no scan
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset") and not _has_masks(dataset):
         return dataset
+    from pf_trl.trainer.sequence_limit import apply_sequence_limit, log_manifest_truncation
+
     if isinstance(dataset, (str, os.PathLike)) or (hasattr(dataset, "column_names") and not _is_tokenized(dataset)):
         import datasets
 
@@ -565,13 +569,15 @@ def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, 
         check_vocab_fits(tokenizer, vocab)
         config = _pf_pretokenize_config(args, pretokenize_config)
         try:
-            return sources.load_training_data(dataset, tokenizer, config, progress=False,
-                                              say=lambda msg: logger.info("pf-trl: %s", msg), what=what)
+            dataset = sources.load_training_data(dataset, tokenizer, config, progress=False,
+                                                 say=lambda msg: logger.info("pf-trl: %s", msg), what=what)
         except sources.DataSourceError as exc:
             raise ValueError(str(exc)) from exc
-    if _has_masks(dataset):
-        return sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
-    return dataset
+        log_manifest_truncation(dataset, what=f"{what} data")  # cut while tokenizing: say so
+    elif _has_masks(dataset):
+        dataset = sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
+    # TRL's max_length / truncation_mode on tokenized rows and shards (labels are final by now, as in TRL)
+    return apply_sequence_limit(dataset, args, what=f"{what} data")[0]
 
 
 def _has_masks(dataset) -> bool:
