@@ -11,6 +11,8 @@ Printed as a markdown table; the JSON holds the same rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
@@ -26,7 +28,23 @@ import datasets  # noqa: E402
 import torch  # noqa: E402
 
 warnings.filterwarnings("ignore")
-logging.disable(logging.WARNING)
+logging.disable(logging.INFO)
+
+
+class _Said(logging.Handler):
+    """pf-trl's warnings while a trainer is built (a decision the user is told about)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+SAID = _Said()
+logging.getLogger("pf_trl").addHandler(SAID)
+logging.getLogger("pf_trl").propagate = False
 datasets.disable_progress_bars()
 torch.set_num_threads(2)
 
@@ -103,9 +121,23 @@ def walk(loader) -> dict:
     return {"examples": examples, "tokens": tokens, "supervised": supervised, "order": order}
 
 
+def walk_said(trainer, loader) -> dict:
+    seen = walk(loader)
+    if getattr(trainer, "_said", None):
+        seen["said"] = trainer._said
+    return seen
+
+
 def attempt(build):
+    import contextlib
+    import io
+
+    SAID.lines.clear()
     try:
-        return build(), None
+        with contextlib.redirect_stdout(io.StringIO()):  # Trainer's log dicts
+            trainer = build()
+        trainer._said = list(SAID.lines)
+        return trainer, None
     except Exception as exc:  # noqa: BLE001 - a refusal is a result here
         return None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:150]}"
 
@@ -121,8 +153,9 @@ def case_truncation_40(tmp):
         if err:
             out[name] = err
             continue
-        out[name] = walk(tr.get_train_dataloader())
-        tr.train()
+        out[name] = walk_said(tr, tr.get_train_dataloader())
+        with contextlib.redirect_stdout(io.StringIO()):
+            tr.train()
         out[name + "_params"] = [p.detach().clone() for p in tr.model.parameters()]
     if "trl_params" in out and "pf_params" in out:
         num = sum(float((a - b).pow(2).sum()) for a, b in zip(out["trl_params"], out["pf_params"]))
@@ -138,7 +171,7 @@ def case_truncation_default(tmp):
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, per_device_train_batch_size=3))
-        out[name] = err or walk(tr.get_train_dataloader())
+        out[name] = err or walk_said(tr, tr.get_train_dataloader())
         if not err:
             out[name]["lengths"] = sorted(len(r) for r in tr.train_dataset["input_ids"])
     return out
@@ -150,7 +183,7 @@ def case_eval_truncation(tmp):
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, eval_rows=evals, max_length=40, per_device_eval_batch_size=4))
-        out[name] = err or walk(tr.get_eval_dataloader())
+        out[name] = err or walk_said(tr, tr.get_eval_dataloader())
     return out
 
 
@@ -159,7 +192,7 @@ def case_completion_mask_unset(tmp):
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, per_device_train_batch_size=4))
-        out[name] = err or walk(tr.get_train_dataloader())
+        out[name] = err or walk_said(tr, tr.get_train_dataloader())
     return out
 
 
@@ -168,7 +201,7 @@ def case_drop_last(tmp):
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, dataloader_drop_last=True, per_device_train_batch_size=4))
-        out[name] = err or walk(tr.get_train_dataloader())
+        out[name] = err or walk_said(tr, tr.get_train_dataloader())
     return out
 
 
@@ -184,7 +217,7 @@ def case_sampling(strategy):
             if err:
                 out[name] = err
                 continue
-            seen = walk(tr.get_train_dataloader())
+            seen = walk_said(tr, tr.get_train_dataloader())
             order = [t - 3 for t in seen.pop("order")]
             seen["dataset_order"] = order == sorted(order)
             out[name] = seen
@@ -205,10 +238,12 @@ def case_resume_same_lengths(tmp):
         return PaddingFreeSFTTrainer(_model(), args=args, train_dataset=datasets.Dataset.from_list(data),
                                      processing_class=load_tokenizer())
 
-    make(rows, tmp / "a").train()
+    with contextlib.redirect_stdout(io.StringIO()):
+        make(rows, tmp / "a").train()
     tr = make(other, tmp / "b")
     try:
-        tr.train(resume_from_checkpoint=str(tmp / "a" / "checkpoint-2"))
+        with contextlib.redirect_stdout(io.StringIO()):
+            tr.train(resume_from_checkpoint=str(tmp / "a" / "checkpoint-2"))
         return {"pf": "accepted", "trl": "(no check)"}
     except ValueError as exc:
         return {"pf": f"refused: {' '.join(str(exc).split())[:150]}", "trl": "(no check)"}
@@ -228,8 +263,11 @@ CASES = {
 
 def _cell(value) -> str:
     if isinstance(value, dict):
-        keep = {k: v for k, v in value.items() if k != "order"}
-        return ", ".join(f"{k} {v}" for k, v in keep.items())
+        keep = {k: v for k, v in value.items() if k not in ("order", "said")}
+        text = ", ".join(f"{k} {v}" for k, v in keep.items())
+        if value.get("said"):
+            text += "; said: " + " / ".join(line[:110] + "..." for line in value["said"])
+        return text
     return str(value)
 
 

@@ -85,6 +85,8 @@ class PretokenizeOptions(BaseModel):
     conversations_field: str = Field("conversations", min_length=1, max_length=256)
     completion_only_loss: bool = Field(True, description="Prompt-completion formats and TRL's completion_mask: loss "
                                        "on the completion only.")
+    assistant_only_loss: bool = Field(True, description="Chat formats: loss on assistant turns only; false: on every "
+                                      "token of the conversation (TRL's assistant_only_loss=False).")
 
 
 class DatasetRequest(BaseModel):

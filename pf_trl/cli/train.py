@@ -319,6 +319,7 @@ def pretokenize_config(data_args: DataArguments, config):
             output_field=data_args.output_field,
             response_template=data_args.response_template,
             completion_only_loss=config.completion_only_loss is not False,
+            assistant_only_loss=config.assistant_only_loss is not False,
             **pretokenize_limits(config),  # --max_seq_len / --max_length, --truncation, --truncation_mode
         )
     except PretokenizeError as exc:

@@ -70,6 +70,8 @@ class PretokenizeConfig:
             ``output_field`` and ``conversations_field``.
         completion_only_loss: prompt-completion formats and TRL's ``completion_mask`` column: loss on the
             completion only (TRL's default); False: on the whole sequence (``assistant_masks`` still applies).
+        assistant_only_loss: chat formats: loss on assistant turns only (pf-trl's default); False: on every token of
+            the rendered conversation (TRL's ``assistant_only_loss=False``).
         response_template: for ``text``: loss starts after its last occurrence.
         max_seq_len: longest example kept, in tokens.
         truncation: the policy for longer examples (:mod:`pf_trl.data.truncation`): ``truncate`` (TRL's behaviour,
@@ -100,6 +102,7 @@ class PretokenizeConfig:
     conversations_field: str = "conversations"
     completion_only_loss: bool = True
     truncation_mode: str = "keep_start"
+    assistant_only_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.input_format not in ("auto", *formats.FORMATS):
@@ -282,6 +285,8 @@ def _tokenize_batch(
         else:
             column = fields.conversations if input_format == "sharegpt" else fields.messages
             texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column)
+            if not config.assistant_only_loss:
+                spans = [[(0, len(t))] for t in texts]  # TRL's assistant_only_loss=False: every token
         # Chat templates write their own special tokens; the other formats get the tokenizer's BOS.
         ids_list, labels_list = formats.encode_spans(tokenizer, texts, spans, add_special_tokens=not chat)
         if config.add_eos and not chat and tokenizer.eos_token_id is not None:
@@ -503,6 +508,8 @@ def pretokenize(
                 "rows": rows_total,
                 "input_format": input_format,
                 "chat_mask": formats.chat_mask_method(tokenizer) if input_format in CHAT_FORMATS else None,
+                "mask_columns": [c for c in formats.MASK_COLUMNS if c in ds.column_names]
+                if input_format == "pretokenized" else [],
             },
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "options": config.to_dict(),

@@ -111,6 +111,12 @@ class PaddingFreeConfig(SFTConfig):
         metadata={"help": "Activation (gradient) checkpointing: less memory, ~20% slower. Default: on, as in TRL.",
                   "nargs": "?", "const": True},
     )
+    # TRL's default False trains every token of a chat; unset, pf-trl trains the assistant turns (and says so)
+    assistant_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "Chat data: loss on assistant turns only (True) or on every token (False, TRL's default). "
+                  "Unset: assistant turns, said in one log line. Tokenized assistant_masks always apply."},
+    )
     truncation: str = field(
         default="truncate",
         metadata={"help": POLICY_HELP},

@@ -52,6 +52,15 @@ from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
+from pf_trl.trainer.data_identity import data_identity, describe_change
+from pf_trl.trainer.fields import (
+    apply_chat_template_path,
+    hidden_from_trl,
+    model_build_kwargs,
+    say_mask_decisions,
+    shuffle_once,
+)
+from pf_trl.trainer.parity import check_config
 from pf_trl.trainer.loss import (
     backbone_of,
     DEFAULT_CHUNK_SIZE,
@@ -158,13 +167,8 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
 
 
 def check_loss_options(args) -> None:
-    """Refuse the SFTTrainer loss options pf-trl cannot reproduce on packed rows, naming each."""
-    if getattr(args, "neftune_noise_alpha", None) is not None:
-        raise ValueError(
-            "neftune_noise_alpha is not supported with padding_free: NEFTune scales its noise by the row length, and a "
-            "packed row holds many examples (the padded run scales by the padded length), so the noise would differ. "
-            "Unset neftune_noise_alpha or use padding_free='none'."
-        )
+    """Refuse the combinations of SFTTrainer loss options pf-trl cannot reproduce on packed rows, naming each (single
+    fields are refused by :func:`pf_trl.trainer.parity.check_config`)."""
     loss_type = getattr(args, "loss_type", "nll")
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not supported with padding_free (supported: {', '.join(LOSS_TYPES)})")
@@ -226,11 +230,14 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
             args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
+        if args.padding_free != "none":
+            check_config(args)  # every SFTConfig / TrainingArguments value pf-trl cannot reproduce, by name
         processing_class = _pf_resolve_tokenizer(model, processing_class)
+        apply_chat_template_path(args, processing_class)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
-            model = build_model(model, seed=args.seed)
+            model = build_model(model, seed=args.seed, **model_build_kwargs(args))
         if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes
             prepare = functools.partial(_pf_prepare_dataset, tokenizer=processing_class, model=model, args=args,
                                         pretokenize_config=pretokenize_config)
@@ -239,6 +246,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 eval_dataset = {k: prepare(v, what=f"evaluation {k}") for k, v in eval_dataset.items()}
             else:
                 eval_dataset = prepare(eval_dataset, what="evaluation")
+            if args.padding_free != "none":  # padded: TRL's own preparation shuffles
+                train_dataset = shuffle_once(train_dataset, args)
+                eval_dataset = ({k: shuffle_once(v, args) for k, v in eval_dataset.items()}
+                                if isinstance(eval_dataset, dict) else shuffle_once(eval_dataset, args))
         self.pf_mode = args.padding_free
         if self.pf_mode != "none":
             if data_collator is not None and not isinstance(data_collator, PaddingFreeCollator):
@@ -260,15 +271,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             if _is_tokenized(train_dataset) and not (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
                 # pretokenized (pf-trl shards or input_ids/labels rows): TRL must not re-tokenize or re-truncate
                 args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-        # TRL reads `padding_free` as a bool (its own collator / max_length checks): hide our mode during its init
-        saved = args.padding_free
-        args.padding_free = False
-        try:
-            with _admit_head_adapters(self.pf_mode != "none"):
-                super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                                 eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
-        finally:
-            args.padding_free = saved
+        # TRL reads `padding_free` as a bool (its own collator / max_length checks) and checks assistant_only_loss
+        # against raw rows: hide what pf-trl has already applied during its init
+        with hidden_from_trl(args, active=_is_tokenized(train_dataset)), _admit_head_adapters(self.pf_mode != "none"):
+            super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         if self.args.fsdp and not self.is_fsdp_enabled:
             # accelerate routes FSDP only on accelerator devices; elsewhere (e.g. CPU) it trains plain DDP silently
             logger.warning("pf-trl: fsdp was requested, but accelerate runs %s on this device: every rank holds the "
@@ -290,7 +297,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     # ------------------------------------------------------------------ data
 
-    def _pf_sampler(self, dataset, budget: int | None, batch_size: int, *, shuffle: bool) -> TokenBudgetBatchSampler:
+    def _pf_sampler(self, dataset, budget: int | None, batch_size: int, *, shuffle: bool,
+                    ordered: bool = False) -> TokenBudgetBatchSampler:
         lengths = _dataset_lengths(dataset)
         if budget is None:
             budget = derive_token_budget(lengths, batch_size)
@@ -298,7 +306,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         world = max(1, self.args.world_size)
         rank = self.args.process_index if world > 1 else 0
         return TokenBudgetBatchSampler(lengths, int(budget), shuffle=shuffle, seed=int(seed), num_replicas=world,
-                                       rank=rank, drop_last=False)
+                                       rank=rank, drop_last=False, ordered=ordered)
 
     def _pf_dataloader(self, dataset, sampler, *, training: bool):
         from functools import partial
@@ -318,9 +326,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+            in_order=self.args.dataloader_in_order,
         )
         if self.args.dataloader_num_workers > 0:
             params["prefetch_factor"] = self.args.dataloader_prefetch_factor
+            params["multiprocessing_context"] = self.args.dataloader_multiprocessing_context
         if training:
             params["worker_init_fn"] = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
                                                rank=self.args.process_index)
@@ -337,8 +347,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             return super().get_train_dataloader()
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        # train_sampling_strategy: 'sequential' packs and yields in dataset order (group_by_length / batch_rebalance
+        # only cut padding: warned at construction, see parity.py)
+        sequential = self.args.train_sampling_strategy == "sequential"
         sampler = self._pf_sampler(self.train_dataset, self.args.max_tokens_per_batch,
-                                   self.args.per_device_train_batch_size, shuffle=True)
+                                   self.args.per_device_train_batch_size, shuffle=not sequential, ordered=sequential)
         self.pf_token_budget = sampler.max_tokens
         if self.args.max_tokens_per_batch is None:
             logger.info("pf-trl: token budget %d = per_device_train_batch_size %d x mean length (min: longest example)",
@@ -478,6 +491,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         sampler = self._pf_train_sampler
         state = {
             "sampler": {**sampler.state_dict(), **pos},
+            "data": self._pf_data_identity(),
             "global_step": self.state.global_step,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "world_size": max(1, self.args.world_size),
@@ -485,6 +499,14 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         }
         with open(os.path.join(folder, SAMPLER_STATE_NAME), "w") as f:
             json.dump(state, f, indent=2)
+
+    def _pf_data_identity(self) -> dict[str, Any]:
+        """Examples, tokens and content digest of the train dataset (once per run; see data_identity.py)."""
+        cached = getattr(self, "_pf_identity_cache", None)
+        if cached is None or cached[0] is not self.train_dataset:
+            cached = (self.train_dataset, data_identity(self.train_dataset))
+            self._pf_identity_cache = cached
+        return cached[1]
 
     def _pf_restore_sampler(self, sampler: TokenBudgetBatchSampler) -> None:
         if not self._pf_resume_dir:
@@ -502,6 +524,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 f"cannot resume from {self._pf_resume_dir}: it was trained with gradient_accumulation_steps="
                 f"{saved.get('gradient_accumulation_steps')}, now {ga}; the same batches cannot be reproduced"
             )
+        change = describe_change(saved.get("data") or {}, self._pf_data_identity())
+        if change:
+            raise ValueError(f"cannot resume from {self._pf_resume_dir}: the training data is incompatible with the "
+                             f"checkpoint's: {change}; resume with the data it was trained on, or start a new run")
         # validates lengths / budget / world size / seed (clear ValueError otherwise) and restores the epoch. The
         # position stays at 0: Trainer's skip_first_batches skips the consumed batches itself.
         sampler.load_state_dict({**saved["sampler"], "batches_yielded": 0})
@@ -540,6 +566,7 @@ def _pf_pretokenize_config(args, pretokenize_config):
     return PretokenizeConfig(
         text_field=args.dataset_text_field or "text",
         completion_only_loss=args.completion_only_loss is not False,
+        assistant_only_loss=args.assistant_only_loss is not False,
         **pretokenize_limits(args),  # max_length, truncation_mode, the truncation policy: as TRL, see sequence_limit
     )
 
@@ -569,13 +596,18 @@ def _pf_prepare_dataset(dataset, *, tokenizer, model, args, pretokenize_config, 
         check_vocab_fits(tokenizer, vocab)
         config = _pf_pretokenize_config(args, pretokenize_config)
         try:
-            dataset = sources.load_training_data(dataset, tokenizer, config, progress=False,
-                                                 say=lambda msg: logger.info("pf-trl: %s", msg), what=what)
+            dataset = sources.load_training_data(dataset, tokenizer, config, num_proc=args.dataset_num_proc or 1,
+                                                 progress=False, say=lambda msg: logger.info("pf-trl: %s", msg),
+                                                 what=what)
         except sources.DataSourceError as exc:
             raise ValueError(str(exc)) from exc
         log_manifest_truncation(dataset, what=f"{what} data")  # cut while tokenizing: say so
-    elif _has_masks(dataset):
-        dataset = sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
+        say_mask_decisions(dataset, args, what=f"{what} data")
+    else:
+        say_mask_decisions(dataset, args, what=f"{what} data",
+                           had_completion_mask="completion_mask" in sources.mask_columns_present(dataset))
+        if _has_masks(dataset):
+            dataset = sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
     # TRL's max_length / truncation_mode on tokenized rows and shards (labels are final by now, as in TRL)
     return apply_sequence_limit(dataset, args, what=f"{what} data")[0]
 
