@@ -60,7 +60,6 @@ from pf_trl.trainer.fields import (
     say_mask_decisions,
     shuffle_once,
 )
-from pf_trl.trainer.parity import check_config
 from pf_trl.trainer.loss import (
     backbone_of,
     DEFAULT_CHUNK_SIZE,
@@ -231,6 +230,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         elif not isinstance(args, PaddingFreeConfig):
             args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
         if args.padding_free != "none":
+            from pf_trl.trainer.parity import check_config  # (imported here: `python -m` runs that module)
+
             check_config(args)  # every SFTConfig / TrainingArguments value pf-trl cannot reproduce, by name
         processing_class = _pf_resolve_tokenizer(model, processing_class)
         apply_chat_template_path(args, processing_class)
