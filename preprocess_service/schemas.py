@@ -73,8 +73,6 @@ class PretokenizeOptions(BaseModel):
     max_seq_len: int = Field(1024, gt=0, le=1 << 20, description="Longest example kept, in tokens.")
     truncation: Literal["truncate", "drop", "refuse", "error"] = Field(
         "truncate", description="Longer examples: 'truncate' (as TRL), 'drop' or 'refuse' ('error' = 'refuse').")
-    truncation_mode: Literal["keep_start", "keep_end"] = Field(
-        "keep_start", description="Which tokens 'truncate' keeps: the first max_seq_len (TRL's default) or the last.")
     add_eos: bool = True
     drop_no_loss: bool = True
     shard_size: str = Field("500MB", description="Arrow shard size: 1MB .. 9999999MB (MB, GB, MiB, GiB).",
@@ -85,6 +83,8 @@ class PretokenizeOptions(BaseModel):
     conversations_field: str = Field("conversations", min_length=1, max_length=256)
     completion_only_loss: bool = Field(True, description="Prompt-completion formats and TRL's completion_mask: loss "
                                        "on the completion only.")
+    truncation_mode: Literal["keep_start", "keep_end"] = Field(
+        "keep_start", description="Which tokens 'truncate' keeps: the first max_seq_len (TRL's default) or the last.")
     assistant_only_loss: bool = Field(True, description="Chat formats: loss on assistant turns only; false: on every "
                                       "token of the conversation (TRL's assistant_only_loss=False).")
 

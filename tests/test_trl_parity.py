@@ -259,3 +259,16 @@ def test_resume_refuses_other_examples_with_the_same_lengths(tmp_path):
     resumed = pf_trainer(data, tmp_path / "d", **kw)  # the same data resumes
     resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.state.global_step == 3
+
+
+@pytest.mark.parametrize("eos_token", [None, "<unk>"])
+def test_prompt_completion_rows_and_eos_token_as_trl(tmp_path, eos_token):
+    """Raw prompt-completion rows: the same token ids and completion labels as TRL, ending with SFTConfig.eos_token when
+    set (TRL sets it on the tokenizer in its __init__; pf-trl before it tokenizes)."""
+    data = [{"prompt": f"Question {i}: add {i} and {i}.", "completion": f" The sum is {2 * i}."} for i in range(5)]
+    kw = {} if eos_token is None else {"eos_token": eos_token}
+    trl = trl_trainer(data, tmp_path, **kw)
+    pf = pf_trainer(data, tmp_path, **kw)
+    got = sorted(examples(pf.get_train_dataloader()))
+    assert got == sorted(examples(trl.get_train_dataloader()))
+    assert {ids[-1] for ids, _ in got} == {0 if eos_token else 2}

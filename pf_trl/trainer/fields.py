@@ -27,6 +27,17 @@ def apply_chat_template_path(args, processing_class) -> None:
             processing_class.chat_template = f.read()
 
 
+def apply_eos_token(args, processing_class) -> None:
+    """``eos_token`` becomes the tokenizer's EOS before pf-trl tokenizes (TRL sets it in its ``__init__``, after pf-trl
+    has tokenized): the EOS appended to text and prompt-completion rows is that token, as in TRL."""
+    token = getattr(args, "eos_token", None)
+    if token is None or processing_class is None or not hasattr(processing_class, "get_vocab"):
+        return
+    if token not in processing_class.get_vocab():
+        raise ValueError(f"eos_token={token!r} is not in the tokenizer's vocabulary; pass a token it has")
+    processing_class.eos_token = token
+
+
 def model_build_kwargs(args) -> dict[str, Any]:
     """``model_init_kwargs`` for :func:`pf_trl.models.build_model` when ``model`` is a name or a folder."""
     given = dict(args.model_init_kwargs or {})

@@ -113,9 +113,9 @@ FIELDS: dict[str, FieldParity] = {
         "which shuffles each epoch itself unless train_sampling_strategy='sequential').",
         evidence="tests/test_trl_parity.py::test_sequential_sampling_trains_trls_batches"),
     "eos_token": FieldParity(
-        REFUSED, "pf-trl appends the tokenizer's own EOS id when it tokenizes; set `processing_class.eos_token` "
-        "instead of SFTConfig.eos_token.",
-        refuse_if=_set, example="<|im_end|>"),
+        HONOURED, "Becomes the tokenizer's EOS before pf-trl tokenizes raw rows (TRL sets it in its own __init__), so "
+        "text and prompt-completion rows end with it, as in TRL.",
+        evidence="tests/test_trl_parity.py::test_prompt_completion_rows_and_eos_token_as_trl"),
     "chat_template_path": FieldParity(
         HONOURED, "A .jinja / .j2 file becomes the tokenizer's chat template before pf-trl tokenizes chat rows. A "
         "tokenizer folder is refused: cloning its template adds tokens and resizes the model.",

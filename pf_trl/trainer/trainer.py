@@ -55,6 +55,7 @@ from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
 from pf_trl.trainer.data_identity import data_identity, describe_change
 from pf_trl.trainer.fields import (
     apply_chat_template_path,
+    apply_eos_token,
     hidden_from_trl,
     model_build_kwargs,
     say_mask_decisions,
@@ -235,6 +236,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             check_config(args)  # every SFTConfig / TrainingArguments value pf-trl cannot reproduce, by name
         processing_class = _pf_resolve_tokenizer(model, processing_class)
         apply_chat_template_path(args, processing_class)
+        apply_eos_token(args, processing_class)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
