@@ -104,3 +104,16 @@ def test_truncation_policy_field():
         PaddingFreeConfig(output_dir="x", use_cpu=True, truncation="chop")
     with pytest.raises(ValueError, match="truncation_mode 'keep_middle' is unknown"):
         PaddingFreeConfig(output_dir="x", use_cpu=True, truncation_mode="keep_middle")
+
+
+def test_one_config_object_builds_two_trainers_alike(tmp_path):
+    """What pf-trl hides from TRL during its init (padding_free, assistant_only_loss, skip_prepare_dataset) is restored:
+    a second trainer from the same config still applies max_length."""
+    from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+    args = PaddingFreeConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_length=8)
+    rows = datasets.Dataset.from_list([{"input_ids": list(range(1, 21))}, {"input_ids": list(range(1, 6))}])
+    for _ in range(2):
+        trainer = PaddingFreeSFTTrainer("pf-trl/tiny-llama", args=args, train_dataset=rows)
+        assert sorted(len(r) for r in trainer.train_dataset["input_ids"]) == [5, 8]
+    assert (args.dataset_kwargs, args.padding_free, args.assistant_only_loss) == (None, "huggingface", None)

@@ -272,3 +272,16 @@ def test_prompt_completion_rows_and_eos_token_as_trl(tmp_path, eos_token):
     got = sorted(examples(pf.get_train_dataloader()))
     assert got == sorted(examples(trl.get_train_dataloader()))
     assert {ids[-1] for ids, _ in got} == {0 if eos_token else 2}
+
+
+def test_eval_dataset_passed_to_evaluate_is_cut_as_trl_cuts_it(tmp_path):
+    """evaluate(eval_dataset=rows): TRL prepares the rows (max_length) before evaluating them; so does pf-trl."""
+    train = rows([30, 20], [5, 5])
+    held_out = rows([80, 100, 77, 96], [4, 4, 4, 4], seed=2)
+    kw = dict(max_length=40, per_device_eval_batch_size=4)
+    trl = trl_trainer(train, tmp_path, **kw)
+    pf = pf_trainer(train, tmp_path, max_eval_tokens_per_batch=1000, **kw)
+    held = datasets.Dataset.from_list(held_out)
+    got = pf.evaluate(eval_dataset=held)
+    assert got["eval_supervised_tokens"] == 4 * 39 - 4 * 3  # 40 tokens kept, 4 prompt labels, shifted
+    assert got["eval_loss"] == pytest.approx(trl.evaluate(eval_dataset=held)["eval_loss"], rel=1e-5)

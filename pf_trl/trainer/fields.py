@@ -87,14 +87,18 @@ def say_mask_decisions(dataset, args, *, what: str, had_completion_mask: bool = 
 
 
 @contextlib.contextmanager
-def hidden_from_trl(args, active: bool):
+def hidden_from_trl(args, active: bool, skip_prepare: bool = False):
     """Fields TRL's ``__init__`` reads as its own while pf-trl has already acted on them: ``padding_free`` (a mode
-    here, a bool in TRL) and ``assistant_only_loss`` (TRL checks the rows are conversational; pf-trl's are tokenized
-    by then). Restored afterwards."""
-    saved = {"padding_free": args.padding_free, "assistant_only_loss": args.assistant_only_loss}
+    here, a bool in TRL), ``assistant_only_loss`` (TRL checks the rows are conversational; pf-trl's are tokenized by
+    then) and, with ``skip_prepare``, ``dataset_kwargs["skip_prepare_dataset"]`` (TRL must not cut or shuffle the
+    prepared rows again). Restored afterwards, so the same config object builds the next trainer alike."""
+    saved = {"padding_free": args.padding_free, "assistant_only_loss": args.assistant_only_loss,
+             "dataset_kwargs": args.dataset_kwargs}
     args.padding_free = False
     if active:
         args.assistant_only_loss = False
+    if skip_prepare:
+        args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
     try:
         yield
     finally:

@@ -74,9 +74,11 @@ def apply_sequence_limit(dataset, args, *, what: str) -> tuple[Any, TruncationRe
     Returns the dataset to train on and the report (None when nothing was looked at). Raises ``ValueError`` (a
     :class:`~pf_trl.data.truncation.TruncationRefused`) under the ``refuse`` policy.
     """
+    import datasets
+
     max_length = args.max_length
-    if max_length is None or not hasattr(dataset, "select_columns") or "input_ids" not in dataset.column_names:
-        return dataset, None
+    if max_length is None or not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
+        return dataset, None  # no limit, or streamed rows (read lazily: not pf-trl's to cut here)
     if not _needs_scan(dataset, int(max_length)):
         return dataset, None
     cache = None

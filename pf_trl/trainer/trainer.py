@@ -271,18 +271,18 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 pad_to_multiple_of=args.pad_to_multiple_of, pad_token_id=int(pad_id or 0)
             )
             self._pf_collator = data_collator
-            if _is_tokenized(train_dataset) and not (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
-                # pretokenized (pf-trl shards or input_ids/labels rows): TRL must not re-tokenize or re-truncate
-                args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-        # TRL reads `padding_free` as a bool (its own collator / max_length checks) and checks assistant_only_loss
-        # against raw rows: hide what pf-trl has already applied during its init
-        with hidden_from_trl(args, active=_is_tokenized(train_dataset)), _admit_head_adapters(self.pf_mode != "none"):
+        # TRL reads `padding_free` as a bool (its own collator / max_length checks), checks assistant_only_loss against
+        # raw rows and would prepare (re-truncate, re-shuffle) the rows pf-trl has prepared: hidden during its init
+        tokenized = _is_tokenized(train_dataset)
+        with hidden_from_trl(args, active=tokenized, skip_prepare=tokenized and self.pf_mode != "none"), \
+                _admit_head_adapters(self.pf_mode != "none"):
             super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         if self.args.fsdp and not self.is_fsdp_enabled:
             # accelerate routes FSDP only on accelerator devices; elsewhere (e.g. CPU) it trains plain DDP silently
             logger.warning("pf-trl: fsdp was requested, but accelerate runs %s on this device: every rank holds the "
                            "whole model (plain data parallel), nothing is sharded", self.accelerator.distributed_type)
+        self._pf_pretokenize_options = pretokenize_config
         self._pf_init_metrics()
         self.add_callback(SamplerStateCallback(self))
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
@@ -352,9 +352,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             raise ValueError("Trainer: training requires a train_dataset.")
         # train_sampling_strategy: 'sequential' packs and yields in dataset order (group_by_length / batch_rebalance
         # only cut padding: warned at construction, see parity.py)
-        sequential = self.args.train_sampling_strategy == "sequential"
+        sequential = {"ordered": True} if self.args.train_sampling_strategy == "sequential" else {}
         sampler = self._pf_sampler(self.train_dataset, self.args.max_tokens_per_batch,
-                                   self.args.per_device_train_batch_size, shuffle=not sequential, ordered=sequential)
+                                   self.args.per_device_train_batch_size, shuffle=not sequential, **sequential)
         self.pf_token_budget = sampler.max_tokens
         if self.args.max_tokens_per_batch is None:
             logger.info("pf-trl: token budget %d = per_device_train_batch_size %d x mean length (min: longest example)",
@@ -372,9 +372,27 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             eval_dataset = self.eval_dataset[eval_dataset]
         elif eval_dataset is None:
             eval_dataset = self.eval_dataset
+        elif not self._pf_is_prepared(eval_dataset):
+            eval_dataset = self._pf_prepare_passed(eval_dataset)
         sampler = self._pf_sampler(eval_dataset, self.args.max_eval_tokens_per_batch,
                                    self.args.per_device_eval_batch_size, shuffle=False)
         return self._pf_dataloader(eval_dataset, sampler, training=False)
+
+    def _pf_is_prepared(self, dataset) -> bool:
+        known = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        return any(dataset is d for d in known)
+
+    def _pf_prepare_passed(self, dataset):
+        """A dataset passed to ``evaluate()`` goes through the data path of ``__init__`` (tokenized, cut to
+        ``max_length``), as TRL's ``evaluate`` prepares it; prepared once per dataset object."""
+        cached = getattr(self, "_pf_passed_eval", None)
+        if cached is not None and cached[0] is dataset:
+            return cached[1]
+        prepared = _pf_prepare_dataset(dataset, tokenizer=self.processing_class, model=_transformers_model(self.model),
+                                       args=self.args, pretokenize_config=self._pf_pretokenize_options,
+                                       what="evaluation")
+        self._pf_passed_eval = (dataset, prepared)
+        return prepared
 
     # ------------------------------------------------------------------ loss
 
