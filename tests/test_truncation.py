@@ -168,3 +168,10 @@ def test_trainer_cuts_shards_without_writing_into_them(tmp_path, sample_shards):
     lengths = np.asarray(trainer.train_dataset["length"])
     assert lengths.max() == 256 and len(lengths) <= len(shards)
     assert sorted(p.name for p in sample_shards.iterdir()) == before
+
+
+def test_labels_of_another_length_are_refused_with_the_row():
+    ds = datasets.Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
+                                     {"input_ids": [1, 2, 3, 4], "labels": [-100, 2]}])
+    with pytest.raises(ValueError, match=r"row 1: labels has 2 tokens but input_ids has 4"):
+        truncate_dataset(ds, max_length=2)

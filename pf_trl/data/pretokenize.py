@@ -521,6 +521,7 @@ def pretokenize(
                 "tokens": int(lengths.sum()),
                 "loss_tokens": int(loss[keep].sum()),
                 "truncated": int(truncated[keep].sum()),
+                "too_long": report.too_long,  # cut (kept or then dropped without loss) or dropped for their length
                 "loss_tokens_lost": report.loss_tokens_lost,
                 "dropped": int((~keep).sum()),
                 "dropped_too_long": int((drop == _TOO_LONG).sum()),

@@ -123,10 +123,12 @@ def report_from_manifest(manifest: dict[str, Any]) -> TruncationReport:
     """The :class:`TruncationReport` of a shards directory, from the counts its manifest keeps."""
     counts = manifest.get("counts") or {}
     options = manifest.get("options") or {}
+    dropped_too_long = int(counts.get("dropped_too_long", 0))
+    too_long = int(counts.get("too_long", int(counts.get("truncated", 0)) + dropped_too_long))
     return TruncationReport(
         examples=int(counts.get("source_rows", counts.get("examples", 0))),
-        too_long=int(counts.get("truncated", 0)) + int(counts.get("dropped_too_long", 0)),
-        truncated=int(counts.get("truncated", 0)),
+        too_long=too_long,
+        truncated=too_long - dropped_too_long,  # every row cut, also those then dropped for having no loss left
         dropped_too_long=int(counts.get("dropped_too_long", 0)),
         loss_tokens_lost=int(counts.get("loss_tokens_lost", 0)),
         dropped_no_loss=int(counts.get("dropped_no_loss", 0)),
@@ -144,7 +146,7 @@ def _row_spans(offsets: np.ndarray, lengths: np.ndarray, max_length: int, mode: 
     return offsets[1:] - keep, offsets[1:]
 
 
-def scan_table(table, *, max_length: int | None, mode: str) -> dict[str, np.ndarray]:
+def scan_table(table, *, max_length: int | None, mode: str, row_offset: int = 0) -> dict[str, np.ndarray]:
     """Per-row lengths, supervised tokens, and supervised tokens kept under the limit, for one Arrow table with an
     ``input_ids`` column (and ``labels``: without it every token is supervised, as the collator does)."""
     import pyarrow.compute as pc
@@ -155,6 +157,12 @@ def scan_table(table, *, max_length: int | None, mode: str) -> dict[str, np.ndar
     np.cumsum(lengths, out=offsets[1:])
     if "labels" in table.column_names:
         labels = table.column("labels").combine_chunks()
+        label_lengths = np.asarray(pc.list_value_length(labels).to_numpy(zero_copy_only=False))
+        bad = np.flatnonzero(label_lengths != lengths)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"row {row_offset + i}: labels has {label_lengths[i]} tokens but input_ids has "
+                             f"{lengths[i]}; labels must be as long as input_ids (-100 where no loss)")
         flat = np.asarray(pc.list_flatten(labels).to_numpy(zero_copy_only=False))
         supervised_flat = (flat != IGNORE_INDEX).astype(np.int64)
     else:
@@ -195,7 +203,7 @@ def truncate_dataset(dataset, *, max_length: int | None, mode: str = "keep_start
     first_long: tuple[int, int] | None = None
     base = 0
     for table in dataset.select_columns(columns).with_format("arrow").iter(batch_size=batch_rows):
-        scan = scan_table(table, max_length=max_length, mode=mode)
+        scan = scan_table(table, max_length=max_length, mode=mode, row_offset=base)
         long = scan["lengths"] > max_length
         if first_long is None and long.any():
             i = int(np.flatnonzero(long)[0])
