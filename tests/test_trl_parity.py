@@ -285,3 +285,19 @@ def test_eval_dataset_passed_to_evaluate_is_cut_as_trl_cuts_it(tmp_path):
     got = pf.evaluate(eval_dataset=held)
     assert got["eval_supervised_tokens"] == 4 * 39 - 4 * 3  # 40 tokens kept, 4 prompt labels, shifted
     assert got["eval_loss"] == pytest.approx(trl.evaluate(eval_dataset=held)["eval_loss"], rel=1e-5)
+
+
+def test_chat_template_path_jinja_file_as_trl(tmp_path):
+    """chat_template_path (a .jinja file) renders the chat rows pf-trl tokenizes, as TRL sets it before tokenizing."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}{{ eos_token }}")
+    chats = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}!"}]}
+             for i in range(3)]
+    kw = dict(chat_template_path=str(template), assistant_only_loss=False)
+    trl = trl_trainer(chats, tmp_path, **kw)
+    pf = pf_trainer(chats, tmp_path, **kw)
+    got = sorted(examples(pf.get_train_dataloader()))
+    assert got == sorted(examples(trl.get_train_dataloader()))
+    from pf_trl.data.tokenizer import load_tokenizer
+
+    assert load_tokenizer().decode(list(got[0][0])).startswith("<<user>> Say 0.")
