@@ -284,9 +284,9 @@ def _tokenize_batch(
                 tokenizer, batch, indices, fields, completion_only_loss=config.completion_only_loss)
         else:
             column = fields.conversations if input_format == "sharegpt" else fields.messages
-            texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column)
-            if not config.assistant_only_loss:
-                spans = [[(0, len(t))] for t in texts]  # TRL's assistant_only_loss=False: every token
+            # assistant_only_loss=False (TRL's default there): every token of the conversation
+            texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column,
+                                                   supervise_all=not config.assistant_only_loss)
         # Chat templates write their own special tokens; the other formats get the tokenizer's BOS.
         ids_list, labels_list = formats.encode_spans(tokenizer, texts, spans, add_special_tokens=not chat)
         if config.add_eos and not chat and tokenizer.eos_token_id is not None:
