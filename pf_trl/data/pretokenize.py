@@ -32,9 +32,9 @@ from pf_trl.data import formats
 from pf_trl.data.formats import FieldNames, FormatError
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint
-from pf_trl.data.truncation import (
-    TRUNCATION_MODES,
-    TRUNCATION_POLICIES,
+from pf_trl.data.truncation import (  # TRUNCATION_MODES / TRUNCATION_POLICIES: re-exported for callers of this module
+    TRUNCATION_MODES,  # noqa: F401
+    TRUNCATION_POLICIES,  # noqa: F401
     TruncationReport,
     check_mode,
     cut,
