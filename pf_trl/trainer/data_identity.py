@@ -3,8 +3,8 @@
 The sampler's own fingerprint covers the example *lengths* and the packing options: enough to replay the batches,
 not to know they hold the same examples (two datasets with the same lengths in the same places, or the same data in
 another order, would resume silently and train some examples twice and others never). :func:`data_identity` adds a
-digest of the content itself: every token id and label, in dataset order, read through Arrow in batches (BLAKE2b,
-about a second per GB of tokens; computed once per run, at the first checkpoint or the resume check).
+digest of the content itself: every token id and label, in dataset order, read through Arrow in batches (BLAKE2b;
+about 1 s per 20 M tokens on one CPU core, computed once per run, at the first checkpoint or the resume check).
 :func:`describe_change` names what differs.
 """
 
@@ -34,10 +34,11 @@ def data_identity(dataset, columns: tuple[str, ...] = ("input_ids", "labels")) -
     for table in dataset.select_columns(present).with_format("arrow").iter(batch_size=_BATCH_ROWS):
         for name in present:
             column = table.column(name).combine_chunks()
-            lengths = np.asarray(pc.list_value_length(column).to_numpy(zero_copy_only=False), "<i8")
-            digest.update(lengths.tobytes())
+            # int32 whatever the column type (token ids and -100 fit): the same rows give the same digest
+            lengths = np.ascontiguousarray(pc.list_value_length(column).to_numpy(zero_copy_only=False), dtype="<i4")
+            digest.update(memoryview(lengths))
             values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
-            digest.update(np.ascontiguousarray(values, dtype="<i8").tobytes())
+            digest.update(memoryview(np.ascontiguousarray(values, dtype="<i4")))
             if name == present[0]:
                 tokens += int(lengths.sum())
     return {"examples": examples, "tokens": tokens, "content": digest.hexdigest()}
