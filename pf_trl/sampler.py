@@ -115,6 +115,22 @@ def _best_fit_decreasing(idx: np.ndarray, lens: np.ndarray, capacity: int) -> li
     return bins
 
 
+def _next_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Pack examples in ``order`` without reordering: a new bin whenever the next example does not fit."""
+    bins: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, length in zip(order.tolist(), lengths[order].tolist()):
+        if current and used + length > capacity:
+            bins.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += length
+    if current:
+        bins.append(current)
+    return bins
+
+
 def _split_in_two(items: list[int], lengths: np.ndarray) -> tuple[list[int], list[int]]:
     """Split a bin's examples into two non-empty halves with near-equal tokens (greedy LPT)."""
     order = sorted(items, key=lambda i: -int(lengths[i]))
@@ -151,6 +167,9 @@ class TokenBudgetBatchSampler:
         carry_below: after a window is packed, bins filled below this fraction of ``max_tokens``
             are reopened and their examples carried into the next window (at most half a window
             is carried). ``0`` disables carrying.
+        ordered: with ``shuffle=False``, keep the dataset order exactly (transformers'
+            ``train_sampling_strategy="sequential"``): examples fill each batch in order until the next
+            one does not fit (next-fit), and batches come in that order.
 
     Raises:
         ValueError: on an empty or non-integer ``lengths``, a length ``<= 0``, an example longer than
@@ -175,6 +194,7 @@ class TokenBudgetBatchSampler:
         drop_last: bool = False,
         window: int | None = None,
         carry_below: float = 0.99,
+        ordered: bool = False,
     ) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -199,6 +219,9 @@ class TokenBudgetBatchSampler:
         self.rank = int(rank)
         self.drop_last = bool(drop_last)
         self.carry_below = float(carry_below)
+        if ordered and shuffle:
+            raise ValueError("ordered=True keeps the dataset order and needs shuffle=False")
+        self.ordered = bool(ordered)
         n = len(self.lengths)
         if n < self.num_replicas:
             raise ValueError(
@@ -280,8 +303,10 @@ class TokenBudgetBatchSampler:
         return rng.permutation(n) if self.shuffle else np.arange(n)
 
     def _pack(self, order: np.ndarray, window: int) -> list[list[int]]:
-        """Windowed best-fit-decreasing over ``order`` (see the module docstring, step 2)."""
+        """Windowed best-fit-decreasing over ``order`` (see the module docstring, step 2); next-fit when ordered."""
         lengths = self.lengths
+        if self.ordered:
+            return _next_fit(order, lengths, self.max_tokens)
         n = len(order)
         carry_tokens = self.carry_below * self.max_tokens
         max_carry = max(1, window // 2)
@@ -419,6 +444,8 @@ class TokenBudgetBatchSampler:
             window = min(2 * window, n)
             bins, num_merged = self._merge_least_filled(self._pack(order, window), target)
         bins, num_split, dropped_tokens = self._fit_count(bins, target)
+        if self.ordered:
+            bins.sort(key=min)  # a bin split to reach the count goes back to its place in the order
         r = self.num_replicas
         sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
         offsets = np.zeros(len(bins) + 1, dtype=np.int64)
@@ -431,7 +458,7 @@ class TokenBudgetBatchSampler:
         else:
             # Group bins of similar tokens into a step (per-step balance), then randomise the step order.
             pre = rng.permutation(len(bins)) if self.shuffle else np.arange(len(bins))
-            by_tokens = pre[np.argsort(tokens[pre], kind="stable")]
+            by_tokens = pre if self.ordered else pre[np.argsort(tokens[pre], kind="stable")]
             groups = by_tokens.reshape(num_steps, r)
             if self.shuffle:
                 groups = groups[rng.permutation(num_steps)]
@@ -603,6 +630,8 @@ class TokenBudgetBatchSampler:
                 "carry_below": self.carry_below,
                 "version": _STATE_VERSION,
             }
+            if self.ordered:
+                params["ordered"] = True
             h.update(json.dumps(params, sort_keys=True).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint

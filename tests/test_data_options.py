@@ -37,9 +37,17 @@ def test_every_door_has_every_option_with_the_same_defaults():
     assert set(names) <= _flags(build_parser())
     train = {f.name: f.default for f in dataclasses.fields(DataArguments)}
     trl_named = {name for name, (_, spec) in option_specs().items() if spec.trl_field}
-    assert trl_named == {"text_field", "completion_only_loss"}  # TRL's --dataset_text_field / --completion_only_loss
-    for name in set(names) - trl_named:
+    # TRL's --dataset_text_field / --completion_only_loss / --assistant_only_loss / --truncation_mode, and pf-trl's
+    # --truncation policy: fields of the trainer config
+    assert trl_named == {"text_field", "completion_only_loss", "assistant_only_loss", "truncation", "truncation_mode"}
+    assert train["max_seq_len"] is None  # one limit with TRL's --max_length (default 1024, as below)
+    for name in set(names) - trl_named - {"max_seq_len"}:
         assert train[name] == getattr(PretokenizeConfig(), name), name
+    from pf_trl.cli.train import pretokenize_config
+    from pf_trl.trainer import PaddingFreeConfig
+
+    made = pretokenize_config(DataArguments(), PaddingFreeConfig(output_dir="unused", use_cpu=True))
+    assert made.to_dict() == PretokenizeConfig().to_dict()  # `pf-trl train`'s defaults are pretokenize's
 
 
 def test_the_service_schema_carries_the_declared_bounds():

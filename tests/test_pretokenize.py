@@ -118,9 +118,11 @@ def test_truncation_policies(tmp_path, tokenizer):
     assert m["counts"]["truncated"] == 1 and max(ds["length"]) == 64
     m2 = pretokenize(src, tmp_path / "drop", PretokenizeConfig(max_seq_len=64, truncation="drop"), progress=False)
     assert m2["counts"]["examples"] == 1 and m2["counts"]["dropped_too_long"] == 1
-    with pytest.raises(PretokenizeError, match=r"row 0 has \d+ tokens > max_seq_len 64"):
-        pretokenize(src, tmp_path / "err", PretokenizeConfig(max_seq_len=64, truncation="error"), progress=False)
-    assert not (tmp_path / "err").exists()
+    for policy in ("refuse", "error"):  # `error`: the older name of `refuse`
+        with pytest.raises(PretokenizeError, match=r"1 of 2 examples are longer than max_seq_len 64 \(first: row 0, "
+                                                   r"\d+ tokens\) and the truncation policy is 'refuse'"):
+            pretokenize(src, tmp_path / "err", PretokenizeConfig(max_seq_len=64, truncation=policy), progress=False)
+        assert not (tmp_path / "err").exists()
 
 
 def test_manifest_contents_on_shipped_sample(sample_shards):

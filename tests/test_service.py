@@ -222,7 +222,7 @@ def _bad_cases():
          "greater than 0"),
         ("bad-truncation", "POST", "/v1/datasets",
          {"source": {"path": "sample.jsonl"}, "options": {"truncation": "chop"}}, None, 422, "options.truncation",
-         "'truncate', 'drop' or 'error'"),
+         "'truncate', 'drop', 'refuse' or 'error'"),
         ("path-and-upload", "POST", "/v1/datasets", {"source": {"path": "sample.jsonl", "upload_id": "a" * 64 + ".jsonl"}},
          None, 422, "source", "exactly one"),
         ("source-not-object", "POST", "/v1/datasets", {"source": "sample.jsonl"}, None, 422, "source", "JSON object"),

@@ -140,10 +140,11 @@ def main(argv: list[str]) -> int:
         c, s = manifest["counts"], manifest["lengths"]
         source = manifest.get("source", {})
         print(f"{args.shards_dir}: {c['examples']} examples, {c['tokens']} tokens ({c['loss_tokens']} supervised), "
-              f"{c['truncated']} truncated, {c['dropped']} dropped")
+              f"{c['truncated']} truncated ({c.get('loss_tokens_lost', 'n/a')} supervised tokens lost), {c['dropped']} dropped")
         print(f"format {source.get('input_format')} (chat mask: {source.get('chat_mask') or 'n/a'}), tokenizer "
               f"{manifest['tokenizer']['name']} (vocab {manifest['tokenizer']['vocab_size']}), "
-              f"max_seq_len {manifest['max_seq_len']}, truncation {manifest['truncation']}")
+              f"max_seq_len {manifest['max_seq_len']}, truncation {manifest['truncation']} "
+              f"({(manifest.get('options') or {}).get('truncation_mode', 'keep_start')})")
         print(f"lengths: min {s['min']} mean {s['mean']} p50 {s['p50']} p90 {s['p90']} p99 {s['p99']} max {s['max']}")
         for line in source_lines(manifest, lengths):
             print(line)

@@ -13,6 +13,12 @@ from pf_trl.data.scan import JsonLinesError, check_json_lines
 from pf_trl.data.shards import ShardsError
 from pf_trl.data.sources import DataSourceError, check_source_path
 from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer
+from pf_trl.data.truncation import POLICY_HELP
+
+_HELP = {
+    "truncation": POLICY_HELP.replace("the sequence limit", "--max_seq_len"),
+    "truncation_mode": "Which tokens 'truncate' keeps: keep_start (the first max_seq_len, TRL's default) or keep_end.",
+}
 
 # `pf-trl train` spellings of the same options.
 ALIASES = {"--dataset_text_field": "--text_field", "--tokenizer": "--tokenizer_name_or_path"}
@@ -136,5 +142,14 @@ def main(argv: list[str]) -> int:
             raise
         print(f"pf-trl pretokenize: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    line = truncation_line(manifest)
+    if line:  # a decision the user sees, not only a count in the JSON (stdout stays JSON)
+        print(f"pf-trl pretokenize: {line}", file=sys.stderr)
     print(json.dumps(summary(args, manifest), indent=2))
     return 0
+
+
+def truncation_line(manifest: dict) -> str | None:
+    from pf_trl.data.truncation import report_from_manifest
+
+    return report_from_manifest(manifest).summary("examples", limit_name="--max_seq_len")

@@ -87,6 +87,12 @@ class ModelArguments(PeftArguments):
     )
 
 
+# one limit with TRL's --max_length: unset, the trainer config's max_length (TRL's default 1024) decides
+_MAX_SEQ_LEN = ("max_seq_len", int | None, field(default=None, metadata={
+    "help": "Longest example in tokens: TRL's --max_length under pf-trl's name (pass one of the two). Default 1024 "
+            "(TRL's); a shards directory keeps the limit it was made with. Longer examples follow --truncation."}))
+
+
 def _data_arguments() -> type:
     """``DataArguments``: where the data comes from, plus the data options of
     :class:`~pf_trl.data.options.PretokenizeConfig` (declared there once; ``--dataset_text_field`` and
@@ -109,7 +115,8 @@ def _data_arguments() -> type:
         ("dataset_service_timeout_s", float, field(default=SERVICE_WAIT_S, metadata={
             "help": "Wait at most this long (seconds) for the service's dataset."})),
     ]
-    return dataclasses.make_dataclass("DataArguments", [*where, *train_data_fields(), *service],
+    data = [_MAX_SEQ_LEN if name == "max_seq_len" else (name, typ, spec) for name, typ, spec in train_data_fields()]
+    return dataclasses.make_dataclass("DataArguments", [*where, *data, *service],
                                       namespace={"__module__": __name__, "__doc__": _data_arguments.__doc__})
 
 
@@ -170,7 +177,21 @@ def parse_args(argv: list[str]):
         raise TrainCLIError(str(exc)) from exc
     if rest:
         raise _unknown(rest, [s for a in parser._actions for s in a.option_strings])  # noqa: SLF001
+    one_sequence_limit(argv, data_args, config)
     return model_args, data_args, config
+
+
+def one_sequence_limit(argv: list[str], data_args, config) -> None:
+    """``--max_seq_len`` (pf-trl's, fms-hf-tuning's name) and ``--max_length`` (TRL's) are one limit: the one given
+    becomes both (``config.max_length`` is what tokenizing and the trainer read); two different values are refused."""
+    given = {flag for flag in ("--max_seq_len", "--max_length") for a in argv if a == flag or a.startswith(flag + "=")}
+    if given == {"--max_seq_len", "--max_length"} and data_args.max_seq_len != config.max_length:
+        raise TrainCLIError(f"--max_seq_len {data_args.max_seq_len} and --max_length {config.max_length} are the same "
+                            "limit with two values; pass one of them")
+    if "--max_seq_len" in given:
+        config.max_length = data_args.max_seq_len
+    elif "--max_length" in given:
+        data_args.max_seq_len = config.max_length
 
 
 def fast_parse(argv: list[str]) -> argparse.Namespace | None:
@@ -214,7 +235,8 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
             parser.add_argument(f"--{f.name}", default=f.default, nargs="+")
         else:
             parser.add_argument(f"--{f.name}", default=f.default)
-    for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch"):
+    for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch", "max_length", "truncation",
+                 "truncation_mode"):
         parser.add_argument(f"--{name}", default=None)
     try:
         args, _ = parser.parse_known_args(normalize_argv(argv))
@@ -255,12 +277,12 @@ def check_combinations(get) -> None:
 
 def _check_data_options(args: argparse.Namespace) -> int:
     """The data options given on the command line, checked as :class:`~pf_trl.data.options.PretokenizeConfig` checks
-    them (one declaration), with the flag named; returns --max_seq_len."""
+    them (one declaration), with the flag named (the sequence limit and its policy: :func:`_check_sequence_limit`)."""
     from pf_trl.data.options import OptionError, check_option, option_specs, option_type, parse_bool, read_template_file
 
     for name, (f, spec) in option_specs().items():
         value = getattr(args, name, None)
-        if spec.trl_field or value is None or not isinstance(value, str):
+        if spec.trl_field or name == "max_seq_len" or value is None or not isinstance(value, str):
             continue  # TRL's own flags, and defaults, need no check here
         try:
             if spec.file:
@@ -278,7 +300,27 @@ def _check_data_options(args: argparse.Namespace) -> int:
         except (OptionError, argparse.ArgumentTypeError) as exc:
             text = str(exc)
             raise TrainCLIError(text if text.startswith("--") else f"--{text}") from exc
-    return int(args.max_seq_len)
+
+
+def _check_sequence_limit(args: argparse.Namespace) -> tuple[int | None, str, bool]:
+    """``--truncation`` / ``--truncation_mode`` and the one limit of ``--max_seq_len`` / ``--max_length``: returns
+    (the limit or None for no limit, the flag that set it, whether it was given)."""
+    from pf_trl.data.truncation import TRUNCATION_MODES, TRUNCATION_POLICIES, normalize_policy
+
+    if args.truncation is not None:
+        try:
+            normalize_policy(args.truncation)
+        except ValueError:
+            raise TrainCLIError(f"--truncation {args.truncation!r} is unknown; use {', '.join(TRUNCATION_POLICIES)}") from None
+    if args.truncation_mode is not None and args.truncation_mode not in TRUNCATION_MODES:
+        raise TrainCLIError(f"--truncation_mode {args.truncation_mode!r} is unknown; use {' or '.join(TRUNCATION_MODES)}")
+    limit_flag = "--max_seq_len" if args.max_seq_len is not None else "--max_length"
+    limit = args.max_seq_len if args.max_seq_len is not None else args.max_length
+    given = limit is not None
+    limit = 1024 if limit is None else limit  # TRL's default max_length
+    if limit in ("None", "none"):
+        return None, limit_flag, given
+    return _positive_int(limit, limit_flag), limit_flag, given
 
 
 def precheck(argv: list[str], *, say=print) -> None:
@@ -311,7 +353,8 @@ def precheck(argv: list[str], *, say=print) -> None:
                     check_source_path(path, flag=flag)
             except (DataSourceError, DataConfigError) as exc:
                 raise TrainCLIError(f"{flag}: {exc}" if isinstance(exc, DataConfigError) else str(exc)) from exc
-    max_seq_len = _check_data_options(args)
+    _check_data_options(args)
+    max_seq_len, limit_flag, given = _check_sequence_limit(args)
     for flag, path in (("max_tokens_per_batch", args.training_data_path),
                        ("max_eval_tokens_per_batch", args.validation_data_path)):
         if getattr(args, flag) is not None:
@@ -328,9 +371,10 @@ def precheck(argv: list[str], *, say=print) -> None:
             "nor a local folder; pf-trl never downloads models"
         )
     positions = _max_positions(name)
-    if positions is not None and max_seq_len > positions:
+    if positions is not None and max_seq_len is not None and max_seq_len > positions:
         raise TrainCLIError(
-            f"--max_seq_len {max_seq_len} exceeds the model's max_position_embeddings ({positions}); lower --max_seq_len"
+            f"{limit_flag} {max_seq_len}{'' if given else ' (the default)'} exceeds the model's max_position_embeddings "
+            f"({positions}); {'lower' if given else 'pass'} {limit_flag}"
         )
     try:
         if args.tokenizer_name_or_path:
@@ -417,9 +461,11 @@ def _probe_service(args: argparse.Namespace, say) -> None:
 
 
 def pretokenize_config(data_args, config):
-    """The data options of a run: the data flags, and the two that TRL's config carries (``--dataset_text_field``,
-    ``--completion_only_loss``); ``--chat_template FILE`` is read into the template text."""
+    """The data options of a run: the data flags, and those TRL's config carries (``--dataset_text_field``,
+    ``--completion_only_loss``, ``--assistant_only_loss``, ``--truncation_mode``; ``--truncation`` and the sequence
+    limit from :class:`~pf_trl.trainer.PaddingFreeConfig`); ``--chat_template FILE`` is read into the template text."""
     from pf_trl.data.options import PretokenizeError, config_from_values, option_specs
+    from pf_trl.trainer.sequence_limit import pretokenize_limits
 
     values = {}
     for name, (f, spec) in option_specs().items():
@@ -428,6 +474,9 @@ def pretokenize_config(data_args, config):
             values[name] = f.default if value is None else (value is not False if f.type == "bool" else value)
         else:
             values[name] = getattr(data_args, name)
+    limits = pretokenize_limits(config)  # --max_seq_len / --max_length, --truncation, --truncation_mode
+    limits["drop_no_loss"] = limits["drop_no_loss"] and data_args.drop_no_loss
+    values.update(limits)
     try:
         return config_from_values(values)
     except PretokenizeError as exc:
@@ -488,7 +537,19 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
         raise TrainCLIError(_service_message(exc)) from exc
     for dataset in (train, evalset):
         _note_made_with_other_options(dataset, options, given, say)
+    say_truncation(train, "training data", say)
+    say_truncation(evalset, "validation data", say)
     return train, evalset
+
+
+def say_truncation(dataset, what: str, say) -> None:
+    """One line: how many examples the sequence limit cut or dropped, and the supervised tokens lost."""
+    from pf_trl.data.truncation import report_from_manifest
+
+    manifest = getattr(dataset, "pf_manifest", None)
+    line = report_from_manifest(manifest).summary(what, limit_name="--max_seq_len") if manifest else None
+    if line:
+        say(line)
 
 
 def _load_data_config(data_args: DataArguments, options, tokenizer, *, quiet: bool, say, path: str | None = None,
@@ -619,8 +680,9 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     check_budget(evalset, config.max_eval_tokens_per_batch, "--max_eval_tokens_per_batch")
 
     model = build_model(name, torch_dtype=dtype, attn_implementation=attn, seed=config.seed, **overrides)
-    if config.max_length is None or config.max_length < data_args.max_seq_len:
-        config.max_length = data_args.max_seq_len
+    made_with = (getattr(train, "pf_manifest", None) or {}).get("max_seq_len")
+    if data_args.max_seq_len is None and config.max_length is not None and made_with and made_with > config.max_length:
+        config.max_length = made_with  # no limit given: shards made with a longer one are trained as they are
     trainer = PaddingFreeSFTTrainer(model, args=config, train_dataset=train, eval_dataset=evalset,
                                     processing_class=tokenizer, peft_config=peft_config)
     return trainer

@@ -299,14 +299,21 @@ def _render_chat(tokenizer, messages: list[dict[str, str]], first_supervised: in
 
 
 def render_messages(
-    tokenizer, batch: dict[str, list], indices: list[int], fields: FieldNames, *, column: str | None = None
+    tokenizer, batch: dict[str, list], indices: list[int], fields: FieldNames, *, column: str | None = None,
+    supervise_all: bool = False,
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """Render chats with the tokenizer's template: loss on assistant turns (see the module docstring for how)."""
+    """Render chats with the tokenizer's template: loss on assistant turns (see the module docstring for how), or
+    with ``supervise_all`` on every character (TRL's ``assistant_only_loss=False``: any template, no mask to derive)."""
     column = column or fields.messages
     _need_template(tokenizer)
     texts, spans = [], []
     for messages, index in zip(batch[column], indices):
         messages = normalize_messages(messages, column, index)
+        if supervise_all:
+            text = _guard_template(lambda: tokenizer.apply_chat_template(messages, tokenize=False), index)
+            texts.append(text)
+            spans.append([(0, len(text))])
+            continue
         text, row_spans = _guard_template(lambda: _render_chat(tokenizer, messages, 0, index), index)
         if not row_spans:
             raise FormatError(f"row {index}: no assistant message, so nothing to learn; drop the row or add a reply")

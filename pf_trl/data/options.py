@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from pf_trl.data.formats import FORMATS, FieldNames
+from pf_trl.data.truncation import POLICY_HELP, TRUNCATION_MODES, TRUNCATION_POLICIES, normalize_policy
 
-TRUNCATION_POLICIES = ("truncate", "drop", "error")
+# `error` is the older spelling of `refuse`, still accepted
+_TRUNCATION_CHOICES = (*TRUNCATION_POLICIES, "error")
 SHARD_SIZE_PATTERN = r"^[1-9][0-9]{0,6}(MB|GB|MiB|GiB)$"
 CHAT_TEMPLATE_MAX_CHARS = 1 << 16
 
@@ -91,7 +93,12 @@ class PretokenizeConfig:
             ``output_field`` and ``conversations_field``.
         response_template: for ``text``: loss starts after its last occurrence.
         max_seq_len: longest example kept, in tokens.
-        truncation: ``truncate`` (keep the first max_seq_len tokens) | ``drop`` | ``error``.
+        truncation: the policy for longer examples (:mod:`pf_trl.data.truncation`): ``truncate`` (TRL's behaviour,
+            the default) | ``drop`` | ``refuse`` (``error`` is accepted for ``refuse``).
+        truncation_mode: which tokens ``truncate`` keeps: ``keep_start`` (the first max_seq_len, TRL's default) or
+            ``keep_end`` (the last).
+        assistant_only_loss: chat formats: loss on assistant turns only (pf-trl's default); False: on every token of
+            the rendered conversation (TRL's ``assistant_only_loss=False``).
         add_eos: append EOS (supervised) to ``text`` and ``prompt_completion`` rows.
         drop_no_loss: drop rows left with no supervised token (they cost compute and teach nothing).
         shard_size: ``save_to_disk(max_shard_size=...)``, e.g. ``"500MB"``.
@@ -113,8 +120,8 @@ class PretokenizeConfig:
     response_template: str | None = _option(None, "Text format: the loss starts after its last occurrence.",
                                             min_length=1, max_length=1024)
     max_seq_len: int = _option(1024, "Longest example kept, in tokens.", positive=True, maximum=1 << 20)
-    truncation: str = _option("truncate", "Examples longer than --max_seq_len: truncate, drop or error.",
-                              choices=TRUNCATION_POLICIES)
+    truncation: str = _option("truncate", POLICY_HELP + " ('error' is accepted for 'refuse'.)",
+                              choices=_TRUNCATION_CHOICES, trl_field="truncation")
     add_eos: bool = _option(True, "Append EOS (supervised) to text and prompt-completion rows.")
     drop_no_loss: bool = _option(True, "Drop rows left without a supervised token.")
     shard_size: str = _option("500MB", "Arrow shard size: 1MB .. 9999999MB (MB, GB, MiB, GiB).",
@@ -128,10 +135,17 @@ class PretokenizeConfig:
     chat_template: str | None = _option(None, "Jinja chat template for the chat formats, replacing the tokenizer's "
                                         "own (the CLI reads it from a FILE).", min_length=1,
                                         max_length=CHAT_TEMPLATE_MAX_CHARS, file=True)
+    truncation_mode: str = _option("keep_start", "Which tokens 'truncate' keeps: keep_start (the first "
+                                   "--max_seq_len, TRL's default) or keep_end (the last).", choices=TRUNCATION_MODES,
+                                   trl_field="truncation_mode")
+    assistant_only_loss: bool = _option(True, "Chat formats: loss on assistant turns only; false: on every token of "
+                                        "the conversation (TRL's assistant_only_loss=False).",
+                                        trl_field="assistant_only_loss")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_option(f.name, getattr(self, f.name))
+        self.truncation = normalize_policy(self.truncation)
         if self.input_format == "text" and not self.response_template:
             raise OptionError("input_format 'text' needs a response_template (e.g. '### Response:')",
                               "response_template")

@@ -33,6 +33,7 @@ from pf_trl.data.options import TRUNCATION_POLICIES, PretokenizeConfig, Pretoken
 from pf_trl.data.scan import first_bad_line
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint, with_chat_template
+from pf_trl.data.truncation import TRUNCATION_MODES, TruncationReport, cut  # noqa: F401 (TRUNCATION_MODES re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,9 @@ def _tokenize_batch(
                 tokenizer, batch, indices, fields, completion_only_loss=config.completion_only_loss)
         else:
             column = fields.conversations if input_format == "sharegpt" else fields.messages
-            texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column)
+            # assistant_only_loss=False (TRL's default there): every token of the conversation
+            texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column,
+                                                   supervise_all=not config.assistant_only_loss)
         # Chat templates write their own special tokens; the other formats get the tokenizer's BOS.
         ids_list, labels_list = formats.encode_spans(tokenizer, texts, spans, add_special_tokens=not chat)
         if config.add_eos and not chat and tokenizer.eos_token_id is not None:
@@ -199,28 +202,27 @@ def _tokenize_batch(
                 ids.append(eos)
                 labels.append(eos)
 
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": []}
-    for ids, labels, index in zip(ids_list, labels_list, indices):
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": [],
+                            "_lost": []}
+    for ids, labels in zip(ids_list, labels_list):
         drop, truncated = _KEEP, False
+        before = len(labels) - labels.count(formats.IGNORE_INDEX)
         if len(ids) > config.max_seq_len:
-            if config.truncation == "error":
-                raise PretokenizeError(
-                    f"row {index} has {len(ids)} tokens > max_seq_len {config.max_seq_len} and truncation='error'; "
-                    "raise --max_seq_len or use --truncation truncate or drop", "max_seq_len"
-                )
-            if config.truncation == "drop":
+            if config.truncation == "truncate":
+                ids, labels = cut(ids, labels, config.max_seq_len, config.truncation_mode)
+                truncated = True
+            else:  # drop, or refuse (refused after the scan, with the count of every row too long)
                 drop = _TOO_LONG
-            else:
-                ids, labels, truncated = ids[: config.max_seq_len], labels[: config.max_seq_len], True
         loss = len(labels) - labels.count(formats.IGNORE_INDEX)
         if drop == _KEEP and loss == 0 and config.drop_no_loss:
-            drop = _NO_LOSS
+            drop = _NO_LOSS  # as TRL: an example left without a supervised label is dropped
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["length"].append(len(ids))
         out["_drop"].append(drop)
         out["_truncated"].append(truncated)
         out["_loss"].append(loss)
+        out["_lost"].append(before if drop == _TOO_LONG else before - loss)
     # An Arrow table, not a dict: datasets then writes it as is instead of converting every list element
     # through its own typed-sequence path (a quarter of the non-tokenizer time).
     return pa.Table.from_pydict(out, schema=_processing_schema())
@@ -412,10 +414,21 @@ def pretokenize(
         drop = np.asarray(full.data.column("_drop"))
         truncated = np.asarray(full.data.column("_truncated"))
         loss = np.asarray(full.data.column("_loss"))
+        lost = np.asarray(full.data.column("_lost"), dtype=np.int64)
         keep = drop == _KEEP
+        too_long = drop == _TOO_LONG
+        report = TruncationReport(
+            examples=rows_total, too_long=int(too_long.sum()) + int(truncated.sum()), truncated=int(truncated.sum()),
+            dropped_too_long=int(too_long.sum()), loss_tokens_lost=int(lost.sum()),
+            dropped_no_loss=int((drop == _NO_LOSS).sum()), max_length=config.max_seq_len,
+            mode=config.truncation_mode, policy=config.truncation)
+        if config.truncation == "refuse" and too_long.any():
+            first = int(np.flatnonzero(too_long)[0])
+            raise PretokenizeError(report.refusal(first, int(np.asarray(full.data.column("length"))[first]),
+                                                  limit_name="max_seq_len"))
         # An index mapping, not a rewrite: save_to_disk below writes the kept rows once.
         kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
-        kept = kept.remove_columns(["_drop", "_truncated", "_loss"])
+        kept = kept.remove_columns(["_drop", "_truncated", "_loss", "_lost"])
         if kept.num_rows == 0:
             raise PretokenizeError(
                 f"no example left after tokenization ({int((drop == _TOO_LONG).sum())} too long, "
@@ -440,6 +453,8 @@ def pretokenize(
                 "rows": rows_total,
                 "input_format": input_format,
                 "chat_mask": formats.chat_mask_method(tokenizer) if input_format in CHAT_FORMATS else None,
+                "mask_columns": [c for c in formats.MASK_COLUMNS if c in ds.column_names]
+                if input_format == "pretokenized" else [],
             },
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "options": config.to_dict(),
@@ -451,6 +466,8 @@ def pretokenize(
                 "tokens": int(lengths.sum()),
                 "loss_tokens": int(loss[keep].sum()),
                 "truncated": int(truncated[keep].sum()),
+                "too_long": report.too_long,  # cut (kept or then dropped without loss) or dropped for their length
+                "loss_tokens_lost": report.loss_tokens_lost,
                 "dropped": int((~keep).sum()),
                 "dropped_too_long": int((drop == _TOO_LONG).sum()),
                 "dropped_no_loss": int((drop == _NO_LOSS).sum()),
@@ -483,6 +500,7 @@ def _processing_features():
     features["_drop"] = Value("int8")
     features["_truncated"] = Value("bool")
     features["_loss"] = Value("int32")
+    features["_lost"] = Value("int32")
     return features
 
 

@@ -65,7 +65,10 @@ def dataset_cache_key(source: Any, tokenizer, options: dict[str, Any]) -> str:
 
     digest = hashlib.sha256()
     digest.update(source_fingerprint(source).encode())
-    digest.update(tokenizer_fingerprint(tokenizer)["sha256"].encode())
+    identity = tokenizer_fingerprint(tokenizer)
+    digest.update(identity["sha256"].encode())
+    # special ids set in memory (e.g. SFTConfig.eos_token) change the tokens written but not the tokenizer's files
+    digest.update(json.dumps([identity["bos_token_id"], identity["eos_token_id"]]).encode())
     digest.update(json.dumps(options, sort_keys=True).encode())
     return digest.hexdigest()
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from trl import SFTConfig
 
+from pf_trl.data.truncation import POLICY_HELP, check_mode, normalize_policy
 from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
 from pf_trl.trainer.modes import PADDING_FREE_MODES, normalize_padding_free  # noqa: F401 (re-exported)
 
@@ -109,6 +110,16 @@ class PaddingFreeConfig(SFTConfig):
         metadata={"help": "Streamed training data (an IterableDataset): examples read ahead and packed to the token "
                   "budget together. Memory is bounded by it; larger fills batches closer to the budget."},
     )
+    # TRL's default False trains every token of a chat; unset, pf-trl trains the assistant turns (and says so)
+    assistant_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "Chat data: loss on assistant turns only (True) or on every token (False, TRL's default). "
+                  "Unset: assistant turns, said in one log line. Tokenized assistant_masks always apply."},
+    )
+    truncation: str = field(
+        default="truncate",
+        metadata={"help": POLICY_HELP},
+    )
     allow_unverified: bool = field(
         default=False,
         metadata={"help": "Accept a model type that pf-trl's coverage sweep has no evidence for (docs/models.md), "
@@ -138,6 +149,8 @@ class PaddingFreeConfig(SFTConfig):
             raise ValueError(f"stream_buffer_size must be a positive integer, got {self.stream_buffer_size}")
         if self.fused_loss not in FUSED_LOSS_CHOICES:
             raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
+        self.truncation = normalize_policy(self.truncation)
+        check_mode(self.truncation_mode)
         if self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.padding_free != "none" and self.packing:

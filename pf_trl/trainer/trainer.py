@@ -52,6 +52,15 @@ from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
+from pf_trl.trainer.data_identity import data_identity, describe_change
+from pf_trl.trainer.fields import (
+    apply_chat_template_path,
+    apply_eos_token,
+    hidden_from_trl,
+    model_build_kwargs,
+    say_mask_decisions,
+    shuffle_once,
+)
 from pf_trl.trainer.loss import (
     backbone_of,
     DEFAULT_CHUNK_SIZE,
@@ -158,13 +167,8 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
 
 
 def check_loss_options(args) -> None:
-    """Refuse the SFTTrainer loss options pf-trl cannot reproduce on packed rows, naming each."""
-    if getattr(args, "neftune_noise_alpha", None) is not None:
-        raise ValueError(
-            "neftune_noise_alpha is not supported with padding_free: NEFTune scales its noise by the row length, and a "
-            "packed row holds many examples (the padded run scales by the padded length), so the noise would differ. "
-            "Unset neftune_noise_alpha or use padding_free='none'."
-        )
+    """Refuse the combinations of SFTTrainer loss options pf-trl cannot reproduce on packed rows, naming each (single
+    fields are refused by :func:`pf_trl.trainer.parity.check_config`)."""
     loss_type = getattr(args, "loss_type", "nll")
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not supported with padding_free (supported: {', '.join(LOSS_TYPES)})")
@@ -227,16 +231,22 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
             args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
+        if args.padding_free != "none":
+            from pf_trl.trainer.parity import check_config  # (imported here: `python -m` runs that module)
+
+            check_config(args)  # every SFTConfig / TrainingArguments value pf-trl cannot reproduce, by name
         processing_class = _pf_resolve_tokenizer(model, processing_class)
         if pretokenize_config is not None and getattr(pretokenize_config, "chat_template", None):
             from pf_trl.data.tokenizer import with_chat_template
 
             # the data's template is the model's: the fingerprints agree and the saved tokenizer carries it
             processing_class = with_chat_template(processing_class, pretokenize_config.chat_template)
+        apply_chat_template_path(args, processing_class)
+        apply_eos_token(args, processing_class)
         if isinstance(model, str):
             from pf_trl.models import build_model
 
-            model = build_model(model, seed=args.seed)
+            model = build_model(model, seed=args.seed, **model_build_kwargs(args))
         if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes
             prepare = functools.partial(_pf_prepare_dataset, tokenizer=processing_class, model=model, args=args,
                                         pretokenize_config=pretokenize_config)
@@ -245,6 +255,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 eval_dataset = {k: prepare(v, what=f"evaluation {k}") for k, v in eval_dataset.items()}
             else:
                 eval_dataset = prepare(eval_dataset, what="evaluation")
+            if args.padding_free != "none":  # padded: TRL's own preparation shuffles
+                train_dataset = shuffle_once(train_dataset, args)
+                eval_dataset = ({k: shuffle_once(v, args) for k, v in eval_dataset.items()}
+                                if isinstance(eval_dataset, dict) else shuffle_once(eval_dataset, args))
         from pf_trl.data.streaming import TokenizedStream
 
         pf_stream = train_dataset if isinstance(train_dataset, TokenizedStream) else None
@@ -268,22 +282,18 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 pad_to_multiple_of=args.pad_to_multiple_of, pad_token_id=int(pad_id or 0)
             )
             self._pf_collator = data_collator
-            if _is_tokenized(train_dataset) and not (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
-                # pretokenized (pf-trl shards or input_ids/labels rows): TRL must not re-tokenize or re-truncate
-                args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-        # TRL reads `padding_free` as a bool (its own collator / max_length checks): hide our mode during its init
-        saved = args.padding_free
-        args.padding_free = False
-        try:
-            with _admit_head_adapters(self.pf_mode != "none"):
-                super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                                 eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
-        finally:
-            args.padding_free = saved
+        # TRL reads `padding_free` as a bool (its own collator / max_length checks), checks assistant_only_loss against
+        # raw rows and would prepare (re-truncate, re-shuffle) the rows pf-trl has prepared: hidden during its init
+        tokenized = _is_tokenized(train_dataset)
+        with hidden_from_trl(args, active=tokenized, skip_prepare=tokenized and self.pf_mode != "none"), \
+                _admit_head_adapters(self.pf_mode != "none"):
+            super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         if self.args.fsdp and not self.is_fsdp_enabled:
             # accelerate routes FSDP only on accelerator devices; elsewhere (e.g. CPU) it trains plain DDP silently
             logger.warning("pf-trl: fsdp was requested, but accelerate runs %s on this device: every rank holds the "
                            "whole model (plain data parallel), nothing is sharded", self.accelerator.distributed_type)
+        self._pf_pretokenize_options = pretokenize_config
         self._pf_init_metrics()
         self.add_callback(SamplerStateCallback(self))
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
@@ -302,7 +312,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     # ------------------------------------------------------------------ data
 
-    def _pf_sampler(self, dataset, budget: int | None, batch_size: int, *, shuffle: bool) -> TokenBudgetBatchSampler:
+    def _pf_sampler(self, dataset, budget: int | None, batch_size: int, *, shuffle: bool,
+                    ordered: bool = False) -> TokenBudgetBatchSampler:
         lengths = _dataset_lengths(dataset)
         if budget is None:
             budget = derive_token_budget(lengths, batch_size)
@@ -316,7 +327,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             if mixed is not None:
                 return mixed
         return TokenBudgetBatchSampler(lengths, int(budget), shuffle=shuffle, seed=int(seed), num_replicas=world,
-                                       rank=rank, drop_last=False)
+                                       rank=rank, drop_last=False, ordered=ordered)
 
     def _pf_dataloader(self, dataset, sampler, *, training: bool):
         from functools import partial
@@ -336,9 +347,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+            in_order=self.args.dataloader_in_order,
         )
         if self.args.dataloader_num_workers > 0:
             params["prefetch_factor"] = self.args.dataloader_prefetch_factor
+            params["multiprocessing_context"] = self.args.dataloader_multiprocessing_context
         if training:
             params["worker_init_fn"] = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
                                                rank=self.args.process_index)
@@ -359,8 +372,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
         if self._pf_stream is not None:
             return data_inputs.stream_dataloader(self, _CountingCollator(self._pf_collator))
+        # train_sampling_strategy: 'sequential' packs and yields in dataset order (group_by_length / batch_rebalance
+        # only cut padding: warned at construction, see parity.py)
+        sequential = {"ordered": True} if self.args.train_sampling_strategy == "sequential" else {}
         sampler = self._pf_sampler(self.train_dataset, self.args.max_tokens_per_batch,
-                                   self.args.per_device_train_batch_size, shuffle=True)
+                                   self.args.per_device_train_batch_size, shuffle=not sequential, **sequential)
         data_inputs.apply_partial_epoch(self.args, sampler)
         self.pf_token_budget = sampler.max_tokens
         if self.args.max_tokens_per_batch is None:
@@ -379,9 +395,27 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             eval_dataset = self.eval_dataset[eval_dataset]
         elif eval_dataset is None:
             eval_dataset = self.eval_dataset
+        elif not self._pf_is_prepared(eval_dataset):
+            eval_dataset = self._pf_prepare_passed(eval_dataset)
         sampler = self._pf_sampler(eval_dataset, self.args.max_eval_tokens_per_batch,
                                    self.args.per_device_eval_batch_size, shuffle=False)
         return self._pf_dataloader(eval_dataset, sampler, training=False)
+
+    def _pf_is_prepared(self, dataset) -> bool:
+        known = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        return any(dataset is d for d in known)
+
+    def _pf_prepare_passed(self, dataset):
+        """A dataset passed to ``evaluate()`` goes through the data path of ``__init__`` (tokenized, cut to
+        ``max_length``), as TRL's ``evaluate`` prepares it; prepared once per dataset object."""
+        cached = getattr(self, "_pf_passed_eval", None)
+        if cached is not None and cached[0] is dataset:
+            return cached[1]
+        prepared = _pf_prepare_dataset(dataset, tokenizer=self.processing_class, model=_transformers_model(self.model),
+                                       args=self.args, pretokenize_config=self._pf_pretokenize_options,
+                                       what="evaluation")
+        self._pf_passed_eval = (dataset, prepared)
+        return prepared
 
     # ------------------------------------------------------------------ loss
 
@@ -540,6 +574,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         sampler = self._pf_train_sampler
         state = {
             "sampler": {**sampler.state_dict(), **pos},
+            "data": self._pf_data_identity(),
             "global_step": self.state.global_step,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "world_size": max(1, self.args.world_size),
@@ -547,6 +582,14 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         }
         with open(os.path.join(folder, SAMPLER_STATE_NAME), "w") as f:
             json.dump(state, f, indent=2)
+
+    def _pf_data_identity(self) -> dict[str, Any]:
+        """Examples, tokens and content digest of the train dataset (once per run; see data_identity.py)."""
+        cached = getattr(self, "_pf_identity_cache", None)
+        if cached is None or cached[0] is not self.train_dataset:
+            cached = (self.train_dataset, data_identity(self.train_dataset))
+            self._pf_identity_cache = cached
+        return cached[1]
 
     def _pf_restore_sampler(self, sampler: TokenBudgetBatchSampler) -> None:
         if not self._pf_resume_dir:
@@ -564,6 +607,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 f"cannot resume from {self._pf_resume_dir}: it was trained with gradient_accumulation_steps="
                 f"{saved.get('gradient_accumulation_steps')}, now {ga}; the same batches cannot be reproduced"
             )
+        change = describe_change(saved.get("data") or {}, self._pf_data_identity())
+        if change:
+            raise ValueError(f"cannot resume from {self._pf_resume_dir}: the training data is incompatible with the "
+                             f"checkpoint's: {change}; resume with the data it was trained on, or start a new run")
         # validates lengths / budget / world size / seed (clear ValueError otherwise) and restores the epoch. The
         # position stays at 0: Trainer's skip_first_batches skips the consumed batches itself.
         sampler.load_state_dict({**saved["sampler"], "batches_yielded": 0})
@@ -597,10 +644,13 @@ def _pf_pretokenize_config(args, pretokenize_config):
 
     if pretokenize_config is not None:
         return pretokenize_config
+    from pf_trl.trainer.sequence_limit import pretokenize_limits
+
     return PretokenizeConfig(
         text_field=args.dataset_text_field or "text",
-        max_seq_len=int(args.max_length or 1024),
         completion_only_loss=args.completion_only_loss is not False,
+        assistant_only_loss=args.assistant_only_loss is not False,
+        **pretokenize_limits(args),  # max_length, truncation_mode, the truncation policy: as TRL, see sequence_limit
     )
 
 
@@ -631,6 +681,8 @@ def _pf_prepare_rows(dataset, *, tokenizer, model, args, config, what: str):
         sources.check_token_ids(dataset, vocab)  # shards made with a tokenizer that fits need no scan
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset") and not _has_masks(dataset):
         return dataset
+    from pf_trl.trainer.sequence_limit import apply_sequence_limit, log_manifest_truncation
+
     if isinstance(dataset, (str, os.PathLike)) or (hasattr(dataset, "column_names") and not _is_tokenized(dataset)):
         import datasets
 
@@ -638,13 +690,28 @@ def _pf_prepare_rows(dataset, *, tokenizer, model, args, config, what: str):
             return dataset  # streamed rows: left to TRL
         check_vocab_fits(tokenizer, vocab)
         try:
-            return sources.load_training_data(dataset, tokenizer, config, progress=False,
-                                              say=lambda msg: logger.info("pf-trl: %s", msg), what=what)
+            dataset = sources.load_training_data(dataset, tokenizer, config, num_proc=args.dataset_num_proc or 1,
+                                                 progress=False, say=lambda msg: logger.info("pf-trl: %s", msg),
+                                                 what=what)
         except sources.DataSourceError as exc:
             raise ValueError(str(exc)) from exc
-    if _has_masks(dataset):
-        return sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
-    return dataset
+        log_manifest_truncation(dataset, what=f"{what} data")  # cut while tokenizing: say so
+        say_mask_decisions(dataset, args, what=f"{what} data")
+    else:
+        say_mask_decisions(dataset, args, what=f"{what} data",
+                           had_completion_mask="completion_mask" in sources.mask_columns_present(dataset))
+        if _has_masks(dataset):
+            dataset = sources.fold_mask_columns(dataset, completion_only_loss=args.completion_only_loss)
+    # TRL's max_length / truncation_mode on tokenized rows and shards (labels are final by now, as in TRL)
+    from pf_trl.data.mixture import mixture_of
+
+    mixed = mixture_of(dataset) is not None
+    limited = apply_sequence_limit(dataset, args, what=f"{what} data")[0]
+    if mixed and mixture_of(limited) is None:  # rows dropped: the mixture's per-source row ranges no longer hold
+        raise ValueError(f"{what} data: max_length {args.max_length} with truncation={args.truncation!r} removes rows "
+                         "of a dataset mixture, whose sources are recorded as row ranges; tokenize the data config "
+                         "with the same limit (--max_seq_len) or use truncation='truncate'")
+    return limited
 
 
 def _has_masks(dataset) -> bool:

@@ -1,0 +1,108 @@
+"""The SFTConfig fields PaddingFreeSFTTrainer applies itself, before TRL sees the data (see ``parity.py``).
+
+pf-trl tokenizes raw rows and prepares tokenized rows before ``SFTTrainer.__init__`` runs (TRL is then told to skip
+its own preparation), so the fields TRL reads during preparation are applied here, the way TRL applies them:
+``chat_template_path`` (a Jinja file), ``model_init_kwargs`` (for a model given by name), ``shuffle_dataset``, and
+the loss-mask decisions for ``completion_only_loss`` / ``assistant_only_loss`` left unset (said in one log line each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+logger = logging.getLogger("pf_trl.trainer")
+
+_MODEL_INIT_KEYS = {"dtype", "torch_dtype", "attn_implementation"}
+
+
+def apply_chat_template_path(args, processing_class) -> None:
+    """``chat_template_path`` pointing to a ``.jinja`` / ``.j2`` file becomes the tokenizer's chat template (TRL does
+    the same in its ``__init__``, which runs after pf-trl has tokenized). A tokenizer folder is refused by
+    :func:`pf_trl.trainer.parity.check_config`."""
+    path = getattr(args, "chat_template_path", None)
+    if path and str(path).endswith((".jinja", ".j2")) and processing_class is not None:
+        with open(path, encoding="utf-8") as f:
+            processing_class.chat_template = f.read()
+
+
+def apply_eos_token(args, processing_class) -> None:
+    """``eos_token`` becomes the tokenizer's EOS before pf-trl tokenizes (TRL sets it in its ``__init__``, after pf-trl
+    has tokenized): the EOS appended to text and prompt-completion rows is that token, as in TRL."""
+    token = getattr(args, "eos_token", None)
+    if token is None or processing_class is None or not hasattr(processing_class, "get_vocab"):
+        return
+    if token not in processing_class.get_vocab():
+        raise ValueError(f"eos_token={token!r} is not in the tokenizer's vocabulary; pass a token it has")
+    processing_class.eos_token = token
+
+
+def model_build_kwargs(args) -> dict[str, Any]:
+    """``model_init_kwargs`` for :func:`pf_trl.models.build_model` when ``model`` is a name or a folder."""
+    given = dict(args.model_init_kwargs or {})
+    out: dict[str, Any] = {}
+    dtype = given.get("dtype", given.get("torch_dtype"))
+    if dtype not in (None, "auto"):
+        import torch
+
+        out["torch_dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if given.get("attn_implementation"):
+        out["attn_implementation"] = given["attn_implementation"]
+    return out
+
+
+def shuffle_once(dataset, args):
+    """``shuffle_dataset=True``: the prepared dataset shuffled once with ``seed``, as TRL's ``_prepare_dataset`` ends."""
+    if dataset is None or not getattr(args, "shuffle_dataset", False) or not hasattr(dataset, "shuffle"):
+        return dataset
+    import datasets
+
+    from pf_trl.data.mixture import mixture_of
+
+    if isinstance(dataset, datasets.IterableDataset) or mixture_of(dataset) is not None:
+        return dataset  # streamed rows; a mixture's rows are drawn at random by its sampler (its row ranges stay)
+    manifest = getattr(dataset, "pf_manifest", None)
+    shuffled = dataset.shuffle(seed=args.seed)
+    if manifest is not None:
+        shuffled.pf_manifest = manifest
+    return shuffled
+
+
+def say_mask_decisions(dataset, args, *, what: str, had_completion_mask: bool = False) -> None:
+    """One log line where an unset ``completion_only_loss`` / ``assistant_only_loss`` makes pf-trl's loss mask differ
+    from what TRL's default would train, so the divergence is never silent."""
+    manifest = getattr(dataset, "pf_manifest", None) or {}
+    source = manifest.get("source") or {}
+    masks = source.get("mask_columns") or []
+    if args.completion_only_loss is None and (had_completion_mask or "completion_mask" in masks):
+        logger.warning(
+            "pf-trl: %s: the completion_mask column is applied (loss on the completion only) because "
+            "completion_only_loss is unset; TRL would train the full sequence of these language-modeling rows. Pass "
+            "completion_only_loss=False for TRL's behaviour, True to silence this.", what)
+    if getattr(args, "assistant_only_loss", False) is None and source.get("input_format") in (
+            "messages", "sharegpt"):
+        logger.warning(
+            "pf-trl: %s: chat rows train on assistant turns only because assistant_only_loss is unset (pf-trl's "
+            "default); TRL's default (False) trains every token. Pass assistant_only_loss=False for that, True to "
+            "silence this.", what)
+
+
+@contextlib.contextmanager
+def hidden_from_trl(args, active: bool, skip_prepare: bool = False):
+    """Fields TRL's ``__init__`` reads as its own while pf-trl has already acted on them: ``padding_free`` (a mode
+    here, a bool in TRL), ``assistant_only_loss`` (TRL checks the rows are conversational; pf-trl's are tokenized by
+    then) and, with ``skip_prepare``, ``dataset_kwargs["skip_prepare_dataset"]`` (TRL must not cut or shuffle the
+    prepared rows again). Restored afterwards, so the same config object builds the next trainer alike."""
+    saved = {"padding_free": args.padding_free, "assistant_only_loss": args.assistant_only_loss,
+             "dataset_kwargs": args.dataset_kwargs}
+    args.padding_free = False
+    if active:
+        args.assistant_only_loss = False
+    if skip_prepare:
+        args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
