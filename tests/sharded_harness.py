@@ -4,8 +4,9 @@ Run under ``torchrun --nproc_per_node 2`` (or one plain process for the ``single
 
     python sharded_harness.py SPEC.json
 
-``SPEC``: ``{"model": DIR, "out": DIR, "zero3": FILE, "zero2": FILE, "jobs": [JOB, ...]}``, each ``JOB``
-``{"name", "strategy", "padding_free", "optim", "ga", "steps", "save_steps", "resume_from", "fault"}`` (or
+``SPEC``: ``{"model": DIR, "models": {NAME: DIR}, "out": DIR, "zero3": FILE, "zero2": FILE, "jobs": [JOB, ...]}``,
+each ``JOB`` ``{"name", "strategy", "padding_free", "optim", "ga", "steps", "save_steps", "resume_from", "fault",
+"model"}`` (``model``: a name of ``models``; default ``model``) (or
 ``{"name", "cli": [ARGS]}``: ``pf-trl train ARGS``, the command's own order). The jobs run one after
 the other in the same processes (one launch: the imports are paid once). Each writes ``OUT/NAME/result_RANK.json``
 (losses, what is sharded, the metrics' parameter count) and, on rank 0, ``OUT/NAME/weights.pt`` (the full weights,
@@ -152,12 +153,13 @@ def run_job(spec: dict, job: dict) -> None:
         extra["deepspeed"] = deepspeed_config(spec["zero2"], 2)
     elif strategy == "fsdp2":
         extra["fsdp"] = "full_shard auto_wrap"
-        extra["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}
+        extra["fsdp_config"] = {"version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
+                                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}  # the model's _no_split_modules
     save_steps = job.get("save_steps")
     model = None
+    model_dir = spec["models"][job["model"]] if job.get("model") else spec["model"]
     if strategy != "zero3":  # zero3: loaded after the config, so zero.Init partitions it at load
-        model = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = PaddingFreeConfig(
         output_dir=out, report_to=[], logging_steps=1, disable_tqdm=True, seed=0, max_steps=int(job.get("steps", 3)),
         padding_free=job["padding_free"], max_length=None, use_cpu=True, max_tokens_per_batch=BUDGET,
@@ -168,7 +170,7 @@ def run_job(spec: dict, job: dict) -> None:
         **extra,
     )
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
     partitioned_at_load = sum(1 for p in model.parameters() if hasattr(p, "ds_id") and p.numel() == 0)
     trainer = trainer_class(strategy, job.get("fault"))(model, args=args, train_dataset=dataset(), processing_class=load_tokenizer())
     flop_params = trainer.pf_metrics.flop_params[0]

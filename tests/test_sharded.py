@@ -91,6 +91,21 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tied_model(tmp_path_factory) -> Path:
+    """Gemma 2: the LM head is the input embedding (one ZeRO-3 parameter used by two modules), logits soft-capped."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("sharded_model") / "tiny-gemma2"
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
+                          sliding_window=16)
+    Gemma2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def cli_shards(tmp_path_factory, sample_rows) -> Path:
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
 
@@ -111,7 +126,7 @@ def _cli_args(shards: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, cli_shards) -> Runs:
+def runs(tmp_path_factory, tiny_model, tied_model, cli_shards) -> Runs:
     """All trainings: the two-rank launch and the single-process references. The launch's first jobs run where
     DeepSpeed is not set up yet, as in a fresh `pf-trl train`: a negative control, then the CLI itself."""
     out = tmp_path_factory.mktemp("sharded_runs")
@@ -128,10 +143,12 @@ def runs(tmp_path_factory, tiny_model, cli_shards) -> Runs:
         *[_job(f"{s}_adamw_resumed", s, optim="adamw", resume_from=str(out / f"{s}_adamw_internal" / "checkpoint-1"))
           for s in ("zero3", "fsdp2")],
         _job("zero3_sgd_no_world_scale", "zero3", fault="no_world_scale"),  # negative control
+        *[_job(f"{s}_sgd_tied", s, model="tied") for s in ("zero3", "ddp")],
     ]
     single = [_job(f"single_sgd_{m}", "single", m) for m in MODES] + [_job("single_adamw_internal", "single",
                                                                              optim="adamw")]
-    common = {"model": str(tiny_model), "out": str(out), "zero3": str(ZERO3), "zero2": str(ZERO2)}
+    common = {"model": str(tiny_model), "models": {"tied": str(tied_model)}, "out": str(out), "zero3": str(ZERO3),
+              "zero2": str(ZERO2)}
     for name, jobs in (("two_rank", two_rank), ("single", single)):
         (out / f"{name}.json").write_text(json.dumps({**common, "jobs": jobs}))
     env = {**_env(), "PF_TRL_CACHE": str(out / "cache")}
@@ -210,6 +227,16 @@ def test_zero3_loaded_before_and_zero2_equal_ddp(runs):
     for name in ("zero3_preloaded_sgd_internal", "zero2_sgd_internal"):
         assert runs.result(name)["losses"] == pytest.approx(runs.result("ddp_sgd_internal")["losses"], abs=LOSS_TOL)
         assert max_param_diff(runs.weights(name), ddp) <= SGD_PARAM_TOL, name
+
+
+@pytest.mark.slow
+def test_tied_soft_capped_model_under_zero3_equals_ddp(runs):
+    r = runs.result("zero3_sgd_tied")
+    assert r["partitioned_at_load"] == r["ds_partitioned"] == r["parameters"] > 0
+    assert r["self_check"]["err"] <= r["self_check"]["tol"] < r["self_check"]["leak"]
+    assert r["head_probe"] is not None and r["head_probe"] < 1e-5  # the soft-capped head reproduced, probed sharded
+    assert r["losses"] == pytest.approx(runs.result("ddp_sgd_tied")["losses"], abs=LOSS_TOL)
+    assert max_param_diff(runs.weights("zero3_sgd_tied"), runs.weights("ddp_sgd_tied")) <= SGD_PARAM_TOL
 
 
 @pytest.mark.slow
