@@ -6,7 +6,7 @@ Run under ``torchrun --nproc_per_node 2`` (or one plain process for the ``single
 
 ``SPEC``: ``{"model": DIR, "models": {NAME: DIR}, "out": DIR, "zero3": FILE, "zero2": FILE, "jobs": [JOB, ...]}``,
 each ``JOB`` ``{"name", "strategy", "padding_free", "optim", "ga", "steps", "save_steps", "resume_from", "fault",
-"model"}`` (``model``: a name of ``models``; default ``model``) (or
+"model", "eval"}`` (``model``: a name of ``models``, default ``model``; ``eval``: evaluate after training) (or
 ``{"name", "cli": [ARGS]}``: ``pf-trl train ARGS``, the command's own order). The jobs run one after
 the other in the same processes (one launch: the imports are paid once). Each writes ``OUT/NAME/result_RANK.json``
 (losses, what is sharded, the metrics' parameter count) and, on rank 0, ``OUT/NAME/weights.pt`` (the full weights,
@@ -152,7 +152,7 @@ def run_job(spec: dict, job: dict) -> None:
     elif strategy == "zero2":
         extra["deepspeed"] = deepspeed_config(spec["zero2"], 2)
     elif strategy == "fsdp2":
-        extra["fsdp"] = "full_shard auto_wrap"
+        extra["fsdp"] = True
         extra["fsdp_config"] = {"version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
                                 "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}  # the model's _no_split_modules
     save_steps = job.get("save_steps")
@@ -172,7 +172,9 @@ def run_job(spec: dict, job: dict) -> None:
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
     partitioned_at_load = sum(1 for p in model.parameters() if hasattr(p, "ds_id") and p.numel() == 0)
-    trainer = trainer_class(strategy, job.get("fault"))(model, args=args, train_dataset=dataset(), processing_class=load_tokenizer())
+    evalset = dataset(16, seed=1) if job.get("eval") else None
+    trainer = trainer_class(strategy, job.get("fault"))(model, args=args, train_dataset=dataset(), eval_dataset=evalset,
+                                                        processing_class=load_tokenizer())
     flop_params = trainer.pf_metrics.flop_params[0]
     self_check = dict(getattr(model, "_pf_padding_free", {}).get("self_check") or {})
     result = trainer.train(resume_from_checkpoint=job.get("resume_from"))
@@ -190,17 +192,23 @@ def run_job(spec: dict, job: dict) -> None:
                                      and p.to_local().numel() < p.numel()),
         "zero2_partitioned_optimizer": _zero2_partitioned(trainer),
     }
-    weights = full_state_dict(trainer)
     from pf_trl.trainer.metrics import model_flop_params
+
+    flop_params_sharded = model_flop_params(trainer.model)[0]  # counted on the trained, sharded model
+    local_numel = int(sum(p.numel() if not isinstance(p, DTensor) else p.to_local().numel() for p in params))
+    # after the sharding evidence: an evaluation leaves ZeRO-3 / FSDP2 parameters gathered for reuse
+    eval_loss = trainer.evaluate()["eval_loss"] if evalset is not None else None
+    weights = full_state_dict(trainer)
 
     res = {
         "rank": rank, "world": trainer.args.world_size, "steps": trainer.state.global_step,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "eval_loss": eval_loss,
         "self_check": self_check,
         "head_probe": trainer.pf_head_plan.probe,
         "flop_params": flop_params,
-        "flop_params_sharded_model": model_flop_params(trainer.model)[0],  # counted on the trained, sharded model
-        "local_numel": int(sum(p.numel() if not isinstance(p, DTensor) else p.to_local().numel() for p in params)),
+        "flop_params_sharded_model": flop_params_sharded,
+        "local_numel": local_numel,
         "train_tflops": result.metrics.get("train_tflops"),
         "full_parameters": int(sum(v.numel() for v in weights.values())),
         **sharding,

@@ -133,10 +133,10 @@ def runs(tmp_path_factory, tiny_model, tied_model, cli_shards) -> Runs:
     two_rank = [
         _job("zero3_no_adopt", "zero3", fault="no_adopt"),  # fails at load, before DeepSpeed is ever set up
         {"name": "cli", "cli": _cli_args(cli_shards, out / "cli_run")},
-        *[_job(f"zero3_sgd_{m}", "zero3", m) for m in MODES],
+        *[_job(f"zero3_sgd_{m}", "zero3", m, eval=True) for m in MODES],
         _job("zero3_no_gather", "zero3", fault="no_gather"),
-        *[_job(f"ddp_sgd_{m}", "ddp", m) for m in MODES],
-        *[_job(f"fsdp2_sgd_{m}", "fsdp2", m) for m in MODES],
+        *[_job(f"ddp_sgd_{m}", "ddp", m, eval=True) for m in MODES],
+        *[_job(f"fsdp2_sgd_{m}", "fsdp2", m, eval=True) for m in MODES],
         _job("zero3_preloaded_sgd_internal", "zero3_preloaded"),
         _job("zero2_sgd_internal", "zero2"),
         *[_job(f"{s}_adamw_internal", s, optim="adamw", save_steps=1) for s in ("ddp", "zero3", "fsdp2")],
@@ -145,7 +145,7 @@ def runs(tmp_path_factory, tiny_model, tied_model, cli_shards) -> Runs:
         _job("zero3_sgd_no_world_scale", "zero3", fault="no_world_scale"),  # negative control
         *[_job(f"{s}_sgd_tied", s, model="tied") for s in ("zero3", "ddp")],
     ]
-    single = [_job(f"single_sgd_{m}", "single", m) for m in MODES] + [_job("single_adamw_internal", "single",
+    single = [_job(f"single_sgd_{m}", "single", m, eval=True) for m in MODES] + [_job("single_adamw_internal", "single",
                                                                              optim="adamw")]
     common = {"model": str(tiny_model), "models": {"tied": str(tied_model)}, "out": str(out), "zero3": str(ZERO3),
               "zero2": str(ZERO2)}
@@ -219,6 +219,9 @@ def test_sgd_equals_ddp_and_one_process(runs, strategy, mode):
     w = runs.weights(f"{strategy}_sgd_{mode}")
     for ref in (f"ddp_sgd_{mode}", f"single_sgd_{mode}"):
         assert max_param_diff(w, runs.weights(ref)) <= SGD_PARAM_TOL, ref
+    # evaluation after training, through the sharded model: the token-weighted loss of the same weights
+    assert run["eval_loss"] == pytest.approx(ddp["eval_loss"], abs=LOSS_TOL)
+    assert run["eval_loss"] == pytest.approx(single["eval_loss"], abs=LOSS_TOL)
 
 
 @pytest.mark.slow
