@@ -23,17 +23,12 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["full_numel", "full_shape", "gathered_forward", "is_zero3_partitioned", "zero3_partitioned"]
+__all__ = ["full_numel", "full_shape", "gathered_forward", "is_zero3_partitioned"]
 
 
 def is_zero3_partitioned(param: torch.Tensor) -> bool:
     """True for a DeepSpeed ZeRO-3 parameter (it carries ``ds_id``; its local tensor is a partition or empty)."""
     return hasattr(param, "ds_id")
-
-
-def zero3_partitioned(module: torch.nn.Module) -> bool:
-    """True when any parameter of ``module`` is a ZeRO-3 parameter."""
-    return any(is_zero3_partitioned(p) for p in module.parameters())
 
 
 def full_numel(param: torch.Tensor) -> int:

@@ -6,7 +6,8 @@ Run under ``torchrun --nproc_per_node 2`` (or one plain process for the ``single
 
 ``SPEC``: ``{"model": DIR, "models": {NAME: DIR}, "out": DIR, "zero3": FILE, "zero2": FILE, "jobs": [JOB, ...]}``,
 each ``JOB`` ``{"name", "strategy", "padding_free", "optim", "ga", "steps", "save_steps", "resume_from", "fault",
-"model", "eval"}`` (``model``: a name of ``models``, default ``model``; ``eval``: evaluate after training) (or
+"model", "eval", "lora"}`` (``model``: a name of ``models``, default ``model``; ``eval``: evaluate after training;
+``lora``: LoRA adapters on q/v and the LM head) (or
 ``{"name", "cli": [ARGS]}``: ``pf-trl train ARGS``, the command's own order). The jobs run one after
 the other in the same processes (one launch: the imports are paid once). Each writes ``OUT/NAME/result_RANK.json``
 (losses, what is sharded, the metrics' parameter count) and, on rank 0, ``OUT/NAME/weights.pt`` (the full weights,
@@ -173,8 +174,13 @@ def run_job(spec: dict, job: dict) -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
     partitioned_at_load = sum(1 for p in model.parameters() if hasattr(p, "ds_id") and p.numel() == 0)
     evalset = dataset(16, seed=1) if job.get("eval") else None
+    peft_config = None
+    if job.get("lora"):  # adapters on the attention projections and on the (ZeRO-3 partitioned) LM head
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
     trainer = trainer_class(strategy, job.get("fault"))(model, args=args, train_dataset=dataset(), eval_dataset=evalset,
-                                                        processing_class=load_tokenizer())
+                                                        processing_class=load_tokenizer(), peft_config=peft_config)
     flop_params = trainer.pf_metrics.flop_params[0]
     self_check = dict(getattr(model, "_pf_padding_free", {}).get("self_check") or {})
     result = trainer.train(resume_from_checkpoint=job.get("resume_from"))

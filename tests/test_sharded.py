@@ -4,7 +4,8 @@ The trainings run in ``tests/sharded_harness.py`` (one ``torchrun --nproc_per_no
 run, one plain process for the single-process references, one fresh launch of ``pf-trl train --deepspeed``). Every
 run trains a tiny Llama for 3 optimizer steps with gradient accumulation 2 on the same data; the claims:
 
-- ZeRO-3 (model partitioned at load by ``zero.Init``, the usual order, and loaded before the config) and FSDP2
+- ZeRO-3 (model partitioned at load by ``zero.Init``, the usual order, and loaded before the config; a tied,
+  soft-capped Gemma 2; LoRA with an adapted head) and FSDP2
   (accelerate's plugin: ``fully_shard`` per decoder layer and the root) train exactly as DDP and as one process
   accumulating both ranks' micro-batches, in both padding-free modes: SGD parameters within 1e-7 (the steps move
   them by ~3e-3), AdamW within 1e-5, losses equal;
@@ -144,6 +145,7 @@ def runs(tmp_path_factory, tiny_model, tied_model, cli_shards) -> Runs:
           for s in ("zero3", "fsdp2")],
         _job("zero3_sgd_no_world_scale", "zero3", fault="no_world_scale"),  # negative control
         *[_job(f"{s}_sgd_tied", s, model="tied") for s in ("zero3", "ddp")],
+        *[_job(f"{s}_sgd_lora", s, lora=True) for s in ("zero3", "ddp")],
     ]
     single = [_job(f"single_sgd_{m}", "single", m, eval=True) for m in MODES] + [_job("single_adamw_internal", "single",
                                                                              optim="adamw")]
@@ -240,6 +242,17 @@ def test_tied_soft_capped_model_under_zero3_equals_ddp(runs):
     assert r["head_probe"] is not None and r["head_probe"] < 1e-5  # the soft-capped head reproduced, probed sharded
     assert r["losses"] == pytest.approx(runs.result("ddp_sgd_tied")["losses"], abs=LOSS_TOL)
     assert max_param_diff(runs.weights("zero3_sgd_tied"), runs.weights("ddp_sgd_tied")) <= SGD_PARAM_TOL
+
+
+@pytest.mark.slow
+def test_lora_with_an_adapted_head_under_zero3_equals_ddp(runs):
+    """LoRA on q/v and on lm_head (the loss calls the adapted, partitioned head as a module) over a model partitioned
+    at load: the adapters are trained exactly as under DDP."""
+    r = runs.result("zero3_sgd_lora")
+    assert r["partitioned_at_load"] > 0 and r["ds_partitioned"] == r["parameters"]
+    assert r["parameters"] > runs.result("ddp_sgd_internal")["parameters"]  # the adapters are there
+    assert r["losses"] == pytest.approx(runs.result("ddp_sgd_lora")["losses"], abs=LOSS_TOL)
+    assert max_param_diff(runs.weights("zero3_sgd_lora"), runs.weights("ddp_sgd_lora")) <= SGD_PARAM_TOL
 
 
 @pytest.mark.slow
@@ -377,3 +390,16 @@ def test_shipped_deepspeed_configs_are_valid():
         assert json.loads(ZERO3.read_text())["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
     finally:
         unset_hf_deepspeed_config()
+
+
+def test_gathered_forward_is_a_no_op_without_zero3_and_leaves_no_hooks():
+    from pf_trl.sharding import full_numel, full_shape, gathered_forward
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    x = torch.randn(5, 4)
+    with torch.no_grad(), gathered_forward(model):
+        y = model(x)
+    torch.testing.assert_close(y, model(x).detach())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert [full_numel(p) for p in model.parameters()] == [12, 3, 6, 2]
+    assert full_shape(model[0].weight) == torch.Size([3, 4])

@@ -13,7 +13,8 @@ head reads them: :func:`head_transform_from_config`). pf-trl computes the loss t
   explicitly (no in-place op under autocast). Under DeepSpeed ZeRO-3 the head is read inside TRL's
   ``maybe_gather_lm_head_ctx``; an FSDP2 ``DTensor`` head is gathered once. Elsewhere (CPU), where that kernel falls
   back to torch ops on ``[4096, 32768]`` fp32 tiles, the head is applied to token chunks under activation
-  checkpointing instead (the same FLOPs, less than half the peak memory: ``benchmarks/loss_memory.py``).
+  checkpointing instead (the same FLOPs, less than half the peak memory: ``benchmarks/loss_memory.py``); a ZeRO-3
+  partitioned head is then called as a module, whose hooks gather it (also for the recompute in backward).
 - ``module``: any other head module (a PEFT LoRA/DoRA wrapper on ``lm_head``, a head with a projection) or label
   smoothing: the head *module* is called on chunks of supervised positions under activation checkpointing, then the
   config transform is applied. Adapters get their gradients; the peak is one chunk of fp32 logits.
