@@ -2,8 +2,8 @@
 
     python benchmarks/sharded_parity.py            # ~2 min on 2 cores; table on stdout, JSON in benchmarks/results/
 
-Two ranks under ``torchrun`` (gloo), a tiny Llama (and a tied, soft-capped Gemma 2), 3 optimizer steps with
-gradient accumulation 2, the trainings of ``tests/sharded_harness.py`` (the harness of ``tests/test_sharded.py``).
+Two ranks under ``torchrun`` (gloo), a tiny Llama (and a tied, soft-capped Gemma 2; LoRA on q/v and the head), 3
+optimizer steps with gradient accumulation 2, the trainings of ``tests/sharded_harness.py`` (the harness of ``tests/test_sharded.py``).
 For each run: how it is sharded, and the largest loss and parameter differences against plain DDP and against one
 process accumulating both ranks' micro-batches on the same data. A resumed run is compared with the uninterrupted
 one; the negative control is a ZeRO-3 run whose loss forgets the data-parallel world-size factor.
@@ -24,25 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "sharded_harness.py"
+sys.path.insert(0, str(HARNESS.parent))
+from sharded_harness import job, save_models  # noqa: E402  (the runs of tests/test_sharded.py)
 RESULTS = ROOT / "benchmarks" / "results" / "sharded_parity_cpu.json"
 MODES = ("internal", "huggingface")
-
-
-def _job(name, strategy, mode="internal", optim="sgd", **extra):
-    return {"name": name, "strategy": strategy, "padding_free": mode, "optim": optim, "ga": 2, "steps": 3, **extra}
-
-
-def _save_models(folder: Path) -> dict[str, str]:
-    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)).save_pretrained(folder / "llama")
-    torch.manual_seed(0)
-    Gemma2ForCausalLM(Gemma2Config(**common, head_dim=16, tie_word_embeddings=True, sliding_window=16)).save_pretrained(
-        folder / "gemma2")
-    return {"llama": str(folder / "llama"), "gemma2": str(folder / "gemma2")}
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> None:
@@ -52,18 +37,19 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 
 
 def measure(work: Path) -> list[dict]:
-    models = _save_models(work / "models")
+    models = save_models(work / "models")
     out = work / "runs"
     two_rank = [
-        *[_job(f"{s}_sgd_{m}", s, m) for m in MODES for s in ("ddp", "zero3", "fsdp2")],
-        _job("zero3_preloaded_sgd_internal", "zero3_preloaded"), _job("zero2_sgd_internal", "zero2"),
-        *[_job(f"{s}_adamw_internal", s, optim="adamw", save_steps=1) for s in ("ddp", "zero3", "fsdp2")],
-        *[_job(f"{s}_adamw_resumed", s, optim="adamw", resume_from=str(out / f"{s}_adamw_internal" / "checkpoint-1"))
+        *[job(f"{s}_sgd_{m}", s, m) for m in MODES for s in ("ddp", "zero3", "fsdp2")],
+        job("zero3_preloaded_sgd_internal", "zero3_preloaded"), job("zero2_sgd_internal", "zero2"),
+        *[job(f"{s}_adamw_internal", s, optim="adamw", save_steps=1) for s in ("ddp", "zero3", "fsdp2")],
+        *[job(f"{s}_adamw_resumed", s, optim="adamw", resume_from=str(out / f"{s}_adamw_internal" / "checkpoint-1"))
           for s in ("zero3", "fsdp2")],
-        *[_job(f"{s}_sgd_gemma2", s, model="gemma2") for s in ("ddp", "zero3")],
-        _job("zero3_sgd_no_world_scale", "zero3", fault="no_world_scale"),
+        *[job(f"{s}_sgd_gemma2", s, model="gemma2") for s in ("ddp", "zero3")],
+        *[job(f"{s}_sgd_lora", s, lora=True) for s in ("ddp", "zero3")],
+        job("zero3_sgd_no_world_scale", "zero3", fault="no_world_scale"),
     ]
-    single = [*[_job(f"single_sgd_{m}", "single", m) for m in MODES], _job("single_adamw_internal", "single",
+    single = [*[job(f"single_sgd_{m}", "single", m) for m in MODES], job("single_adamw_internal", "single",
                                                                              optim="adamw")]
     common = {"model": models["llama"], "models": models, "out": str(out), "zero3": str(ROOT / "k8s/deepspeed/zero3.json"),
               "zero2": str(ROOT / "k8s/deepspeed/zero2.json")}
@@ -89,7 +75,7 @@ def measure(work: Path) -> list[dict]:
 
     def sharding(r):
         if r["zero_stage"] == 3:
-            at = "at load" if r["partitioned_at_load"] else "by deepspeed.initialize"
+            at = f"{r['partitioned_at_load']} at load" if r["partitioned_at_load"] else "by deepspeed.initialize"
             return f"ZeRO-3: {r['ds_partitioned']}/{r['parameters']} params partitioned ({at}), local numel {r['local_numel']}"
         if r["zero_stage"] == 2:
             return "ZeRO-2: optimizer state partitioned" if r["zero2_partitioned_optimizer"] else "ZeRO-2: NOT partitioned"
@@ -104,6 +90,7 @@ def measure(work: Path) -> list[dict]:
         ("zero2_sgd_internal", "ddp_sgd_internal", "single_sgd_internal", 1e-7),
         *[(f"{s}_adamw_internal", "ddp_adamw_internal", "single_adamw_internal", 1e-5) for s in ("zero3", "fsdp2")],
         ("zero3_sgd_gemma2", "ddp_sgd_gemma2", None, 1e-7),
+        ("zero3_sgd_lora", "ddp_sgd_lora", None, 1e-7),
         ("zero3_sgd_no_world_scale", "ddp_sgd_internal", "single_sgd_internal", 1e-7),
     ]:
         r = result(name)

@@ -59,6 +59,29 @@ from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer  # noqa: E40
 VOCAB = 128
 BUDGET = 120
 WORLD = 2
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256)
+
+
+def save_models(folder) -> dict[str, str]:
+    """The models of the runs, saved once: ``llama`` (untied head) and ``gemma2`` (the LM head is the input
+    embedding, one ZeRO-3 parameter used by two modules; soft-capped logits; sliding window)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    out = {}
+    for name, model_cls, config in (
+        ("llama", LlamaForCausalLM, LlamaConfig(**TINY, tie_word_embeddings=False)),
+        ("gemma2", Gemma2ForCausalLM, Gemma2Config(**TINY, head_dim=16, tie_word_embeddings=True, sliding_window=16)),
+    ):
+        torch.manual_seed(0)
+        out[name] = os.path.join(str(folder), name)
+        model_cls(config).save_pretrained(out[name])
+    return out
+
+
+def job(name: str, strategy: str, mode: str = "internal", optim: str = "sgd", **extra) -> dict:
+    """A job of the spec: 3 optimizer steps, gradient accumulation 2 (per rank)."""
+    return {"name": name, "strategy": strategy, "padding_free": mode, "optim": optim, "ga": 2, "steps": 3, **extra}
 
 
 def dataset(n: int = 48, seed: int = 0) -> Dataset:

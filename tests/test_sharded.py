@@ -21,14 +21,13 @@ run trains a tiny Llama for 3 optimizer steps with gradient accumulation 2 on th
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_distributed import _env, _failure, _torchrun  # the project's torchrun harness (gloo on loopback)
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = Path(__file__).with_name("sharded_harness.py")
@@ -40,26 +39,14 @@ ADAMW_PARAM_TOL = 1e-5
 LOSS_TOL = 1e-6
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "GLOO_SOCKET_IFNAME": "lo"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
-
-
-def _torchrun(*args: str) -> list[str]:
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    assert torchrun, "torchrun not found"
-    return [torchrun, "--standalone", "--nproc_per_node", "2", "--tee", "3", str(HARNESS), *args]
-
-
 def _check(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, _failure(proc)
 
 
-def _job(name: str, strategy: str, mode: str = "internal", optim: str = "sgd", **extra) -> dict:
-    return {"name": name, "strategy": strategy, "padding_free": mode, "optim": optim, "ga": 2, "steps": 3, **extra}
+def _job(*args, **kwargs) -> dict:
+    from sharded_harness import job
+
+    return job(*args, **kwargs)
 
 
 class Runs:
@@ -79,31 +66,11 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def models(tmp_path_factory) -> dict[str, str]:
+    """A tiny Llama and a tied, soft-capped Gemma 2 (tests/sharded_harness.py)."""
+    from sharded_harness import save_models
 
-    folder = tmp_path_factory.mktemp("sharded_model") / "tiny-llama"
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0, max_position_embeddings=256)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tied_model(tmp_path_factory) -> Path:
-    """Gemma 2: the LM head is the input embedding (one ZeRO-3 parameter used by two modules), logits soft-capped."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    folder = tmp_path_factory.mktemp("sharded_model") / "tiny-gemma2"
-    torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
-                          sliding_window=16)
-    Gemma2ForCausalLM(config).save_pretrained(folder)
-    return folder
+    return save_models(tmp_path_factory.mktemp("sharded_models"))
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +94,7 @@ def _cli_args(shards: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, tied_model, cli_shards) -> Runs:
+def runs(tmp_path_factory, models, cli_shards) -> Runs:
     """All trainings: the two-rank launch and the single-process references. The launch's first jobs run where
     DeepSpeed is not set up yet, as in a fresh `pf-trl train`: a negative control, then the CLI itself."""
     out = tmp_path_factory.mktemp("sharded_runs")
@@ -144,17 +111,17 @@ def runs(tmp_path_factory, tiny_model, tied_model, cli_shards) -> Runs:
         *[_job(f"{s}_adamw_resumed", s, optim="adamw", resume_from=str(out / f"{s}_adamw_internal" / "checkpoint-1"))
           for s in ("zero3", "fsdp2")],
         _job("zero3_sgd_no_world_scale", "zero3", fault="no_world_scale"),  # negative control
-        *[_job(f"{s}_sgd_tied", s, model="tied") for s in ("zero3", "ddp")],
+        *[_job(f"{s}_sgd_tied", s, model="gemma2") for s in ("zero3", "ddp")],
         *[_job(f"{s}_sgd_lora", s, lora=True) for s in ("zero3", "ddp")],
     ]
     single = [_job(f"single_sgd_{m}", "single", m, eval=True) for m in MODES] + [_job("single_adamw_internal", "single",
                                                                              optim="adamw")]
-    common = {"model": str(tiny_model), "models": {"tied": str(tied_model)}, "out": str(out), "zero3": str(ZERO3),
-              "zero2": str(ZERO2)}
+    common = {"model": models["llama"], "models": models, "out": str(out), "zero3": str(ZERO3), "zero2": str(ZERO2)}
     for name, jobs in (("two_rank", two_rank), ("single", single)):
         (out / f"{name}.json").write_text(json.dumps({**common, "jobs": jobs}))
     env = {**_env(), "PF_TRL_CACHE": str(out / "cache")}
-    proc = subprocess.run(_torchrun(str(out / "two_rank.json")), env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(_torchrun(HARNESS, str(out / "two_rank.json")), env=env, capture_output=True, text=True,
+                          timeout=900)
     _check(proc)
     proc = subprocess.run([sys.executable, str(HARNESS), str(out / "single.json")], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -266,13 +233,13 @@ def test_adamw_equals_ddp_and_one_process(runs, strategy):
 
 
 @pytest.mark.slow
-def test_negative_control_a_gradient_scale_bug_fails_the_sgd_comparison(runs, tiny_model):
+def test_negative_control_a_gradient_scale_bug_fails_the_sgd_comparison(runs, models):
     """The tolerance is meaningful: the steps move the weights by ~3e-3, and a sharded run that forgets the
     world-size factor (half the gradient) lands ~1.7e-3 away from DDP."""
     from transformers import AutoModelForCausalLM
 
     ddp = runs.weights("ddp_sgd_internal")
-    initial = {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
+    initial = {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(models["llama"]).state_dict().items()}
     assert max_param_diff(ddp, initial) > 1e-3
     assert max_param_diff(runs.weights("zero3_sgd_no_world_scale"), ddp) > 1e-4
 
