@@ -234,7 +234,8 @@ def probe_parquet_long_strings(ctx) -> dict[str, Any]:
     words = [("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))) for _ in range(5000)]
     prompts = [" ".join(rng.choice(words) for _ in range(900_000))[: 5 * 10**6] for _ in range(10)]
     src = ctx.root / "long.parquet"
-    pq.write_table(pa.table({"prompt": prompts, "completion": ["done"] * 10}), str(src), compression="none")
+    # Long completions (supervised text): kept, truncated to max_seq_len, as TRL would.
+    pq.write_table(pa.table({"prompt": ["Summarize:\n"] * 10, "completion": prompts}), str(src), compression="none")
     watch = Watch(ctx.server, ctx.rss_cap)
     status, answer, seconds = _post(ctx.server, {"source": {"path": src.name}}, ctx.time_cap)
     out = _describe(status, answer, ctx.server, ctx.client if isinstance(status, int) and not watch.killed else None)
@@ -293,7 +294,7 @@ def probe_flipped_byte(ctx) -> dict[str, Any]:
 
 def probe_startup_race(ctx) -> dict[str, Any]:
     """Right after start-up: 100 valid files POSTed at once (10 threads)."""
-    server = Server(ctx.base / "race-cache", [ctx.root], token=ctx.token).start()
+    server = Server(ctx.base / "race-cache", [ctx.root], token=ctx.token, args=["--max-queued", "1000"]).start()
     try:
         paths = []
         for i in range(100):
@@ -329,7 +330,8 @@ def probe_uploads_and_disk_full(ctx) -> dict[str, Any]:
         return {"skipped": "cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)"}
     server = None
     try:
-        server = Server(mnt / "cache", [ctx.root], token=ctx.token, log=ctx.base / "small.log").start()
+        server = Server(mnt / "cache", [ctx.root], token=ctx.token, log=ctx.base / "small.log",
+                        args=["--min-free-bytes", "4MB"]).start()
         out: dict[str, Any] = {"uploads": []}
         import random
 

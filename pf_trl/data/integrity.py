@@ -60,7 +60,7 @@ class _Crc32c:
         self._c = google_crc32c.Checksum()
 
     def update(self, data) -> None:
-        self._c.update(data)
+        self._c.update(bytes(data))  # its C extension takes only bytes: one copy per block
 
     def hexdigest(self) -> str:
         return self._c.digest().hex()
