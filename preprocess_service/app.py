@@ -23,7 +23,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pf_trl._version import __version__
-from preprocess_service.faults import classify, free_space_problem, insufficient_storage
+from preprocess_service.faults import classify, fault_classes, free_space_problem, insufficient_storage
 from preprocess_service.integrity import DatasetIntegrity
 from preprocess_service.jobs import SECRET_ENV, Supervisor
 from preprocess_service.preflight import PreflightPool
@@ -133,8 +133,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.started = time.time()
         stop_janitor = threading.Event()
 
-        def janitor() -> None:  # uploads unused for upload_ttl_s go away
-            while not stop_janitor.wait(60.0):
+        def janitor() -> None:  # uploads unused for upload_ttl_s go away (checked 4 times per TTL, at most each minute)
+            every = max(0.5, min(60.0, settings.upload_ttl_s / 4)) if settings.upload_ttl_s > 0 else 60.0
+            while not stop_janitor.wait(every):
                 try:
                     for gone in upload_store.expire_uploads(settings.uploads_dir, store, settings.upload_ttl_s):
                         log_event("upload_expired", upload_id=gone, replica=settings.replica_id)
@@ -159,7 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Tokenize a dataset once into a shared cache of shards (with per-example lengths for the "
         "token-budget sampler); training jobs wait for it and read it. Errors are application/problem+json.",
         lifespan=lifespan,
-        responses={400: PROBLEM_RESPONSES[400], 401: PROBLEM_RESPONSES[401], 422: PROBLEM_RESPONSES[422]},
+        responses={k: PROBLEM_RESPONSES[k] for k in (400, 401, 422, 429, 503, 507)},
     )
     app.state.settings = settings
 
@@ -191,6 +192,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             detail, kind = str(exc.detail), "http-error"
         return problem(exc.status_code, problem_body(exc.status_code, _title(exc.status_code), detail, kind=kind,
                                                      instance=request.url.path), getattr(exc, "headers", None))
+
+    async def _machine_fault(request: Request, exc: Exception):
+        """A full disk (507) or the database down (503), answered as handled errors (the connection stays
+        usable); anything else of these classes goes on to the 500 handler."""
+        fault = classify(exc, settings.cache_dir)
+        if fault is None:
+            raise exc
+        logger.warning("%s %s: %s (%s: %s)", request.method, request.url.path, fault.detail, type(exc).__name__,
+                       str(exc).splitlines()[0][:200] if str(exc) else "")
+        return problem(fault.status, fault.body(request.url.path), fault.headers)
+
+    for fault_class in fault_classes():
+        app.add_exception_handler(fault_class, _machine_fault)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):

@@ -55,6 +55,20 @@ def classify(exc: BaseException, cache_dir: Path) -> ServiceError | None:
     return None
 
 
+def fault_classes() -> tuple[type[BaseException], ...]:
+    """Exception classes that may carry a machine fault: OS errors and the two databases' errors."""
+    import sqlite3
+
+    classes: list[type[BaseException]] = [OSError, sqlite3.Error]
+    try:
+        import psycopg
+
+        classes.append(psycopg.Error)
+    except ImportError:  # the PostgreSQL store is optional
+        pass
+    return tuple(classes)
+
+
 def free_space_problem(cache_dir: Path, need: int, floor: int) -> ServiceError | None:
     """507 when writing ``need`` more bytes would leave less than ``floor`` free in ``cache_dir``."""
     free = shutil.disk_usage(cache_dir).free

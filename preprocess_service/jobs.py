@@ -148,8 +148,14 @@ class Supervisor:
                 p.kill()
                 p.wait()
         for pid, _ in procs:
-            for job_id in self.store.running_on(pid):
-                self.store.requeue(job_id, "the service was stopped while this job ran; re-queued",
-                                   count_attempt=False)
+            try:
+                for job_id in self.store.running_on(pid):
+                    self.store.requeue(job_id, "the service was stopped while this job ran; re-queued",
+                                       count_attempt=False)
+            except Exception:  # noqa: BLE001 - e.g. the database is down: the next start reconciles them
+                logger.exception("could not re-queue the jobs of worker %d; the next start-up reconciles them", pid)
             shutil.rmtree(self.settings.scratch_dir / f"w{pid}", ignore_errors=True)
-        self.store.clear_workers()
+        try:
+            self.store.clear_workers()
+        except Exception:  # noqa: BLE001
+            logger.exception("could not clear this replica's workers from the store")

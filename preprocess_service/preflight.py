@@ -21,6 +21,7 @@ An error answer is ``{"error": {"status", "kind", "field", "detail"}}``, raised 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -111,7 +112,7 @@ class _Sandbox:
             check_source_limits(path, limits, max_rows=n if n > 0 else 1)
         except (SourceFileError, SourceLimitError) as exc:
             raise _unprocessable("source", f"source {shown}: {exc}", "invalid-data") from exc
-        rows_total = count_rows(path)
+        rows_total = count_rows(path, deadline=time.monotonic() + float(req.get("count_s", 20.0)))
         suffix = path.suffix.lower()
         if n <= 0 or path.is_dir() or suffix not in (".json", ".jsonl", ".parquet"):
             return {"rows_total": rows_total}
@@ -142,9 +143,10 @@ class _Sandbox:
         return {"rows_total": rows_total}
 
 
-def count_rows(path: Path) -> int | None:
+def count_rows(path: Path, deadline: float | None = None) -> int | None:
     """Rows of a source, where it says so cheaply: Parquet metadata, the non-blank lines of JSON Lines (counted
-    in blocks: no line is held whole), the Arrow files of a ``save_to_disk`` folder. None for a JSON array or CSV."""
+    in blocks: no line is held whole), the Arrow files of a ``save_to_disk`` folder. None for a JSON array or CSV,
+    and when counting would pass ``deadline`` (``time.monotonic()``; the job reports the count as it runs)."""
     try:
         if path.is_dir():
             import datasets
@@ -163,6 +165,8 @@ def count_rows(path: Path) -> int | None:
                 fh.seek(0)
                 rows, open_line = 0, False  # open_line: the line under way holds a non-blank byte
                 while block := fh.read(1 << 20):
+                    if deadline is not None and time.monotonic() > deadline:
+                        return None
                     pieces = block.split(b"\n")
                     for piece in pieces[:-1]:
                         rows += open_line or bool(piece.strip())
@@ -228,9 +232,14 @@ def _serve(scratch: Path) -> int:
         except MemoryError:
             answer = {"error": {"status": 422, "kind": "invalid-data", "field": "source", "detail": "__memory__"}}
         except Exception as exc:  # noqa: BLE001 - any other failure is this request's, answered as such
-            logger.exception("preflight request failed")
-            answer = {"error": {"status": 422, "kind": "invalid-data", "field": "source",
-                                "detail": f"__failed__{type(exc).__name__}: {str(exc)[:300]}"}}
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+                answer = {"error": {"status": 507, "kind": "insufficient-storage", "field": "source",
+                                    "detail": f"the service's disk is full ({exc.strerror}); DELETE old datasets or "
+                                    "uploads, or ask the operator for space, then retry"}}
+            else:
+                logger.exception("preflight request failed")
+                answer = {"error": {"status": 422, "kind": "invalid-data", "field": "source",
+                                    "detail": f"__failed__{type(exc).__name__}: {str(exc)[:300]}"}}
         out.write(json.dumps(answer) + "\n")
     return 0
 
@@ -335,7 +344,13 @@ class PreflightPool:
             if proc is None or proc.popen.poll() is not None:
                 if proc is not None:
                     self._kill(proc)
-                proc = self._spawn()
+                    proc = None
+                try:
+                    proc = self._spawn()
+                except Exception as exc:  # noqa: BLE001 - the machine, not the request: 503, retry
+                    logger.exception("could not start a preflight sandbox")
+                    raise PreflightError(503, "not-ready", "source", "the preflight sandbox could not start "
+                                         f"({type(exc).__name__}); retry shortly") from exc
             try:
                 proc.popen.stdin.write((json.dumps(request) + "\n").encode())
                 proc.popen.stdin.flush()

@@ -88,7 +88,7 @@ class Settings:
     log_level: str = "info"
     database_url: str | None = None
     replica_id: str = field(default_factory=socket.gethostname)
-    preflight_procs: int = 2
+    preflight_procs: int = 1
     preflight_memory_bytes: int = 4 * 2**30
     preflight_timeout_s: float = 60.0
     max_row_bytes: int = 32 * 2**20

@@ -125,8 +125,10 @@ class Submitter:
         try:
             return self.preflight_pool.call(request, what=what)
         except PreflightError as exc:
-            raise ServiceError(exc.status, "Unprocessable Content" if exc.status == 422 else "Error", exc.detail,
-                               kind=exc.kind, field=exc.field) from exc
+            title = {422: "Unprocessable Content", 503: "Service Unavailable", 507: "Insufficient Storage"}.get(
+                exc.status, "Error")
+            raise ServiceError(exc.status, title, exc.detail, kind=exc.kind, field=exc.field,
+                               headers={"Retry-After": "5"} if exc.status == 503 else None) from exc
 
     # -------------------------------------------------------------------------------- tokenizer
     def tokenizer(self, raw: str) -> tuple[str, dict[str, Any]]:
@@ -166,7 +168,8 @@ class Submitter:
         """The sandboxed checks of the source (files, limits, the first rows); returns its row count if known."""
         answer = self._sandbox({"op": "preflight", "path": str(path), "shown": shown, "tokenizer": tokenizer,
                                 "options": config.to_dict(), "rows": self.settings.preflight_rows,
-                                "limits": self.settings.limits().to_dict()}, what=f"source {shown}")
+                                "limits": self.settings.limits().to_dict(),
+                                "count_s": self.settings.preflight_timeout_s / 3}, what=f"source {shown}")
         return answer.get("rows_total")
 
     # ----------------------------------------------------------------------------------- submit

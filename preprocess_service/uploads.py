@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from preprocess_service.schemas import UPLOAD_ID_PATTERN  # noqa: F401 (the id shape, documented there)
 from preprocess_service.security import ServiceError
 
 
@@ -39,10 +38,6 @@ def touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
-
-
-def expires_unix(path: Path, ttl_s: float) -> float | None:
-    return path.stat().st_mtime + ttl_s if ttl_s > 0 else None
 
 
 def delete_upload(uploads_dir: Path, store, upload_id: str) -> None:

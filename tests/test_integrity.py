@@ -171,3 +171,25 @@ def test_merged_k8s_shards_carry_checksums(tmp_path):
     write_manifest(copy, manifest)
     assert verify_shards(copy) == sum(e["bytes"] for e in read_manifest(copy)["checksums"]["files"].values()) > 0
     assert hashlib.sha256((copy / "state.json").read_bytes()).hexdigest()  # the files themselves untouched
+
+
+@pytest.mark.slow
+def test_pf_trl_train_refuses_a_corrupt_shards_directory_at_start(tmp_path):
+    """The path users run: `pf-trl train` on shards whose Arrow data changed exits 2 naming the shard, before any
+    step (negative control: the intact copy trains)."""
+    good = _shards(tmp_path, "good", rows=24)
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    arrow = flip_token(bad)
+
+    def train(data: Path, out: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pf_trl.cli.main", "train", "--model_name_or_path", "pf-trl/tiny-llama",
+             "--training_data_path", str(data), "--max_steps", "1", "--output_dir", str(tmp_path / out),
+             "--report_to", "none", "--save_strategy", "no"],
+            capture_output=True, text=True, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+
+    r = train(bad, "out-bad")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"{arrow.name} does not match its xxh3_128 checksum" in r.stderr
+    assert train(good, "out-good").returncode == 0

@@ -264,3 +264,72 @@ def test_concurrent_claims_never_take_a_job_twice(store_settings):
     assert store.counts_by_state()["running"] == 40
     started = [e for i in range(40) for e in store.events(f"{i:032x}") if e["kind"] == "started"]
     assert len(started) == 40  # one start event per job
+
+
+# ------------------------------------------------------------------- crash-point injection (real workers)
+def _wait_terminal(store, job_id: str, timeout: float = 120.0) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        row = store.get(job_id)
+        if row["state"] in ("succeeded", "failed"):
+            return row
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} still {store.get(job_id)['state']} after {timeout}s")
+
+
+def _agree(settings, row) -> None:
+    """State and disk agree: succeeded <=> a complete dataset that verifies against the recorded manifest."""
+    from pf_trl.data.shards import is_shards_dir, read_manifest, verify_shards
+
+    target = settings.datasets_dir / row["id"]
+    assert (row["state"] == "succeeded") == is_shards_dir(target), (row["state"], row["error"], files_under(target))
+    if row["state"] == "succeeded":
+        recorded = json.loads(row["manifest"])
+        assert read_manifest(target) == recorded
+        assert verify_shards(target, recorded) > 0
+    leftovers = [p for p in files_under(settings.scratch_dir) if row["id"] in p]
+    assert not leftovers, leftovers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step,expected", [("claimed", "failed"), ("written", "failed"), ("renamed", "succeeded"),
+                                           ("committed", "succeeded")])
+def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, tmp_path, step, expected):
+    """A worker SIGKILLs itself (TEST-ONLY hook) after claiming, after writing the shards, after the publish rename
+    (before COMMIT), after COMMIT; the supervisor handles the dead worker. Then the same request again: a
+    succeeded job is not run again, a failed one is rebuilt (by a worker without the hook)."""
+    from preprocess_service.jobs import Supervisor
+
+    settings, store = store_settings
+    src = write_rows(tmp_path / "rows.jsonl", generated_rows(40, step))
+    request = _request(settings, src)
+    job_id = f"{step:0>32}"[-32:]
+    store.submit(job_id, request, max_queued=10, exists_ok=lambda r: True)
+    settings.debug_crash_at = step
+    supervisor = Supervisor(settings, store)
+    supervisor.start()
+    try:
+        row = _wait_terminal(store, job_id)
+    finally:
+        supervisor.stop()
+    assert row["state"] == expected, (row["state"], row["error"])
+    if expected == "failed":
+        assert row["error_type"] == "worker_died" and "signal 9" in row["error"]
+    else:
+        assert row["attempts"] == 1  # published once; the supervisor recorded it, nothing re-ran
+    _agree(settings, row)
+    from pf_trl.data.shards import is_shards_dir
+
+    again, created = store.submit(job_id, request, max_queued=10,
+                                  exists_ok=lambda r: r["state"] != "succeeded" or is_shards_dir(settings.datasets_dir / job_id))
+    assert created == (expected == "failed")
+    if created:
+        settings.debug_crash_at = ""
+        supervisor = Supervisor(settings, store)
+        supervisor.start()
+        try:
+            row = _wait_terminal(store, job_id)
+        finally:
+            supervisor.stop()
+        assert row["state"] == "succeeded"
+        _agree(settings, row)

@@ -39,7 +39,7 @@ class Server:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def start(self, timeout: float = 90.0) -> "Server":
+    def start(self, timeout: float = 240.0) -> "Server":
         cmd = [sys.executable, "-m", "pf_trl.cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--cache-dir", str(self.cache_dir), "--log-level", "warning", *self.args]
         for root in self.data_roots:

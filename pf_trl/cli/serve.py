@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--preflight-rows", "--preflight_rows", dest="preflight_rows", type=int,
         help="rows checked synchronously by POST, 0 = off [PF_SERVICE_PREFLIGHT_ROWS] (default 64)")
     add("--preflight-procs", "--preflight_procs", dest="preflight_procs", type=int,
-        help="sandboxed processes for POST's synchronous checks [PF_SERVICE_PREFLIGHT_PROCS] (default 2)")
+        help="sandboxed processes for POST's synchronous checks [PF_SERVICE_PREFLIGHT_PROCS] (default 1)")
     add("--preflight-memory", "--preflight_memory", dest="preflight_memory_bytes", metavar="SIZE",
         help="address-space limit of each preflight sandbox, 0 = none [PF_SERVICE_PREFLIGHT_MEMORY_BYTES] (default 4GiB)")
     add("--preflight-timeout-s", "--preflight_timeout_s", dest="preflight_timeout_s", type=float,
