@@ -277,18 +277,20 @@ def probe_flipped_byte(ctx) -> dict[str, Any]:
     shards = ctx.server.cache_dir / "datasets" / answer["id"]
     arrow, at = _flip_token(shards)
     out: dict[str, Any] = {"flipped": f"{arrow.name} byte {at}"}
-    status, again, _ = _post(ctx.server, body, 60)
-    out["post_again"] = {"http": status, "state": again.get("state") if isinstance(again, dict) else again,
-                         "error": (again.get("error") or {}).get("message", "")[:200] if isinstance(again, dict) else ""}
-    got = ctx.client.get(f"/v1/datasets/{answer['id']}").json()
-    out["get"] = {"state": got.get("state"), "error": (got.get("error") or {}).get("message", "")[:200]}
-    for name, call in (("load_shards", lambda: load_shards(shards)),
-                       ("train_data_path", lambda: load_training_data(str(shards), load_tokenizer()))):
+    copy = ctx.base / "flipped_copy"  # what a training node sees, whatever the service does next
+    shutil.copytree(shards, copy)
+    for name, call in (("load_shards", lambda: load_shards(copy)),
+                       ("train_data_path", lambda: load_training_data(str(copy), load_tokenizer()))):
         try:
             call()
             out[name] = "opened, no error"
         except (ValueError, DataSourceError) as exc:
             out[name] = f"refused: {str(exc)[:200]}"
+    got = ctx.client.get(f"/v1/datasets/{answer['id']}").json()
+    out["get"] = {"state": got.get("state"), "error": (got.get("error") or {}).get("message", "")[:200]}
+    status, again, _ = _post(ctx.server, body, 60)
+    out["post_again"] = {"http": status, "state": again.get("state") if isinstance(again, dict) else again,
+                         "error": (again.get("error") or {}).get("message", "")[:200] if isinstance(again, dict) else ""}
     return out
 
 
