@@ -90,18 +90,28 @@ class Submitter:
             if path.is_file() and path.suffix.lower() not in SUFFIXES:
                 raise _unprocessable("source.path", f"source.path: {path.name!r} has suffix {path.suffix!r}; "
                                      f"supported: {', '.join(SUFFIXES)} or a `save_to_disk` folder", "invalid-source")
-        if path.is_file() and path.stat().st_nlink > 1 and spec.upload_id is None and not self.settings.allow_hardlinks:
-            raise ServiceError(403, "Forbidden", f"source.path: {shown['path']} has {path.stat().st_nlink} hard "
-                               "links; a hard link can carry a file from outside the data roots in, so the service "
-                               "refuses them: copy the file instead (or start the service with --allow-hardlinks "
-                               "if every writer of the data roots is trusted)", kind="path-forbidden",
-                               field="source.path")
+        if spec.upload_id is None:
+            self._refuse_hardlinks(path, "source.path")
         if path.is_file() and path.stat().st_size == 0:
             raise _unprocessable("source", f"source {shown.get('path') or shown.get('upload_id')} is empty (0 bytes); "
                                  "give a file with rows", "invalid-source")
         if not path.is_file() and not path.is_dir():
             raise _unprocessable("source.path", f"source.path: {path} is not a regular file or folder", "invalid-source")
         return path, shown
+
+    def _refuse_hardlinks(self, path: Path, field: str) -> None:
+        """403 for a file (or a file in a folder) with several hard links: one can carry a file from outside the
+        data roots in, and its path cannot show it. ``--allow-hardlinks`` leaves that to the operator."""
+        if self.settings.allow_hardlinks:
+            return
+        files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+        for f in files:
+            links = f.stat().st_nlink
+            if links > 1:
+                raise ServiceError(403, "Forbidden", f"{field}: {f} has {links} hard links; a hard link can carry a "
+                                   "file from outside the data roots in, so the service refuses them: copy the file "
+                                   "instead (or start the service with --allow-hardlinks if every writer of the "
+                                   "data roots is trusted)", kind="path-forbidden", field=field)
 
     def source_sha(self, path: Path) -> tuple[str, int]:
         """Content hash and size: a file's bytes streamed here (read, never parsed); a ``save_to_disk`` folder's
@@ -152,6 +162,7 @@ class Submitter:
             if not path.is_dir():
                 raise _unprocessable("tokenizer", f"tokenizer: {raw!r} is a file; pass the folder that holds "
                                      "tokenizer.json / tokenizer_config.json", "unknown-tokenizer")
+            self._refuse_hardlinks(path, "tokenizer")
             name = str(path)
             key = (name, tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir())
                                if p.is_file()))

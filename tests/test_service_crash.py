@@ -49,32 +49,36 @@ def test_kill_9_mid_job_then_restart(tmp_path, database_env):
 
     # 2. A slow job (TEST-ONLY hook: each progress callback sleeps 3 s), killed with SIGKILL mid-way.
     s2 = Server(cache, [root], env={**db, "PF_SERVICE_DEBUG_PROGRESS_DELAY_S": "3"}).start()
-    with s2.client() as c:
-        r = c.post("/v1/datasets", json={"source": {"path": "big.jsonl"}})
-        assert r.status_code == 202
-        big = r.json()["id"]
-        # The API stays responsive while the worker tokenizes; progress reaches it from the worker.
-        latencies, deadline, running = [], time.time() + 60, None
-        while time.time() < deadline:
-            t0 = time.perf_counter()
-            assert c.get("/healthz").status_code == 200
-            status = c.get(f"/v1/datasets/{big}").json()
-            latencies.append(time.perf_counter() - t0)
-            if status["state"] == "running" and status["progress"]["rows_done"] > 0:
-                running = status
-                break
-            time.sleep(0.05)
-        assert running is not None, "the job never reported progress"
-        for _ in range(5):  # and it keeps answering fast while the job runs (each chunk sleeps 3 s)
-            t0 = time.perf_counter()
-            assert c.get(f"/v1/datasets/{big}").json()["state"] == "running"
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.05)
-        assert running["progress"]["rows_total"] == 6000 and 0 < running["progress"]["rows_done"] < 6000
-        assert running["progress"]["tokens_done"] > 0 and running["progress"]["fraction"] < 1
-        assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
-        worker_pid = running["worker_pid"]
-        assert worker_pid and _alive(worker_pid)
+    try:  # a failed check must not leave the server running
+        with s2.client() as c:
+            r = c.post("/v1/datasets", json={"source": {"path": "big.jsonl"}})
+            assert r.status_code == 202
+            big = r.json()["id"]
+            # The API stays responsive while the worker tokenizes; progress reaches it from the worker.
+            latencies, deadline, running = [], time.time() + 60, None
+            while time.time() < deadline:
+                t0 = time.perf_counter()
+                assert c.get("/healthz").status_code == 200
+                status = c.get(f"/v1/datasets/{big}").json()
+                latencies.append(time.perf_counter() - t0)
+                if status["state"] == "running" and status["progress"]["rows_done"] > 0:
+                    running = status
+                    break
+                time.sleep(0.05)
+            assert running is not None, "the job never reported progress"
+            for _ in range(5):  # and it keeps answering fast while the job runs (each chunk sleeps 3 s)
+                t0 = time.perf_counter()
+                assert c.get(f"/v1/datasets/{big}").json()["state"] == "running"
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+            assert running["progress"]["rows_total"] == 6000 and 0 < running["progress"]["rows_done"] < 6000
+            assert running["progress"]["tokens_done"] > 0 and running["progress"]["fraction"] < 1
+            assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+            worker_pid = running["worker_pid"]
+            assert worker_pid and _alive(worker_pid)
+    except BaseException:
+        s2.stop()
+        raise
     s2.kill9()
 
     # The worker dies with the server (parent watchdog), and nothing partial is visible.
