@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import threading
 import uuid
 from typing import Any
+
+from preprocess_service.locks import KeyedLocks
 
 logger = logging.getLogger("preprocess_service")
 
@@ -24,14 +25,7 @@ class DatasetIntegrity:
     def __init__(self, settings, store):
         self.settings, self.store = settings, store
         self._memo: dict[tuple, str] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def _lock(self, job_id: str) -> threading.Lock:
-        with self._guard:
-            if len(self._locks) > 4096:
-                self._locks = {k: v for k, v in self._locks.items() if v.locked()}
-            return self._locks.setdefault(job_id, threading.Lock())
+        self._lock = KeyedLocks()
 
     def problem(self, row: dict[str, Any]) -> str | None:
         """Why a succeeded job's dataset may not be served (None: intact)."""

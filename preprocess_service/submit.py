@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
+from preprocess_service.locks import KeyedLocks
 from preprocess_service.preflight import PreflightError, PreflightPool
 from preprocess_service.store import JobStore, QueueFull
 from preprocess_service.schemas import DatasetRequest
@@ -65,14 +65,7 @@ class Submitter:
         self.integrity = None  # a preprocess_service.integrity.DatasetIntegrity, set by the app
         self._tok_cache: dict[tuple, dict[str, Any]] = {}
         self._sha_cache: dict[tuple, tuple[str, int]] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, key: str) -> threading.Lock:
-        with self._locks_guard:
-            if len(self._locks) > 4096:
-                self._locks = {k: v for k, v in self._locks.items() if v.locked()}
-            return self._locks.setdefault(key, threading.Lock())
+        self._lock = KeyedLocks()
 
     # ----------------------------------------------------------------------------------- source
     def resolve_source(self, request: DatasetRequest) -> tuple[Path, dict[str, Any]]:

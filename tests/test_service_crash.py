@@ -100,7 +100,8 @@ def test_kill_9_mid_job_then_restart(tmp_path, database_env):
             again = c.post("/v1/datasets", json={"source": {"path": "earlier.jsonl"}})
             assert again.status_code == 200 and again.json()["manifest"] == earlier_manifest
         assert load_shards(cache / "datasets" / earlier).num_rows == 300
-        assert not [p for p in files_under(cache / "tmp") if not p.split("/")[-1].startswith(("w", "r-"))]
+        # Only the scratch dirs of workers (w<pid>) and of the preflight sandbox (empty between requests) remain.
+        assert not [p for p in files_under(cache / "tmp") if not p.split("/")[-1].startswith(("w", "r-", "preflight"))]
     finally:
         s3.stop()
 
@@ -281,6 +282,18 @@ def _wait_terminal(store, job_id: str, timeout: float = 120.0) -> dict:
     raise AssertionError(f"job {job_id} still {store.get(job_id)['state']} after {timeout}s")
 
 
+def _run_workers(settings, store, job_id: str) -> dict:
+    """Real worker processes under a supervisor, until the job ends; its row."""
+    from preprocess_service.jobs import Supervisor
+
+    supervisor = Supervisor(settings, store)
+    supervisor.start()
+    try:
+        return _wait_terminal(store, job_id)
+    finally:
+        supervisor.stop()
+
+
 def _agree(settings, row) -> None:
     """State and disk agree: succeeded <=> a complete dataset that verifies against the recorded manifest."""
     from pf_trl.data.shards import is_shards_dir, read_manifest, verify_shards
@@ -302,20 +315,13 @@ def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, t
     """A worker SIGKILLs itself (TEST-ONLY hook) after claiming, after writing the shards, after the publish rename
     (before COMMIT), after COMMIT; the supervisor handles the dead worker. Then the same request again: a
     succeeded job is not run again, a failed one is rebuilt (by a worker without the hook)."""
-    from preprocess_service.jobs import Supervisor
-
     settings, store = store_settings
     src = write_rows(tmp_path / "rows.jsonl", generated_rows(40, step))
     request = _request(settings, src)
     job_id = f"{step:0>32}"[-32:]
     store.submit(job_id, request, max_queued=10, exists_ok=lambda r: True)
     settings.debug_crash_at = step
-    supervisor = Supervisor(settings, store)
-    supervisor.start()
-    try:
-        row = _wait_terminal(store, job_id)
-    finally:
-        supervisor.stop()
+    row = _run_workers(settings, store, job_id)
     assert row["state"] == expected, (row["state"], row["error"])
     if expected == "failed":
         assert row["error_type"] == "worker_died" and "signal 9" in row["error"]
@@ -329,11 +335,6 @@ def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, t
     assert created == (expected == "failed")
     if created:
         settings.debug_crash_at = ""
-        supervisor = Supervisor(settings, store)
-        supervisor.start()
-        try:
-            row = _wait_terminal(store, job_id)
-        finally:
-            supervisor.stop()
+        row = _run_workers(settings, store, job_id)
         assert row["state"] == "succeeded"
         _agree(settings, row)

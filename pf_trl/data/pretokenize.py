@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,9 @@ from pf_trl.data import formats
 from pf_trl.data.formats import FieldNames, FormatError
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    from pf_trl.data.source_limits import SourceLimits
 
 logger = logging.getLogger(__name__)
 
@@ -410,7 +413,7 @@ def pretokenize(
     progress: bool = True,
     progress_callback: ProgressCallback | None = None,
     source_fingerprint_value: str | None = None,
-    limits: Any = None,
+    limits: SourceLimits | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
 
@@ -448,11 +451,10 @@ def pretokenize(
     bars_were_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar of our own instead of datasets' per-step bars
     try:
-        if limits is not None and isinstance(source, (str, os.PathLike)):
+        if limits is not None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
             from pf_trl.data.source_limits import check_source_limits
 
-            _checked_source_files(Path(source))
-            check_source_limits(source, limits)
+            check_source_limits(source, limits)  # before any reader parses it
         ds = load_source(source, work)
         if limits is not None:
             from pf_trl.data.source_limits import check_table_limits
