@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,9 @@ from pf_trl.data.options import TRUNCATION_POLICIES, PretokenizeConfig, Pretoken
 from pf_trl.data.scan import first_bad_line
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint, with_chat_template
+
+if TYPE_CHECKING:
+    from pf_trl.data.source_limits import SourceLimits
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ def source_fingerprint(source: Any) -> str:
     if fingerprint is not None:
         return fingerprint
     path = Path(source)
+    if path.is_dir():
+        _checked_source_files(path)  # every data file it names lies inside it, so hashing the folder covers them
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for f in files:
@@ -66,6 +71,16 @@ def source_fingerprint(source: Any) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def _checked_source_files(path: Path) -> list[Path]:
+    """:func:`pf_trl.data.source_files.check_source_files`, its refusal as a PretokenizeError."""
+    from pf_trl.data.source_files import SourceFileError, check_source_files
+
+    try:
+        return check_source_files(path)
+    except SourceFileError as exc:
+        raise PretokenizeError(f"source {path}: {exc}") from None
 
 
 def _dataset_fingerprint(source: Any) -> str | None:
@@ -127,6 +142,7 @@ def load_source(source: Any, work_dir: Path):
     path = Path(source)
     if not path.exists():
         raise PretokenizeError(f"source {path} does not exist")
+    _checked_source_files(path)  # nothing outside the source is opened
     if path.is_dir():
         try:
             ds = datasets.load_from_disk(str(path))
@@ -175,6 +191,7 @@ def _tokenize_batch(
     if input_format == "pretokenized":
         mask_columns = formats.MASK_COLUMNS if config.completion_only_loss else ("assistant_masks",)
         ids_list, labels_list = formats.read_pretokenized(batch, indices, fields, len(tokenizer), mask_columns)
+        cut = [False] * len(ids_list)
     else:
         chat = input_format in CHAT_FORMATS
         if input_format == "text":
@@ -192,7 +209,8 @@ def _tokenize_batch(
             column = fields.conversations if input_format == "sharegpt" else fields.messages
             texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column)
         # Chat templates write their own special tokens; the other formats get the tokenizer's BOS.
-        ids_list, labels_list = formats.encode_spans(tokenizer, texts, spans, add_special_tokens=not chat)
+        ids_list, labels_list, cut = formats.encode_spans_capped(tokenizer, texts, spans, add_special_tokens=not chat,
+                                                                 max_tokens=config.max_seq_len)
         if config.add_eos and not chat and tokenizer.eos_token_id is not None:
             eos = tokenizer.eos_token_id
             for ids, labels in zip(ids_list, labels_list):
@@ -200,13 +218,14 @@ def _tokenize_batch(
                 labels.append(eos)
 
     out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": []}
-    for ids, labels, index in zip(ids_list, labels_list, indices):
+    for ids, labels, index, was_cut in zip(ids_list, labels_list, indices, cut):
         drop, truncated = _KEEP, False
         if len(ids) > config.max_seq_len:
             if config.truncation == "error":
                 raise PretokenizeError(
-                    f"row {index} has {len(ids)} tokens > max_seq_len {config.max_seq_len} and truncation='error'; "
-                    "raise --max_seq_len or use --truncation truncate or drop", "max_seq_len"
+                    f"row {index} has {'more than ' if was_cut else ''}{len(ids)} tokens > max_seq_len "
+                    f"{config.max_seq_len} and truncation='error'; raise --max_seq_len or use --truncation truncate "
+                    "or drop", "max_seq_len"
                 )
             if config.truncation == "drop":
                 drop = _TOO_LONG
@@ -349,6 +368,7 @@ def pretokenize(
     progress: bool = True,
     progress_callback: ProgressCallback | None = None,
     source_fingerprint_value: str | None = None,
+    limits: SourceLimits | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
 
@@ -364,6 +384,8 @@ def pretokenize(
         progress: show a tqdm progress bar.
         progress_callback: ``f(rows_done, rows_total, tokens_done)`` after each chunk (the service uses it).
         source_fingerprint_value: precomputed sha256 of the source (avoids hashing it twice).
+        limits: a :class:`pf_trl.data.source_limits.SourceLimits`: a source file is scanned against it before it
+            is parsed, the loaded rows after (the service passes its limits; None: no limits).
 
     Raises:
         PretokenizeError: bad source, format, options or rows; the message names the row and the fix.
@@ -386,7 +408,15 @@ def pretokenize(
     bars_were_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar of our own instead of datasets' per-step bars
     try:
+        if limits is not None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
+            from pf_trl.data.source_limits import check_source_limits
+
+            check_source_limits(source, limits)  # before any reader parses it
         ds = load_source(source, work)
+        if limits is not None:
+            from pf_trl.data.source_limits import check_table_limits
+
+            check_table_limits(ds, limits)
         input_format = _resolve_format(ds, config)
         rows_total = ds.num_rows
         # Contiguous chunks: progress reports after each, and the unit of work of the process pool.
