@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -15,13 +16,17 @@ from typing import Any, Literal
 
 import anyio
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi import Path as FastAPIPath
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pf_trl._version import __version__
+from preprocess_service.faults import classify, fault_classes, free_space_problem, insufficient_storage
+from preprocess_service.integrity import DatasetIntegrity
 from preprocess_service.jobs import SECRET_ENV, Supervisor
+from preprocess_service.preflight import PreflightPool
 from preprocess_service.store import (
     DURATION_BUCKETS,
     IDEMPOTENCY_TTL_S,
@@ -47,9 +52,12 @@ from preprocess_service.schemas import (
     PretokenizeOptions,
     SourceSpec,
     UploadInfo,
+    UploadList,
+    UPLOAD_ID_PATTERN,
     problem_body,
 )
-from preprocess_service.security import BearerAuthMiddleware, BodyLimitMiddleware, ServiceError
+from preprocess_service.security import BearerAuthMiddleware, BodyLimitMiddleware, RateLimitMiddleware, ServiceError
+from preprocess_service import uploads as upload_store
 from preprocess_service.settings import Settings, SettingsError
 from preprocess_service.submit import Submitter
 
@@ -126,23 +134,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             logger.warning("job %s was running when the service stopped: %s", job_id, action)
         supervisor = Supervisor(settings, store)
         supervisor.start()
+        # Nothing a client names is parsed in this process: the preflight runs in sandboxed processes, warm
+        # from the start (imports and the default tokenizer), like the workers.
+        sandbox_env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        preflight = PreflightPool(settings, {**sandbox_env, **settings.child_env()})
+        preflight.start()
         log_event("service_started", **{**settings.describe(), "version": __version__})
-        app.state.store, app.state.supervisor = store, supervisor
-        app.state.submitter = Submitter(settings, store)
+        app.state.store, app.state.supervisor, app.state.preflight = store, supervisor, preflight
+        app.state.integrity = DatasetIntegrity(settings, store)
+        app.state.submitter = Submitter(settings, store, preflight)
+        app.state.submitter.integrity = app.state.integrity
         app.state.started = time.time()
+        stop_janitor = threading.Event()
 
-        def warm() -> None:  # the first POST should not pay for imports and the default tokenizer
-            try:
-                app.state.submitter.tokenizer("pf-trl/mistral-7b-v0.1")
-                import datasets  # noqa: F401
-            except Exception:  # noqa: BLE001
-                logger.exception("warm-up failed")
+        def janitor() -> None:  # uploads unused for upload_ttl_s go away (checked 4 times per TTL, at most each minute)
+            every = max(0.5, min(60.0, settings.upload_ttl_s / 4)) if settings.upload_ttl_s > 0 else 60.0
+            while not stop_janitor.wait(every):
+                try:
+                    for gone in upload_store.expire_uploads(settings.uploads_dir, store, settings.upload_ttl_s):
+                        log_event("upload_expired", upload_id=gone, replica=settings.replica_id)
+                except Exception:  # noqa: BLE001 - a transient database error: next round
+                    logger.exception("upload expiry failed")
 
-        import threading
-        threading.Thread(target=warm, daemon=True).start()
+        threading.Thread(target=janitor, daemon=True, name="pf-upload-janitor").start()
         try:
             yield
         finally:
+            stop_janitor.set()
+            preflight.stop()
             supervisor.stop()
             log_event("service_stopped", replica=settings.replica_id)
             if not settings.database_url:
@@ -155,7 +174,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Tokenize a dataset once into a shared cache of shards (with per-example lengths for the "
         "token-budget sampler); training jobs wait for it and read it. Errors are application/problem+json.",
         lifespan=lifespan,
-        responses={400: PROBLEM_RESPONSES[400], 401: PROBLEM_RESPONSES[401], 422: PROBLEM_RESPONSES[422]},
+        responses={k: PROBLEM_RESPONSES[k] for k in (400, 401, 422, 429, 503, 507)},
     )
     app.state.settings = settings
 
@@ -188,8 +207,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return problem(exc.status_code, problem_body(exc.status_code, _title(exc.status_code), detail, kind=kind,
                                                      instance=request.url.path), getattr(exc, "headers", None))
 
+    async def _machine_fault(request: Request, exc: Exception):
+        """A full disk (507) or the database down (503), answered as handled errors (the connection stays
+        usable); anything else of these classes goes on to the 500 handler."""
+        fault = classify(exc, settings.cache_dir)
+        if fault is None:
+            raise exc
+        logger.warning("%s %s: %s (%s: %s)", request.method, request.url.path, fault.detail, type(exc).__name__,
+                       str(exc).splitlines()[0][:200] if str(exc) else "")
+        return problem(fault.status, fault.body(request.url.path), fault.headers)
+
+    for fault_class in fault_classes():
+        app.add_exception_handler(fault_class, _machine_fault)
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
+        fault = classify(exc, settings.cache_dir)  # a full disk (507), the database down (503)
+        if fault is not None:
+            logger.warning("%s %s: %s (%s)", request.method, request.url.path, fault.detail, type(exc).__name__)
+            return problem(fault.status, fault.body(request.url.path), fault.headers)
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return problem(500, problem_body(500, "Internal Server Error", f"internal error ({type(exc).__name__}); "
                                          "see the service log", kind="internal", instance=request.url.path))
@@ -198,6 +234,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def status_of(row: dict[str, Any], *, with_manifest: bool = True) -> DatasetStatus:
         from pf_trl.data.shards import is_shards_dir
 
+        if with_manifest:  # a corrupt dataset is withdrawn, never reported as succeeded
+            row = app.state.integrity.ensure(row)
         req = json.loads(row["request"])
         state, error = row["state"], None
         if state in ("failed", "cancelled"):
@@ -246,7 +284,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.post("/v1/datasets", response_model=DatasetStatus, status_code=202, tags=["datasets"],
               responses={200: {"model": DatasetStatus, "description": "already built: the manifest, no work"},
                          202: {"description": "queued or running (Location: the status URL)"},
-                         **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 503)}})
+                         **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 429, 503, 507)}})
     def create_dataset(body: DatasetRequest, response: Response,
                        idempotency_key: str | None = Header(
                            None, alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
@@ -265,7 +303,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 raise _key_reused(key) from exc
             row = store.get(known) if known else None
             if row is not None and row["state"] not in ("failed", "cancelled"):
-                return _answer(status_of(row), response)
+                status = status_of(row)
+                if status.state not in ("failed", "cancelled"):
+                    return _answer(status, response)
+        full = free_space_problem(settings.cache_dir, 0, settings.min_free_bytes)
+        if full is not None:
+            raise full
         row, _created = app.state.submitter.submit(body)
         if key:
             try:
@@ -277,12 +320,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.post("/v1/mixtures", response_model=DatasetStatus, status_code=202, tags=["datasets"],
               responses={200: {"model": DatasetStatus, "description": "already built: the manifest, no work"},
                          202: {"description": "queued or running (Location: the status URL)"},
-                         **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 503)}})
+                         **{k: PROBLEM_RESPONSES[k] for k in (403, 413, 429, 503, 507)}})
     def create_mixture(body: MixtureRequest, response: Response) -> DatasetStatus:
         """Tokenize several sources, each with its own options, into one dataset that records each source and the
         mixing rule (weights, seed, sample_by); train from its id like any dataset. Content-addressed."""
         from preprocess_service.mixtures import submit_mixture
 
+        full = free_space_problem(settings.cache_dir, 0, settings.min_free_bytes)
+        if full is not None:
+            raise full
         row, _created = submit_mixture(app.state.submitter, body)
         return _answer(status_of(row), response)
 
@@ -301,16 +347,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return '"' + hashlib.sha256(status.model_dump_json().encode()).hexdigest()[:32] + '"'
 
 
-    @app.post("/v1/uploads", response_model=UploadInfo, status_code=201, tags=["datasets"],
+    @app.post("/v1/uploads", response_model=UploadInfo, status_code=201, tags=["uploads"],
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
               responses={200: {"model": UploadInfo, "description": "the same bytes were uploaded before"},
-                         413: PROBLEM_RESPONSES[413]})
+                         **{k: PROBLEM_RESPONSES[k] for k in (413, 429, 507)}})
     async def upload(request: Request, response: Response,
                      format: Literal["jsonl", "json", "parquet", "csv"] = Query(
                          ..., description="How to read the bytes (the upload id keeps it as its suffix)")) -> UploadInfo:
-        """Upload a source file as the raw request body (at most max_upload_bytes); use its `upload_id`."""
+        """Upload a source file as the raw request body (at most max_upload_bytes); use its `upload_id`.
+        Uploads count against `max_uploads_bytes` together (507 beyond: DELETE old ones) and are deleted when
+        unused for `upload_ttl_s` (see `expires_unix`)."""
         limit = settings.max_upload_bytes
+        declared = int(request.headers.get("content-length") or 0)
+        used = await anyio.to_thread.run_sync(upload_store.uploads_bytes, settings.uploads_dir)
+        quota = settings.max_uploads_bytes
+
+        def over_quota(size: int) -> ServiceError:
+            return insufficient_storage(f"uploads would hold {used + size} bytes, above the quota of {quota} bytes "
+                                        "(--max-uploads-bytes); DELETE /v1/uploads/{upload_id} of uploads you no "
+                                        "longer need (GET /v1/uploads lists them), then retry")
+
+        if used + declared > quota:
+            raise over_quota(declared)
+        full = free_space_problem(settings.cache_dir, declared, settings.min_free_bytes)
+        if full is not None:
+            raise full
         part = settings.scratch_dir / f"upload-{uuid.uuid4().hex}.part"
         digest, size = hashlib.sha256(), 0
         try:
@@ -322,6 +384,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                            "split the data, or ask the operator to raise --max-upload-bytes "
                                            "(PF_SERVICE_MAX_UPLOAD_BYTES)", kind="too-large", field="body",
                                            headers={"Connection": "close"})
+                    if used + size > quota:
+                        raise over_quota(size)
                     digest.update(chunk)
                     await anyio.to_thread.run_sync(f.write, chunk)
             if size == 0:
@@ -332,11 +396,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             target = settings.uploads_dir / upload_id
             if target.exists():
                 response.status_code = 200
+                upload_store.touch(target)  # used again: its expiry starts over
             else:
                 os.replace(part, target)
-            return UploadInfo(upload_id=upload_id, sha256=sha, size_bytes=size, format=format)
+            last = target.stat().st_mtime
+            return UploadInfo(upload_id=upload_id, sha256=sha, size_bytes=size, format=format, last_used_unix=last,
+                              expires_unix=last + settings.upload_ttl_s if settings.upload_ttl_s > 0 else None)
+        except OSError as exc:
+            fault = classify(exc, settings.cache_dir)
+            if fault is not None:
+                raise fault from exc
+            raise
         finally:
             part.unlink(missing_ok=True)
+
+    @app.get("/v1/uploads", response_model=UploadList, tags=["uploads"])
+    def list_uploads() -> UploadList:
+        """Every upload, least recently used first, with its size and expiry, and the quota they share."""
+        items = upload_store.list_uploads(settings.uploads_dir, settings.upload_ttl_s)
+        return UploadList(items=[UploadInfo(**i) for i in items if i["format"] in ("jsonl", "json", "parquet", "csv")],
+                          total_bytes=sum(i["size_bytes"] for i in items), quota_bytes=settings.max_uploads_bytes)
+
+    @app.delete("/v1/uploads/{upload_id}", status_code=204, tags=["uploads"],
+                responses={404: PROBLEM_RESPONSES[404], 409: PROBLEM_RESPONSES[409]})
+    def delete_upload(upload_id: str = FastAPIPath(..., pattern=UPLOAD_ID_PATTERN)) -> Response:
+        """Delete an upload (409 while a queued or running job reads it; datasets built from it stay)."""
+        upload_store.delete_upload(settings.uploads_dir, app.state.store, upload_id)
+        return Response(status_code=204)
 
     @app.get("/v1/datasets", response_model=DatasetList, tags=["datasets"])
     def list_datasets(limit: int = Query(50, ge=1, le=200), cursor: str | None = Query(None, max_length=20),
@@ -463,19 +549,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/readyz", response_model=Health, tags=["ops"], responses={503: PROBLEM_RESPONSES[503]})
     def readyz():
-        """Readiness: database, writable cache dir, at least one warm worker (no auth)."""
+        """Readiness: database reachable, cache dir writable with at least min_free_bytes free, a warm worker and a
+        preflight sandbox (no auth). 503 (problem+json, Retry-After) with every check's result otherwise."""
         checks: dict[str, Any] = {}
         try:
             app.state.store.query("SELECT 1")
             checks["database"] = "ok"
-        except Exception as exc:  # noqa: BLE001
-            checks["database"] = f"error: {exc}"
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+            checks["database"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         checks["cache_dir_writable"] = os.access(settings.cache_dir, os.W_OK)
+        try:
+            checks["free_bytes"] = shutil.disk_usage(settings.cache_dir).free
+        except OSError as exc:
+            checks["free_bytes"] = f"error: {exc}"
+        checks["min_free_bytes"] = settings.min_free_bytes
         live = app.state.supervisor.live_pids()
-        ready = app.state.store.ready_worker_pids() & live
+        try:
+            ready = app.state.store.ready_worker_pids() & live if checks["database"] == "ok" else set()
+        except Exception:  # noqa: BLE001 - the database went away between the two queries
+            ready = set()
         checks["workers_alive"], checks["workers_ready"] = len(live), len(ready)
-        checks["free_bytes"] = shutil.disk_usage(settings.cache_dir).free
-        ok = checks["database"] == "ok" and checks["cache_dir_writable"] and ready
+        checks["preflight_ready"] = app.state.preflight.ready()
+        enough_space = isinstance(checks["free_bytes"], int) and checks["free_bytes"] >= settings.min_free_bytes
+        ok = (checks["database"] == "ok" and checks["cache_dir_writable"] and enough_space and ready
+              and checks["preflight_ready"] > 0)
         if not ok:
             return problem(503, problem_body(503, "Service Unavailable", f"not ready: {checks}", kind="not-ready",
                                              instance="/readyz"), {"Retry-After": "2"})
@@ -494,6 +591,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   "# TYPE pf_service_jobs_finished_total counter",
                   *[f'pf_service_jobs_finished_total{{result="{r}"}} {int(counters.get(f"jobs_{r}_total", 0))}'
                     for r in ("succeeded", "failed", "cancelled", "deleted")],
+                  "# HELP pf_service_datasets_withdrawn_total Published datasets found corrupt and withdrawn.",
+                  "# TYPE pf_service_datasets_withdrawn_total counter",
+                  f"pf_service_datasets_withdrawn_total {int(counters.get('jobs_corrupt_total', 0))}",
                   "# HELP pf_service_rows_tokenized_total Source rows of succeeded jobs.",
                   "# TYPE pf_service_rows_tokenized_total counter",
                   f"pf_service_rows_tokenized_total {int(counters.get('rows_tokenized_total', 0))}",
@@ -524,6 +624,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(BearerAuthMiddleware, token=settings.token)
+    app.add_middleware(RateLimitMiddleware, per_minute=settings.rate_limit_per_minute)  # before auth: guessing too
     return app
 
 

@@ -92,6 +92,8 @@ class Supervisor:
             for job_id in self.store.running_on(pid):
                 if pid in self.cancelled:
                     continue
+                if self._recover_published(job_id):
+                    continue  # it died after publishing, before its COMMIT: the dataset is complete
                 self.store.finish_failure(job_id, pid, "worker_died",
                                           f"the worker process {pid} died with {how}{hint}; POST again to retry")
             shutil.rmtree(self.settings.scratch_dir / f"w{pid}", ignore_errors=True)
@@ -113,6 +115,21 @@ class Supervisor:
         self.store.reconcile(datasets_dir=self.settings.datasets_dir, max_attempts=self.settings.max_attempts,
                              heartbeat_timeout_s=self.settings.heartbeat_timeout_s, live_pids=self.live_pids())
 
+    def _recover_published(self, job_id: str) -> bool:
+        """Mark a dead worker's job succeeded when its dataset directory was published whole and verifies."""
+        from pf_trl.data.shards import ShardsError, is_shards_dir, read_manifest, verify_shards
+
+        target = self.settings.datasets_dir / job_id
+        if not is_shards_dir(target):
+            return False
+        try:
+            manifest = read_manifest(target)
+            verify_shards(target, manifest)
+        except ShardsError:
+            return False
+        row = self.store.get(job_id)
+        return bool(row) and self.store.mark_recovered(job_id, manifest, attempts=row["attempts"])
+
     def stop(self, timeout: float = 5.0) -> None:
         """Graceful stop: running jobs go back to the queue without using up an attempt."""
         self._stop.set()
@@ -131,8 +148,14 @@ class Supervisor:
                 p.kill()
                 p.wait()
         for pid, _ in procs:
-            for job_id in self.store.running_on(pid):
-                self.store.requeue(job_id, "the service was stopped while this job ran; re-queued",
-                                   count_attempt=False)
+            try:
+                for job_id in self.store.running_on(pid):
+                    self.store.requeue(job_id, "the service was stopped while this job ran; re-queued",
+                                       count_attempt=False)
+            except Exception:  # noqa: BLE001 - e.g. the database is down: the next start reconciles them
+                logger.exception("could not re-queue the jobs of worker %d; the next start-up reconciles them", pid)
             shutil.rmtree(self.settings.scratch_dir / f"w{pid}", ignore_errors=True)
-        self.store.clear_workers()
+        try:
+            self.store.clear_workers()
+        except Exception:  # noqa: BLE001
+            logger.exception("could not clear this replica's workers from the store")

@@ -39,9 +39,9 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
     from pf_trl.data.shards import is_shards_dir
     from preprocess_service.schemas import DatasetRequest
     from preprocess_service.store import QueueFull
-    from preprocess_service.submit import count_rows
+    from preprocess_service.uploads import touch
 
-    tok_name, tok, fingerprint = submitter.tokenizer(request.tokenizer)
+    tok_name, fingerprint = submitter.tokenizer(request.tokenizer)
     parts, configs = [], []
     for i, spec in enumerate(request.sources):
         name = spec.name or f"source_{i}"
@@ -71,17 +71,23 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
     def stands(row: dict[str, Any]) -> bool:
         return row["state"] != "succeeded" or is_shards_dir(submitter.settings.datasets_dir / job_id)
 
+    for path, shown, _ in configs:
+        if shown.get("upload_id"):
+            touch(path)  # named by a POST: the upload's expiry starts over
     with submitter._lock(job_id):
         row = submitter.store.get(job_id)
+        if submitter.integrity is not None:
+            row = submitter.integrity.ensure(row)  # a corrupt dataset is withdrawn here, and rebuilt below
         if row is not None and row["state"] not in ("failed", "cancelled") and stands(row):
             return row, False
+        counts = []
         for (path, shown, config), part in zip(configs, parts):
-            try:
-                submitter.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}", config, tok)
+            try:  # the sandboxed checks (files, row limits, the first rows); the row count if known
+                counts.append(submitter.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}",
+                                                  config, tok_name))
             except ServiceError as exc:
                 exc.detail = f"source {part['name']!r}: {exc.detail}"
                 raise
-        counts = [count_rows(path) for path, _, _ in configs]
         record["rows_total"] = sum(counts) if all(c is not None for c in counts) else None
         try:
             return submitter.store.submit(job_id, record, max_queued=submitter.settings.max_queued, exists_ok=stands)
@@ -123,7 +129,7 @@ def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any
         out = work / "parts" / f"part-{i}"
         manifest = pretokenize(source, out, PretokenizeConfig(**part["options"]), tokenizer=tok,
                                num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
-                               source_fingerprint_value=part["source_sha256"])
+                               source_fingerprint_value=part["source_sha256"], limits=settings.limits())
         done_rows += manifest["counts"]["source_rows"]
         done_tokens += manifest["counts"]["tokens"]
         sources.append(MixtureSource(name=part["name"], data_paths=[str(out)], sampling=part["weight"],

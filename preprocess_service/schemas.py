@@ -164,7 +164,7 @@ class Progress(BaseModel):
 
 class ErrorInfo(BaseModel):
     type: str = Field(description="invalid_data | disk_full | io_error | interrupted | worker_died | internal "
-                      "| cancelled")
+                      "| cancelled | corrupt (a published dataset whose files no longer match their checksums)")
     message: str
 
 
@@ -249,6 +249,14 @@ class UploadInfo(BaseModel):
     sha256: str
     size_bytes: int
     format: Literal["jsonl", "json", "parquet", "csv"]
+    last_used_unix: float | None = Field(None, description="uploaded, or last named by a POST /v1/datasets")
+    expires_unix: float | None = Field(None, description="deleted after this time unless used again (null: never)")
+
+
+class UploadList(BaseModel):
+    items: list[UploadInfo]
+    total_bytes: int
+    quota_bytes: int
 
 
 class Health(BaseModel):
@@ -292,6 +300,8 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
         409: "the dataset is not in a state that allows this",
         413: "request body or upload too large",
         422: "invalid request: the message names the field and the fix",
-        503: "queue full or service not ready",
+        429: "too many POST/DELETE requests from this client (Retry-After)",
+        503: "queue full, database unavailable or service not ready (Retry-After)",
+        507: "the service's disk or upload quota is full: nothing was kept",
     }.items()
 }

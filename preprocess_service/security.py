@@ -1,9 +1,13 @@
-"""Bearer-token auth, request body limits (pure ASGI middlewares) and path confinement to the data roots."""
+"""Bearer-token auth, request body limits, a per-client rate limit (pure ASGI middlewares) and path confinement
+to the data roots."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +143,50 @@ class BodyLimitMiddleware:
                                                    instance=scope.get("path"),
                                                    errors=[{"field": "body", "message": detail}]),
                            headers={"Connection": "close"})
+
+
+class RateLimitMiddleware:
+    """429 for a client (its address) that sends more than ``per_minute`` POST/DELETE requests a minute.
+
+    A token bucket per address: it holds a minute's worth and refills continuously, so bursts up to
+    ``per_minute`` pass. Reads (GET: polling, event streams) are not limited; writes cost work (hashing,
+    a preflight, a job). Behind a proxy every client shares its address: give each tenant its own replica or
+    limit at the proxy.
+    """
+
+    def __init__(self, app, per_minute: int):
+        self.app, self.per_minute = app, per_minute
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def _take(self, key: str) -> float:
+        """0 when a request may pass, else the seconds until one may."""
+        rate = self.per_minute / 60.0
+        now = time.monotonic()
+        with self._lock:
+            if len(self._buckets) > 10_000:  # forget idle clients (their buckets are full again anyway)
+                self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < 60.0}
+            tokens, then = self._buckets.get(key, (float(self.per_minute), now))
+            tokens = min(float(self.per_minute), tokens + (now - then) * rate)
+            if tokens >= 1.0:
+                self._buckets[key] = (tokens - 1.0, now)
+                return 0.0
+            self._buckets[key] = (tokens, now)
+            return (1.0 - tokens) / rate
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.per_minute or scope.get("method") not in ("POST", "DELETE", "PUT",
+                                                                                        "PATCH"):
+            return await self.app(scope, receive, send)
+        client = scope.get("client") or ("unknown", 0)
+        wait = self._take(str(client[0]))
+        if wait <= 0:
+            return await self.app(scope, receive, send)
+        retry = max(1, math.ceil(wait))
+        detail = (f"too many requests from {client[0]}: more than {self.per_minute} POST/DELETE a minute "
+                  f"(--rate-limit); retry in {retry} s")
+        await send_problem(send, 429, problem_body(429, "Too Many Requests", detail, kind="rate-limited",
+                                                   instance=scope.get("path")), headers={"Retry-After": str(retry)})
 
 
 def _is_within(path: Path, root: Path) -> bool:

@@ -53,8 +53,21 @@ class Settings:
             cache volume); None: SQLite in ``cache_dir`` (one replica). A secret: read from
             ``PF_SERVICE_DATABASE_URL`` or ``--database-url-file``, passed to workers through a pipe.
         replica_id: this replica's name in the job store (default: the host name, i.e. the pod name).
+        preflight_procs: sandboxed processes that run POST's synchronous checks (the API process parses nothing).
+        preflight_memory_bytes: address-space limit of each sandbox (RLIMIT_AS); 0: none.
+        preflight_timeout_s: longest synchronous check of one POST; past it the sandbox is replaced, POST 422.
+        max_row_bytes / max_json_depth / max_field_bytes / max_row_group_bytes: per-row limits of every source
+            (:class:`pf_trl.data.source_limits.SourceLimits`), checked by the preflight and by the job.
+        upload_ttl_s: an upload not used by a job for this long is deleted (0: never).
+        max_uploads_bytes: all uploads together; beyond it an upload answers 507 (DELETE old ones).
+        allow_hardlinks: accept source files with more than one hard link (refused by default: a hard link in a
+            data root can carry in a file from outside it; allow only when every writer of the roots is trusted).
+        rate_limit_per_minute: POST/DELETE requests per client address per minute (a token bucket that holds
+            a minute's worth); beyond it 429 with Retry-After. 0: no limit.
         debug_progress_delay_s: TEST-ONLY: sleep this long in every progress callback (slows jobs for
             crash tests; 0 in production).
+        debug_crash_at: TEST-ONLY: a worker kills itself (SIGKILL) at this step of a job: ``claimed``,
+            ``written``, ``renamed`` (published, before COMMIT) or ``committed``; empty in production.
     """
 
     cache_dir: Path = field(default_factory=lambda: Path(".pf-trl-cache/service"))
@@ -75,7 +88,19 @@ class Settings:
     log_level: str = "info"
     database_url: str | None = None
     replica_id: str = field(default_factory=socket.gethostname)
+    preflight_procs: int = 1
+    preflight_memory_bytes: int = 4 * 2**30
+    preflight_timeout_s: float = 60.0
+    max_row_bytes: int = 32 * 2**20
+    max_json_depth: int = 64
+    max_field_bytes: int = 16 * 2**20
+    max_row_group_bytes: int = 2**30
+    upload_ttl_s: float = 7 * 24 * 3600.0
+    max_uploads_bytes: int = 16 * 2**30
+    rate_limit_per_minute: int = 600
+    allow_hardlinks: bool = False
     debug_progress_delay_s: float = 0.0
+    debug_crash_at: str = ""
 
     def __post_init__(self) -> None:
         self.cache_dir = Path(self.cache_dir).expanduser().resolve()
@@ -89,15 +114,25 @@ class Settings:
             raise SettingsError("database_url must start with postgresql:// (PostgreSQL is the only other store; "
                                 "leave it unset for the embedded SQLite store)")
         self.replica_id = re.sub(r"[^A-Za-z0-9_.-]", "_", self.replica_id or "local")[:64]
-        for name in ("workers", "num_proc", "max_attempts"):
+        for name in ("workers", "num_proc", "max_attempts", "preflight_procs", "max_row_bytes", "max_json_depth",
+                     "max_field_bytes", "max_row_group_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queued", "preflight_rows", "min_free_bytes"):
+        for name in ("max_queued", "preflight_rows", "min_free_bytes", "preflight_memory_bytes", "upload_ttl_s",
+                     "max_uploads_bytes", "rate_limit_per_minute"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_upload_bytes", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1 byte, got {getattr(self, name)}")
+        if self.preflight_timeout_s <= 0:
+            raise SettingsError(f"preflight_timeout_s must be > 0, got {self.preflight_timeout_s}")
+        if self.preflight_memory_bytes and self.preflight_memory_bytes < 2**30:
+            raise SettingsError(f"preflight_memory_bytes must be 0 (no limit) or at least 1GiB (the sandbox's "
+                                f"libraries alone map about 2.5 GB), got {self.preflight_memory_bytes}")
+        if self.debug_crash_at not in ("", "claimed", "written", "renamed", "committed"):
+            raise SettingsError(f"debug_crash_at must be one of claimed, written, renamed, committed, got "
+                                f"{self.debug_crash_at!r}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
         for root in self.data_roots:
@@ -136,6 +171,13 @@ class Settings:
 
     def shards_path(self, dataset_id: str) -> Path:
         return Path(self.public_cache_dir) / "datasets" / dataset_id
+
+    def limits(self):
+        """The per-row limits of sources (:class:`pf_trl.data.source_limits.SourceLimits`)."""
+        from pf_trl.data.source_limits import SourceLimits
+
+        return SourceLimits(max_row_bytes=self.max_row_bytes, max_json_depth=self.max_json_depth,
+                            max_field_bytes=self.max_field_bytes, max_row_group_bytes=self.max_row_group_bytes)
 
     def make_dirs(self) -> None:
         for d in (self.cache_dir, self.datasets_dir, self.uploads_dir, self.tmp_dir, self.scratch_dir):
@@ -197,12 +239,18 @@ def _convert(name: str, raw: str, *, env_name: str) -> Any:
     try:
         if name == "data_roots":
             return [p for p in raw.split(os.pathsep) if p]
-        if name in ("max_upload_bytes", "max_body_bytes", "min_free_bytes"):
+        if name in ("max_upload_bytes", "max_body_bytes", "min_free_bytes", "preflight_memory_bytes", "max_row_bytes",
+                    "max_field_bytes", "max_row_group_bytes", "max_uploads_bytes"):
             return parse_size(raw, env_name)
-        if name in ("port", "workers", "num_proc", "max_queued", "max_attempts", "preflight_rows"):
+        if name in ("port", "workers", "num_proc", "max_queued", "max_attempts", "preflight_rows", "preflight_procs",
+                    "max_json_depth", "rate_limit_per_minute"):
             return int(raw)
-        if name in ("heartbeat_timeout_s", "debug_progress_delay_s"):
+        if name in ("heartbeat_timeout_s", "debug_progress_delay_s", "preflight_timeout_s", "upload_ttl_s"):
             return float(raw)
+        if name == "allow_hardlinks":
+            if raw.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError("use true or false")
+            return raw.strip().lower() in ("1", "true", "yes", "on")
     except ValueError as exc:
         raise SettingsError(f"{env_name}={raw!r}: {exc}") from exc
     return raw

@@ -1,30 +1,31 @@
 """``POST /v1/datasets`` behind the route: resolve and confine the source, identify the tokenizer,
-compute the content address, run the synchronous preflight, and create (or find) the job.
+compute the content address, run the preflight, and create (or find) the job.
 
 What is checked synchronously (4xx at once, nothing queued, nothing written under ``datasets/``):
 request schema, option values (``PretokenizeConfig``), source path confinement / existence / suffix /
-emptiness, upload id, tokenizer (resolved, confined, loaded with ``trust_remote_code=False``), and a
-*preflight*: the first ``preflight_rows`` (64) rows of a JSONL or Parquet source are run through the
-real :func:`pretokenize` in ``tmp/`` (malformed line, missing column, wrong format, template absent,
-``truncation='error'`` overflow in those rows). Everything else (row 5000 is malformed, JSON arrays,
-CSV, ``save_to_disk`` folders) is found by the job, which then ends ``failed`` with the reason and no
-dataset directory.
+emptiness / hard links, upload id, and, in a sandboxed process (:mod:`preprocess_service.preflight`; this
+process parses nothing a client names), the tokenizer (resolved, confined, loaded with
+``trust_remote_code=False``), a ``save_to_disk`` folder's data files (inside it), the source's row limits, and a
+*preflight*: the first ``preflight_rows`` (64) rows of a JSONL or Parquet source run through the real
+:func:`pretokenize` (malformed line, missing column, wrong format, template absent, ``truncation='error'``
+overflow in those rows). Everything else (row 5000 is malformed, JSON arrays, CSV, ``save_to_disk`` folders) is
+found by the job, which then ends ``failed`` with the reason and no dataset directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
+from preprocess_service.locks import KeyedLocks
+from preprocess_service.preflight import PreflightError, PreflightPool
 from preprocess_service.store import JobStore, QueueFull
 from preprocess_service.schemas import DatasetRequest
 from preprocess_service.security import ServiceError, confine
 from preprocess_service.settings import Settings
+from preprocess_service.uploads import touch
 
 ID_VERSION = 1
 EMBEDDED_NAMES = ("pf-trl/mistral-7b-v0.1", "default")
@@ -54,49 +55,17 @@ def content_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def count_rows(path: Path) -> int | None:
-    """Rows of a source, where it says so cheaply: Parquet metadata, the non-blank lines of JSON Lines,
-    the Arrow files of a ``save_to_disk`` folder. None for a JSON array or CSV (only parsing tells)."""
-    path = Path(path)
-    try:
-        if path.is_dir():
-            import datasets
-
-            loaded = datasets.load_from_disk(str(path))
-            return loaded.num_rows if isinstance(loaded, datasets.Dataset) else None
-        suffix = path.suffix.lower()
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(str(path)).metadata.num_rows
-        if suffix in (".jsonl", ".json"):
-            with open(path, "rb") as fh:
-                if fh.read(4096).lstrip().startswith(b"["):
-                    return None
-                fh.seek(0)
-                return sum(1 for line in fh if line.strip())
-    except Exception:  # noqa: BLE001 - a count is a nicety; the job finds real problems
-        return None
-    return None
-
-
 def _unprocessable(field: str, detail: str, kind: str = "invalid-request") -> ServiceError:
     return ServiceError(422, "Unprocessable Content", detail, kind=kind, field=field)
 
 
 class Submitter:
-    def __init__(self, settings: Settings, store: JobStore):
-        self.settings, self.store = settings, store
-        self._tok_cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-        self._sha_cache: dict[tuple, str] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, key: str) -> threading.Lock:
-        with self._locks_guard:
-            if len(self._locks) > 4096:
-                self._locks = {k: v for k, v in self._locks.items() if v.locked()}
-            return self._locks.setdefault(key, threading.Lock())
+    def __init__(self, settings: Settings, store: JobStore, preflight: PreflightPool):
+        self.settings, self.store, self.preflight_pool = settings, store, preflight
+        self.integrity = None  # a preprocess_service.integrity.DatasetIntegrity, set by the app
+        self._tok_cache: dict[tuple, dict[str, Any]] = {}
+        self._sha_cache: dict[tuple, tuple[str, int]] = {}
+        self._lock = KeyedLocks()
 
     # ----------------------------------------------------------------------------------- source
     def resolve_source(self, request: DatasetRequest) -> tuple[Path, dict[str, Any]]:
@@ -114,6 +83,8 @@ class Submitter:
             if path.is_file() and path.suffix.lower() not in SUFFIXES:
                 raise _unprocessable("source.path", f"source.path: {path.name!r} has suffix {path.suffix!r}; "
                                      f"supported: {', '.join(SUFFIXES)} or a `save_to_disk` folder", "invalid-source")
+        if spec.upload_id is None:
+            self._refuse_hardlinks(path, "source.path")
         if path.is_file() and path.stat().st_size == 0:
             raise _unprocessable("source", f"source {shown.get('path') or shown.get('upload_id')} is empty (0 bytes); "
                                  "give a file with rows", "invalid-source")
@@ -121,23 +92,51 @@ class Submitter:
             raise _unprocessable("source.path", f"source.path: {path} is not a regular file or folder", "invalid-source")
         return path, shown
 
+    def _refuse_hardlinks(self, path: Path, field: str) -> None:
+        """403 for a file (or a file in a folder) with several hard links: one can carry a file from outside the
+        data roots in, and its path cannot show it. ``--allow-hardlinks`` leaves that to the operator."""
+        if self.settings.allow_hardlinks:
+            return
+        files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+        for f in files:
+            links = f.stat().st_nlink
+            if links > 1:
+                raise ServiceError(403, "Forbidden", f"{field}: {f} has {links} hard links; a hard link can carry a "
+                                   "file from outside the data roots in, so the service refuses them: copy the file "
+                                   "instead (or start the service with --allow-hardlinks if every writer of the "
+                                   "data roots is trusted)", kind="path-forbidden", field=field)
+
     def source_sha(self, path: Path) -> tuple[str, int]:
+        """Content hash and size: a file's bytes streamed here (read, never parsed); a ``save_to_disk`` folder's
+        in the sandbox, which first checks that every data file its state.json names lies inside it."""
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns, f.stat().st_ino) for f in files]
         key = (str(path), tuple(stats))
-        size = sum(s[1] for s in stats)
-        sha = self._sha_cache.get(key)
-        if sha is None:
-            sha = content_sha256(path)
+        hit = self._sha_cache.get(key)
+        if hit is None:
+            if path.is_dir():
+                answer = self._sandbox({"op": "identify", "path": str(path)}, what=f"source {path}")
+                hit = (answer["sha256"], int(answer["size"]))
+            else:
+                hit = (content_sha256(path), stats[0][1])
             if len(self._sha_cache) > 1024:
                 self._sha_cache.clear()
-            self._sha_cache[key] = sha
-        return sha, size
+            self._sha_cache[key] = hit
+        return hit
+
+    def _sandbox(self, request: dict[str, Any], *, what: str) -> dict[str, Any]:
+        try:
+            return self.preflight_pool.call(request, what=what)
+        except PreflightError as exc:
+            title = {422: "Unprocessable Content", 503: "Service Unavailable", 507: "Insufficient Storage"}.get(
+                exc.status, "Error")
+            raise ServiceError(exc.status, title, exc.detail, kind=exc.kind, field=exc.field,
+                               headers={"Retry-After": "5"} if exc.status == 503 else None) from exc
 
     # -------------------------------------------------------------------------------- tokenizer
-    def tokenizer(self, raw: str) -> tuple[str, Any, dict[str, Any]]:
-        """``(name to load, tokenizer, fingerprint)``; the tokenizer is loaded once per version of its files."""
-        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, TokenizerLoadError, load_tokenizer, tokenizer_fingerprint
+    def tokenizer(self, raw: str) -> tuple[str, dict[str, Any]]:
+        """``(name to load, fingerprint)``; fingerprinted in the sandbox, once per version of the folder's files."""
+        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
 
         if raw in EMBEDDED_NAMES:
             name, key = DEFAULT_TOKENIZER, ("embedded",)
@@ -156,89 +155,26 @@ class Submitter:
             if not path.is_dir():
                 raise _unprocessable("tokenizer", f"tokenizer: {raw!r} is a file; pass the folder that holds "
                                      "tokenizer.json / tokenizer_config.json", "unknown-tokenizer")
+            self._refuse_hardlinks(path, "tokenizer")
             name = str(path)
             key = (name, tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir())
                                if p.is_file()))
         with self._lock("tok:" + name):
-            hit = self._tok_cache.get(key)
-            if hit is None:
-                try:
-                    tok = load_tokenizer(name)  # local files only, trust_remote_code=False
-                except TokenizerLoadError as exc:
-                    if "trust_remote_code" in str(exc) or "custom code" in str(exc):
-                        raise _unprocessable("tokenizer", f"tokenizer: {raw!r} needs custom (remote) code, which this "
-                                             "service never executes (trust_remote_code is always off); use a "
-                                             "tokenizer folder with a plain tokenizer.json", "unknown-tokenizer") from exc
-                    raise _unprocessable("tokenizer", f"tokenizer: {exc}", "unknown-tokenizer") from exc
-                except Exception as exc:  # noqa: BLE001 - e.g. a config that asks for remote code
-                    raise _unprocessable("tokenizer", f"tokenizer: could not load {raw!r} from local files without "
-                                         f"remote code ({type(exc).__name__}: {exc})", "unknown-tokenizer") from exc
-                hit = (tok, tokenizer_fingerprint(tok))
+            fingerprint = self._tok_cache.get(key)
+            if fingerprint is None:
+                fingerprint = self._sandbox({"op": "tokenizer", "name": name}, what=f"tokenizer {raw!r}")["fingerprint"]
                 self._tok_cache = {k: v for k, v in self._tok_cache.items() if k[0] != key[0]}
-                self._tok_cache[key] = hit
-        return name, hit[0], hit[1]
+                self._tok_cache[key] = fingerprint
+        return name, fingerprint
 
     # -------------------------------------------------------------------------------- preflight
-    def preflight(self, path: Path, shown: str, config, tok) -> None:
-        from pf_trl.data.options import for_service, service_field
-        from pf_trl.data.pretokenize import PretokenizeError, pretokenize
-
-        n = self.settings.preflight_rows
-        suffix = path.suffix.lower()
-        if n <= 0 or path.is_dir() or suffix not in (".json", ".jsonl", ".parquet"):
-            return
-        work = self.settings.scratch_dir / f"preflight-{uuid.uuid4().hex}"
-        work.mkdir(parents=True)
-        head = work / f"head{suffix}"
-        try:
-            if suffix == ".parquet":
-                complete = self._parquet_head(path, head, n)
-            else:
-                complete = self._jsonl_head(path, head, n)
-                if complete is None:
-                    return  # a JSON array, not line-oriented: checked by the job
-            pretokenize(head, work / "out", config, tokenizer=tok, progress=False)
-        except PretokenizeError as exc:
-            message = for_service(str(exc).replace(str(head), shown))
-            if message.startswith("no example left") and not complete:
-                return  # the first rows alone may all be dropped; the job judges the whole source
-            field = f"options.{exc.option}" if getattr(exc, "option", None) else (service_field(message) or "source")
-            raise _unprocessable(field, f"{field}: {message} (found by the synchronous check of the first "
-                                 f"{n} rows; nothing was queued)", "invalid-data") from exc
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-
-    @staticmethod
-    def _jsonl_head(path: Path, head: Path, n: int) -> bool | None:
-        with open(path, "rb") as src:
-            start = src.read(4096).lstrip()
-            if start.startswith(b"["):
-                return None
-            src.seek(0)
-            rows, complete = 0, True
-            with open(head, "wb") as dst:
-                for line in src:
-                    dst.write(line)
-                    if line.strip():
-                        rows += 1
-                        if rows >= n:
-                            complete = src.read(1) == b""
-                            break
-        return complete
-
-    @staticmethod
-    def _parquet_head(path: Path, head: Path, n: int) -> bool:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(str(path))
-            batch = next(pf.iter_batches(batch_size=n), None)
-        except Exception as exc:  # noqa: BLE001
-            raise _unprocessable("source", f"source {path.name}: cannot read as Parquet ({exc})", "invalid-data") from exc
-        table = pa.Table.from_batches([batch]) if batch is not None else pf.schema_arrow.empty_table()
-        pq.write_table(table, str(head))
-        return pf.metadata.num_rows <= n
+    def preflight(self, path: Path, shown: str, config, tokenizer: str) -> int | None:
+        """The sandboxed checks of the source (files, limits, the first rows); returns its row count if known."""
+        answer = self._sandbox({"op": "preflight", "path": str(path), "shown": shown, "tokenizer": tokenizer,
+                                "options": config.to_dict(), "rows": self.settings.preflight_rows,
+                                "limits": self.settings.limits().to_dict(),
+                                "count_s": self.settings.preflight_timeout_s / 3}, what=f"source {shown}")
+        return answer.get("rows_total")
 
     # ----------------------------------------------------------------------------------- submit
     def submit(self, request: DatasetRequest) -> tuple[dict[str, Any], bool]:
@@ -252,7 +188,7 @@ class Submitter:
             field = f"options.{exc.option}" if getattr(exc, "option", None) else "options"
             raise _unprocessable(field, f"{field}: {for_service(str(exc))}", "invalid-options") from exc
         path, shown = self.resolve_source(request)
-        tok_name, tok, fingerprint = self.tokenizer(request.tokenizer)
+        tok_name, fingerprint = self.tokenizer(request.tokenizer)
         sha, size = self.source_sha(path)
         options = config.to_dict()
         job_id = dataset_id(sha, fingerprint["sha256"], options)
@@ -265,12 +201,17 @@ class Submitter:
         def stands(row: dict[str, Any]) -> bool:
             return row["state"] != "succeeded" or is_shards_dir(self.settings.datasets_dir / job_id)
 
+        if shown.get("upload_id"):
+            touch(path)  # named by a POST: the upload's expiry starts over
         with self._lock(job_id):  # concurrent identical POSTs in this process wait for the first one
             row = self.store.get(job_id)
+            if self.integrity is not None:
+                row = self.integrity.ensure(row)  # a corrupt dataset is withdrawn here, and rebuilt below
             if row is not None and row["state"] not in ("failed", "cancelled") and stands(row):
                 return row, False
-            self.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}", config, tok)
-            record["rows_total"] = count_rows(path)  # known before the first progress report
+            # known before the first progress report
+            record["rows_total"] = self.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}",
+                                                  config, tok_name)
             try:
                 return self.store.submit(job_id, record, max_queued=self.settings.max_queued, exists_ok=stands)
             except QueueFull as exc:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -38,6 +39,14 @@ class JobError(Exception):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+def crash_point(settings: Settings, step: str) -> None:
+    """TEST-ONLY (``PF_SERVICE_DEBUG_CRASH_AT``): die here as ``kill -9`` would, to test that state and disk agree
+    after a crash at any step of a job (claimed, written, renamed, committed)."""
+    if settings.debug_crash_at == step:
+        logger.warning("debug_crash_at=%s: killing this worker (test hook)", step)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _watch_parent(api_pid: int) -> None:
@@ -73,7 +82,7 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
     from pf_trl.data.options import for_service
     from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
     from preprocess_service.submit import content_sha256
-    from pf_trl.data.shards import ShardsError, is_shards_dir
+    from pf_trl.data.shards import ShardsError, is_shards_dir, read_manifest, verify_shards
     from pf_trl.data.tokenizer import TokenizerLoadError, tokenizer_fingerprint
 
     job_id = job["id"]
@@ -120,18 +129,31 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
 
         manifest = pretokenize(source, work / "out", config, tokenizer=tok, num_proc=settings.num_proc,
                                progress=False, progress_callback=on_progress,
-                               source_fingerprint_value=request["source_sha256"])
+                               source_fingerprint_value=request["source_sha256"], limits=settings.limits())
+        crash_point(settings, "written")
 
-        def publish() -> None:
+        def publish() -> dict[str, Any] | None:
             try:
                 os.rename(work / "out", target)
             except OSError:
-                if not is_shards_dir(target):  # an identical dataset already published is fine
+                if not is_shards_dir(target):
                     raise
+                # The same dataset was published already (a crash after its rename, another replica): keep it,
+                # and its manifest, if its files are intact; else replace it.
+                try:
+                    verify_shards(target)
+                    return read_manifest(target)
+                except ShardsError:
+                    trash = work / "replaced"
+                    os.rename(target, trash)
+                    os.rename(work / "out", target)
+            crash_point(settings, "renamed")
+            return None
 
         if not store.finish_success(job_id, pid, manifest, publish):
             logger.info("job %s is no longer ours (cancelled, deleted or re-queued); output discarded", job_id)
             return "discarded"
+        crash_point(settings, "committed")
         return "succeeded"
     except JobAbandoned:
         logger.info("job %s is no longer ours (cancelled, deleted or re-queued); stopped", job_id)
@@ -198,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         current["abandon"] = threading.Event()
         current["job"] = job["id"]
+        crash_point(settings, "claimed")
         started = time.time()
         state = run_job(settings, store, job, tokenizers, pid, current["abandon"])
         current["job"] = None

@@ -273,7 +273,7 @@ def test_kustomize_renders_and_the_output_validates(where):
     rendered = [d for d in yaml.safe_load_all(proc.stdout) if d]
     kinds = sorted(d["kind"] for d in rendered)
     if where == "":
-        assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "PersistentVolumeClaim",
+        assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "PersistentVolumeClaim",
                          "PersistentVolumeClaim", "PersistentVolumeClaim", "Service"], kinds
         assert not any(d["kind"] == "Secret" for d in rendered), "no Secret (and no token) in the kustomization"
         for d in rendered:
@@ -675,6 +675,17 @@ def test_multinode_pytorchjob_runs_torchrun_then_pf_trl_train():
             assert_exact_flags(train.normalize_argv(script_args[1:]), train._parser())
             _, data_args, config = train.parse_args(script_args[1:])
             assert data_args.dataset_id == SAMPLE_DATASET_ID and config.output_dir.startswith("/outputs/")
+
+
+def test_pytorchjob_mounts_the_shipped_deepspeed_configs():
+    """`--deepspeed /etc/pf-trl/deepspeed/zero{2,3}.json` (docs/kubernetes.md) names the files of k8s/deepspeed/."""
+    for job in _pytorchjobs():
+        for spec in job["spec"]["pytorchReplicaSpecs"].values():
+            pod = spec["template"]["spec"]
+            (c,) = pod["containers"]
+            for name in ("zero2.json", "zero3.json"):
+                path = mounted_file(pod, c, f"/etc/pf-trl/deepspeed/{name}")
+                assert path == K8S / "deepspeed" / name and json.loads(path.read_text())["zero_optimization"]
 
 
 def test_train_parser_rejects_bogus_and_abbreviated_flags():

@@ -49,33 +49,37 @@ def test_kill_9_mid_job_then_restart(tmp_path, database_env):
 
     # 2. A slow job (TEST-ONLY hook: each progress callback sleeps 3 s), killed with SIGKILL mid-way.
     s2 = Server(cache, [root], env={**db, "PF_SERVICE_DEBUG_PROGRESS_DELAY_S": "3"}).start()
-    with s2.client() as c:
-        r = c.post("/v1/datasets", json={"source": {"path": "big.jsonl"}})
-        assert r.status_code == 202
-        big = r.json()["id"]
-        # The API stays responsive while the worker tokenizes; progress reaches it from the worker.
-        latencies, deadline, running = [], time.time() + 60, None
-        while time.time() < deadline:
-            t0 = time.perf_counter()
-            assert c.get("/healthz").status_code == 200
-            status = c.get(f"/v1/datasets/{big}").json()
-            latencies.append(time.perf_counter() - t0)
-            if status["state"] == "running" and status["progress"]["rows_done"] > 0:
-                running = status
-                break
-            time.sleep(0.05)
-        assert running is not None, "the job never reported progress"
-        for _ in range(5):  # and it keeps answering fast while the job runs (each chunk sleeps 3 s)
-            t0 = time.perf_counter()
-            assert c.get(f"/v1/datasets/{big}").json()["state"] == "running"
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.05)
-        assert running["progress"]["rows_total"] == 6000 and 0 < running["progress"]["rows_done"] < 6000
-        assert running["progress"]["tokens_done"] > 0 and running["progress"]["fraction"] < 1
-        # an API blocked by the job would take a chunk's 3 s sleep to answer; a busy machine adds well under that
-        assert len(latencies) >= 5 and max(latencies) < 2.5, latencies
-        worker_pid = running["worker_pid"]
-        assert worker_pid and _alive(worker_pid)
+    try:  # a failed check must not leave the server running
+        with s2.client() as c:
+            r = c.post("/v1/datasets", json={"source": {"path": "big.jsonl"}})
+            assert r.status_code == 202
+            big = r.json()["id"]
+            # The API stays responsive while the worker tokenizes; progress reaches it from the worker.
+            latencies, deadline, running = [], time.time() + 60, None
+            while time.time() < deadline:
+                t0 = time.perf_counter()
+                assert c.get("/healthz").status_code == 200
+                status = c.get(f"/v1/datasets/{big}").json()
+                latencies.append(time.perf_counter() - t0)
+                if status["state"] == "running" and status["progress"]["rows_done"] > 0:
+                    running = status
+                    break
+                time.sleep(0.05)
+            assert running is not None, "the job never reported progress"
+            for _ in range(5):  # and it keeps answering fast while the job runs (each chunk sleeps 3 s)
+                t0 = time.perf_counter()
+                assert c.get(f"/v1/datasets/{big}").json()["state"] == "running"
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+            assert running["progress"]["rows_total"] == 6000 and 0 < running["progress"]["rows_done"] < 6000
+            assert running["progress"]["tokens_done"] > 0 and running["progress"]["fraction"] < 1
+            # an API blocked by the job would take a chunk's 3 s sleep to answer; a busy machine adds well under that
+            assert len(latencies) >= 5 and max(latencies) < 2.5, latencies
+            worker_pid = running["worker_pid"]
+            assert worker_pid and _alive(worker_pid)
+    except BaseException:
+        s2.stop()
+        raise
     s2.kill9()
 
     # The worker dies with the server (parent watchdog), and nothing partial is visible.
@@ -97,7 +101,8 @@ def test_kill_9_mid_job_then_restart(tmp_path, database_env):
             again = c.post("/v1/datasets", json={"source": {"path": "earlier.jsonl"}})
             assert again.status_code == 200 and again.json()["manifest"] == earlier_manifest
         assert load_shards(cache / "datasets" / earlier).num_rows == 300
-        assert not [p for p in files_under(cache / "tmp") if not p.split("/")[-1].startswith(("w", "r-"))]
+        # Only the scratch dirs of workers (w<pid>) and of the preflight sandbox (empty between requests) remain.
+        assert not [p for p in files_under(cache / "tmp") if not p.split("/")[-1].startswith(("w", "r-", "preflight"))]
     finally:
         s3.stop()
 
@@ -265,3 +270,72 @@ def test_concurrent_claims_never_take_a_job_twice(store_settings):
     assert store.counts_by_state()["running"] == 40
     started = [e for i in range(40) for e in store.events(f"{i:032x}") if e["kind"] == "started"]
     assert len(started) == 40  # one start event per job
+
+
+# ------------------------------------------------------------------- crash-point injection (real workers)
+def _wait_terminal(store, job_id: str, timeout: float = 120.0) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        row = store.get(job_id)
+        if row["state"] in ("succeeded", "failed"):
+            return row
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} still {store.get(job_id)['state']} after {timeout}s")
+
+
+def _run_workers(settings, store, job_id: str) -> dict:
+    """Real worker processes under a supervisor, until the job ends; its row."""
+    from preprocess_service.jobs import Supervisor
+
+    supervisor = Supervisor(settings, store)
+    supervisor.start()
+    try:
+        return _wait_terminal(store, job_id)
+    finally:
+        supervisor.stop()
+
+
+def _agree(settings, row) -> None:
+    """State and disk agree: succeeded <=> a complete dataset that verifies against the recorded manifest."""
+    from pf_trl.data.shards import is_shards_dir, read_manifest, verify_shards
+
+    target = settings.datasets_dir / row["id"]
+    assert (row["state"] == "succeeded") == is_shards_dir(target), (row["state"], row["error"], files_under(target))
+    if row["state"] == "succeeded":
+        recorded = json.loads(row["manifest"])
+        assert read_manifest(target) == recorded
+        assert verify_shards(target, recorded) > 0
+    leftovers = [p for p in files_under(settings.scratch_dir) if row["id"] in p]
+    assert not leftovers, leftovers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step,expected", [("claimed", "failed"), ("written", "failed"), ("renamed", "succeeded"),
+                                           ("committed", "succeeded")])
+def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, tmp_path, step, expected):
+    """A worker SIGKILLs itself (TEST-ONLY hook) after claiming, after writing the shards, after the publish rename
+    (before COMMIT), after COMMIT; the supervisor handles the dead worker. Then the same request again: a
+    succeeded job is not run again, a failed one is rebuilt (by a worker without the hook)."""
+    settings, store = store_settings
+    src = write_rows(tmp_path / "rows.jsonl", generated_rows(40, step))
+    request = _request(settings, src)
+    job_id = f"{step:0>32}"[-32:]
+    store.submit(job_id, request, max_queued=10, exists_ok=lambda r: True)
+    settings.debug_crash_at = step
+    row = _run_workers(settings, store, job_id)
+    assert row["state"] == expected, (row["state"], row["error"])
+    if expected == "failed":
+        assert row["error_type"] == "worker_died" and "signal 9" in row["error"]
+    else:
+        assert row["attempts"] == 1  # published once; the supervisor recorded it, nothing re-ran
+    _agree(settings, row)
+    from pf_trl.data.shards import is_shards_dir
+
+    again, created = store.submit(job_id, request, max_queued=10,
+                                  exists_ok=lambda r: r["state"] != "succeeded" or is_shards_dir(settings.datasets_dir / job_id))
+    assert created == (expected == "failed")
+    if created:
+        settings.debug_crash_at = ""
+        row = _run_workers(settings, store, job_id)
+        assert row["state"] == "succeeded"
+        _agree(settings, row)

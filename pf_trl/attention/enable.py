@@ -34,6 +34,7 @@ from pf_trl.attention.errors import (
     PaddingFreeError,
     UnsupportedModelError,
 )
+from pf_trl.sharding import gathered_forward
 
 logger = logging.getLogger("pf_trl.attention")
 
@@ -265,7 +266,8 @@ def self_check(model: torch.nn.Module, *, lengths: tuple[int, int] = (6, 5), see
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # under DeepSpeed ZeRO-3 (a model loaded after the config) each module gathers its partitions for its forward
+        with torch.no_grad(), gathered_forward(model):
             packed = out(ids, **packed_kwargs)
             alone_a = out(ids[:la], use_cache=False)
             alone_b = out(ids[la:], use_cache=False)

@@ -12,13 +12,14 @@ COMMANDS = {
     "train": ("pf_trl.cli.train", "fine-tune with TRL's SFTTrainer, padding-free"),
     "pretokenize": ("pf_trl.cli.pretokenize", "tokenize a dataset into a shards directory"),
     "inspect": ("pf_trl.cli.inspect", "print the manifest and packing statistics of a shards directory"),
+    "verify": ("pf_trl.cli.verify", "check shards directories against their manifests' checksums"),
     "serve": ("pf_trl.cli.serve", "run the preprocessing service (FastAPI)"),
     "bench": ("pf_trl.cli.bench", "padded vs TRL padding-free vs pf-trl, side by side"),
     "demo": ("pf_trl.cli.demo", "pretokenize the shipped sample and train the tiny default a few steps"),
 }
 
 # `serve` spells its flags with dashes and accepts underscores itself.
-UNDERSCORE_COMMANDS = ("train", "pretokenize", "inspect", "demo", "bench")
+UNDERSCORE_COMMANDS = ("train", "pretokenize", "inspect", "demo", "bench", "verify")
 
 
 def usage() -> str:

@@ -45,6 +45,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="attempts for a job interrupted by a crash/restart [PF_SERVICE_MAX_ATTEMPTS] (default 2)")
     add("--preflight-rows", "--preflight_rows", dest="preflight_rows", type=int,
         help="rows checked synchronously by POST, 0 = off [PF_SERVICE_PREFLIGHT_ROWS] (default 64)")
+    add("--preflight-procs", "--preflight_procs", dest="preflight_procs", type=int,
+        help="sandboxed processes for POST's synchronous checks [PF_SERVICE_PREFLIGHT_PROCS] (default 1)")
+    add("--preflight-memory", "--preflight_memory", dest="preflight_memory_bytes", metavar="SIZE",
+        help="address-space limit of each preflight sandbox, 0 = none [PF_SERVICE_PREFLIGHT_MEMORY_BYTES] (default 4GiB)")
+    add("--preflight-timeout-s", "--preflight_timeout_s", dest="preflight_timeout_s", type=float,
+        help="longest synchronous check of one POST [PF_SERVICE_PREFLIGHT_TIMEOUT_S] (default 60)")
+    add("--max-row-bytes", "--max_row_bytes", dest="max_row_bytes", metavar="SIZE",
+        help="longest line (row) of a JSONL/CSV source [PF_SERVICE_MAX_ROW_BYTES] (default 32MiB)")
+    add("--max-json-depth", "--max_json_depth", dest="max_json_depth", type=int,
+        help="deepest nesting of a JSON row [PF_SERVICE_MAX_JSON_DEPTH] (default 64)")
+    add("--max-field-bytes", "--max_field_bytes", dest="max_field_bytes", metavar="SIZE",
+        help="largest single value of a row [PF_SERVICE_MAX_FIELD_BYTES] (default 16MiB)")
+    add("--max-row-group-bytes", "--max_row_group_bytes", dest="max_row_group_bytes", metavar="SIZE",
+        help="largest uncompressed Parquet row group [PF_SERVICE_MAX_ROW_GROUP_BYTES] (default 1GiB)")
+    add("--upload-ttl-s", "--upload_ttl_s", dest="upload_ttl_s", type=float,
+        help="delete uploads unused for this long, 0 = never [PF_SERVICE_UPLOAD_TTL_S] (default 604800, 7 days)")
+    add("--max-uploads-bytes", "--max_uploads_bytes", dest="max_uploads_bytes", metavar="SIZE",
+        help="quota of all uploads together (507 beyond) [PF_SERVICE_MAX_UPLOADS_BYTES] (default 16GiB)")
+    add("--min-free-bytes", "--min_free_bytes", dest="min_free_bytes", metavar="SIZE",
+        help="free space the cache dir keeps: less answers 507 to new work and 503 to /readyz "
+        "[PF_SERVICE_MIN_FREE_BYTES] (default 64MiB)")
+    add("--rate-limit", "--rate_limit", dest="rate_limit_per_minute", type=int,
+        help="POST/DELETE requests per client address per minute, 0 = none (429 beyond) "
+        "[PF_SERVICE_RATE_LIMIT_PER_MINUTE] (default 600)")
+    add("--allow-hardlinks", "--allow_hardlinks", dest="allow_hardlinks", action="store_true", default=None,
+        help="accept source files with several hard links (only when every writer of the data roots is trusted) "
+        "[PF_SERVICE_ALLOW_HARDLINKS]")
     add("--token-file", "--token_file", dest="token_file",
         help="file holding the bearer token (else PF_SERVICE_TOKEN; neither: auth off)")
     add("--database-url", "--database_url", dest="database_url", metavar="postgresql://USER@HOST/DB",

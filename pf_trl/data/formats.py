@@ -160,17 +160,84 @@ def encode_spans(
     Calls the fast tokenizer's Rust backend directly: the same ids as ``tokenizer(texts)`` without
     transformers' per-row Python conversion, which made up a third of the time.
     """
-    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+    ids, labels, _ = encode_spans_capped(tokenizer, texts, spans, add_special_tokens=add_special_tokens)
+    return ids, labels
+
+
+# A text is cut before tokenizing when it is far longer than `max_tokens` tokens can span: tokenizing 5 MB to keep
+# 1,024 tokens took minutes (BPE over one long pre-token). The cut is checked, not assumed (see _encode_prefix).
+_CUT_MARGIN_TOKENS = 16
+_max_token_chars_memo: dict[int, tuple[object, int]] = {}
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The longest vocabulary entry in characters (clamped to 8..256): how many characters one token can span."""
+    backend = tokenizer.backend_tokenizer
+    hit = _max_token_chars_memo.get(id(tokenizer))
+    if hit is not None and hit[0] is backend:
+        return hit[1]
+    longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=64)
+    value = min(max(longest, 8), 256)
+    _max_token_chars_memo[id(tokenizer)] = (backend, value)
+    return value
+
+
+def _encode_prefix(backend, text: str, max_tokens: int, token_chars: int, add_special_tokens: bool):
+    """An encoding of a prefix of ``text`` whose first ``max_tokens`` tokens (ids and offsets) are those of the whole
+    text, or None when the text is short enough to tokenize whole or the cut cannot be shown harmless.
+
+    The prefix spans ``max_tokens + 16`` tokens of the longest kind. It is accepted only when it yields more than
+    that many tokens and a prefix twice as long yields the same first ones: what lies past the cut did not change
+    them (a normalizer that deletes text, a merge reaching across the cut: the whole text is tokenized instead).
+    """
+    need = max_tokens + _CUT_MARGIN_TOKENS
+    cut = need * token_chars + 256
+    if len(text) <= 2 * cut:
+        return None
+    short = backend.encode(text[:cut], add_special_tokens=add_special_tokens)
+    if len(short.ids) < need + 2:
+        return None
+    longer = backend.encode(text[: 2 * cut], add_special_tokens=add_special_tokens)
+    if short.ids[:need] != longer.ids[:need] or short.offsets[:need] != longer.offsets[:need]:
+        return None
+    return short
+
+
+def encode_spans_capped(
+    tokenizer, texts: list[str], spans: list[list[tuple[int, int]]], *, add_special_tokens: bool,
+    max_tokens: int | None = None,
+) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+    """:func:`encode_spans`, plus ``max_tokens``: a text much longer than that is tokenized only as far as its first
+    ``max_tokens`` tokens need (their ids and labels are those of the whole text; the row then holds more than
+    ``max_tokens`` tokens, so truncation and length checks treat it as the whole row). Returns ``(ids, labels,
+    cut)``, ``cut[i]`` saying that row ``i`` was tokenized from a prefix (its length is a lower bound)."""
+    backend = tokenizer.backend_tokenizer
+    encodings: list = [None] * len(texts)
+    if max_tokens is not None:
+        chars = _max_token_chars(tokenizer)
+        for i, text in enumerate(texts):
+            if len(text) > 2 * ((max_tokens + _CUT_MARGIN_TOKENS) * chars + 256):
+                encodings[i] = _encode_prefix(backend, text, max_tokens, chars, add_special_tokens)
+    cut = [e is not None for e in encodings]
+    whole = [i for i, e in enumerate(encodings) if e is None]
+    if whole:
+        for i, enc in zip(whole, backend.encode_batch([texts[i] for i in whole], add_special_tokens=add_special_tokens)):
+            encodings[i] = enc
     all_ids, all_labels = [], []
-    for enc, row_spans in zip(encodings, spans):
+    for enc, row_spans, was_cut in zip(encodings, spans, cut):
         ids = enc.ids
         labels = [IGNORE_INDEX] * len(ids)
+        end = enc.offsets[-1][1] if (was_cut and ids) else None
         for s, e in row_spans:
+            if end is not None:
+                if s >= end:
+                    continue
+                e = min(e, end)
             a, b = _span_token_range(enc, s, e)
             labels[a:b] = ids[a:b]
         all_ids.append(ids)
         all_labels.append(labels)
-    return all_ids, all_labels
+    return all_ids, all_labels, cut
 
 
 def _str_field(row_value: Any, column: str, index: int) -> str:

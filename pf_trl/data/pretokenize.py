@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +34,9 @@ from pf_trl.data.scan import first_bad_line
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint, with_chat_template
 from pf_trl.data.truncation import TRUNCATION_MODES, TruncationReport, cut  # noqa: F401 (TRUNCATION_MODES re-exported)
+
+if TYPE_CHECKING:
+    from pf_trl.data.source_limits import SourceLimits
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ def source_fingerprint(source: Any) -> str:
     if fingerprint is not None:
         return fingerprint
     path = Path(source)
+    if path.is_dir():
+        _checked_source_files(path)  # every data file it names lies inside it, so hashing the folder covers them
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for f in files:
@@ -67,6 +72,16 @@ def source_fingerprint(source: Any) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def _checked_source_files(path: Path) -> list[Path]:
+    """:func:`pf_trl.data.source_files.check_source_files`, its refusal as a PretokenizeError."""
+    from pf_trl.data.source_files import SourceFileError, check_source_files
+
+    try:
+        return check_source_files(path)
+    except SourceFileError as exc:
+        raise PretokenizeError(f"source {path}: {exc}") from None
 
 
 def _dataset_fingerprint(source: Any) -> str | None:
@@ -128,6 +143,7 @@ def load_source(source: Any, work_dir: Path):
     path = Path(source)
     if not path.exists():
         raise PretokenizeError(f"source {path} does not exist")
+    _checked_source_files(path)  # nothing outside the source is opened
     if path.is_dir():
         try:
             ds = datasets.load_from_disk(str(path))
@@ -176,6 +192,7 @@ def _tokenize_batch(
     if input_format == "pretokenized":
         mask_columns = formats.MASK_COLUMNS if config.completion_only_loss else ("assistant_masks",)
         ids_list, labels_list = formats.read_pretokenized(batch, indices, fields, len(tokenizer), mask_columns)
+        cut_rows = [False] * len(ids_list)
     else:
         chat = input_format in CHAT_FORMATS
         if input_format == "text":
@@ -195,7 +212,11 @@ def _tokenize_batch(
             texts, spans = formats.render_messages(tokenizer, batch, indices, fields, column=column,
                                                    supervise_all=not config.assistant_only_loss)
         # Chat templates write their own special tokens; the other formats get the tokenizer's BOS.
-        ids_list, labels_list = formats.encode_spans(tokenizer, texts, spans, add_special_tokens=not chat)
+        # a text far longer than max_seq_len is tokenized only as far as its first max_seq_len tokens need (bounded
+        # time and memory for any row); keep_end needs the end of the text, so it tokenizes the whole text
+        cap = config.max_seq_len if config.truncation_mode == "keep_start" else None
+        ids_list, labels_list, cut_rows = formats.encode_spans_capped(tokenizer, texts, spans, add_special_tokens=not chat,
+                                                               max_tokens=cap)
         if config.add_eos and not chat and tokenizer.eos_token_id is not None:
             eos = tokenizer.eos_token_id
             for ids, labels in zip(ids_list, labels_list):
@@ -203,8 +224,8 @@ def _tokenize_batch(
                 labels.append(eos)
 
     out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": [],
-                            "_lost": []}
-    for ids, labels in zip(ids_list, labels_list):
+                            "_lost": [], "_cut": []}
+    for ids, labels, was_cut in zip(ids_list, labels_list, cut_rows):
         drop, truncated = _KEEP, False
         before = len(labels) - labels.count(formats.IGNORE_INDEX)
         if len(ids) > config.max_seq_len:
@@ -223,6 +244,7 @@ def _tokenize_batch(
         out["_truncated"].append(truncated)
         out["_loss"].append(loss)
         out["_lost"].append(before if drop == _TOO_LONG else before - loss)
+        out["_cut"].append(was_cut)  # tokenized from a prefix: its length and lost tokens are lower bounds
     # An Arrow table, not a dict: datasets then writes it as is instead of converting every list element
     # through its own typed-sequence path (a quarter of the non-tokenizer time).
     return pa.Table.from_pydict(out, schema=_processing_schema())
@@ -351,6 +373,7 @@ def pretokenize(
     progress: bool = True,
     progress_callback: ProgressCallback | None = None,
     source_fingerprint_value: str | None = None,
+    limits: SourceLimits | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
 
@@ -366,6 +389,8 @@ def pretokenize(
         progress: show a tqdm progress bar.
         progress_callback: ``f(rows_done, rows_total, tokens_done)`` after each chunk (the service uses it).
         source_fingerprint_value: precomputed sha256 of the source (avoids hashing it twice).
+        limits: a :class:`pf_trl.data.source_limits.SourceLimits`: a source file is scanned against it before it
+            is parsed, the loaded rows after (the service passes its limits; None: no limits).
 
     Raises:
         PretokenizeError: bad source, format, options or rows; the message names the row and the fix.
@@ -388,7 +413,15 @@ def pretokenize(
     bars_were_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar of our own instead of datasets' per-step bars
     try:
+        if limits is not None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
+            from pf_trl.data.source_limits import check_source_limits
+
+            check_source_limits(source, limits)  # before any reader parses it
         ds = load_source(source, work)
+        if limits is not None:
+            from pf_trl.data.source_limits import check_table_limits
+
+            check_table_limits(ds, limits)
         input_format = _resolve_format(ds, config)
         rows_total = ds.num_rows
         # Contiguous chunks: progress reports after each, and the unit of work of the process pool.
@@ -415,20 +448,21 @@ def pretokenize(
         truncated = np.asarray(full.data.column("_truncated"))
         loss = np.asarray(full.data.column("_loss"))
         lost = np.asarray(full.data.column("_lost"), dtype=np.int64)
+        prefix_only = np.asarray(full.data.column("_cut"), dtype=bool)
         keep = drop == _KEEP
         too_long = drop == _TOO_LONG
         report = TruncationReport(
             examples=rows_total, too_long=int(too_long.sum()) + int(truncated.sum()), truncated=int(truncated.sum()),
             dropped_too_long=int(too_long.sum()), loss_tokens_lost=int(lost.sum()),
             dropped_no_loss=int((drop == _NO_LOSS).sum()), max_length=config.max_seq_len,
-            mode=config.truncation_mode, policy=config.truncation)
+            mode=config.truncation_mode, policy=config.truncation, lost_at_least=bool(prefix_only.any()))
         if config.truncation == "refuse" and too_long.any():
             first = int(np.flatnonzero(too_long)[0])
             raise PretokenizeError(report.refusal(first, int(np.asarray(full.data.column("length"))[first]),
-                                                  limit_name="max_seq_len"))
+                                                  limit_name="max_seq_len", at_least=bool(prefix_only[first])))
         # An index mapping, not a rewrite: save_to_disk below writes the kept rows once.
         kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
-        kept = kept.remove_columns(["_drop", "_truncated", "_loss", "_lost"])
+        kept = kept.remove_columns(["_drop", "_truncated", "_loss", "_lost", "_cut"])
         if kept.num_rows == 0:
             raise PretokenizeError(
                 f"no example left after tokenization ({int((drop == _TOO_LONG).sum())} too long, "
@@ -468,6 +502,7 @@ def pretokenize(
                 "truncated": int(truncated[keep].sum()),
                 "too_long": report.too_long,  # cut (kept or then dropped without loss) or dropped for their length
                 "loss_tokens_lost": report.loss_tokens_lost,
+                "loss_tokens_lost_at_least": report.lost_at_least,
                 "dropped": int((~keep).sum()),
                 "dropped_too_long": int((drop == _TOO_LONG).sum()),
                 "dropped_no_loss": int((drop == _NO_LOSS).sum()),
@@ -501,6 +536,7 @@ def _processing_features():
     features["_truncated"] = Value("bool")
     features["_loss"] = Value("int32")
     features["_lost"] = Value("int32")
+    features["_cut"] = Value("bool")
     return features
 
 

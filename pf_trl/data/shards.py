@@ -2,7 +2,9 @@
 
 A shards directory is what ``datasets.Dataset.save_to_disk`` writes (Arrow shards, ``state.json``,
 ``dataset_info.json``), so ``datasets.load_from_disk`` opens it memory-mapped, plus ``pf_manifest.json``
-(schema below, the one place it is defined). Columns:
+(schema below, the one place it is defined). The manifest's ``checksums`` entry holds a checksum of every other
+file of the directory (:mod:`pf_trl.data.integrity`); :func:`load_shards` verifies them, so a shard changed after
+it was written is refused by name instead of trained on. Columns:
 
 - ``input_ids``: ``list<int32>``
 - ``labels``: ``list<int32>``, -100 where no loss
@@ -61,7 +63,14 @@ def length_stats(lengths: np.ndarray, max_seq_len: int | None, bins: int = 32) -
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest file (the caller makes the whole directory appear atomically)."""
+    """Write the manifest file, last, after the data (the caller makes the whole directory appear atomically).
+
+    Sets ``manifest["checksums"]`` to the checksums of every other file in ``directory`` (streamed, see
+    :func:`pf_trl.data.integrity.directory_checksums`), so the returned and stored manifests carry them too.
+    """
+    from pf_trl.data.integrity import directory_checksums
+
+    manifest["checksums"] = directory_checksums(directory, exclude=(MANIFEST_FILE,))
     with open(Path(directory) / MANIFEST_FILE, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -98,22 +107,54 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None = None):
+def verify_shards(path: str | Path, manifest: dict[str, Any] | None = None, *, memo=None) -> int:
+    """Check every file of a shards directory against the checksums of its manifest; returns the bytes read.
+
+    A manifest without checksums (written before pf-trl recorded them) verifies nothing and returns 0.
+    ``memo``: see :func:`pf_trl.data.integrity.verify_checksums` (the service keeps one).
+
+    Raises:
+        ShardsError: naming the directory and the first file that differs, and what to do.
+    """
+    from pf_trl.data.integrity import ChecksumMismatch, verify_checksums
+
+    directory = Path(path)
+    manifest = read_manifest(directory) if manifest is None else manifest
+    checksums = manifest.get("checksums")
+    if checksums is None:
+        return 0
+    try:
+        return verify_checksums(directory, checksums, memo=memo)
+    except ChecksumMismatch as exc:
+        raise ShardsError(f"{directory}: {exc}; the directory is corrupt: re-run `pf-trl pretokenize` into a new "
+                          "directory (a service dataset: POST the same request again, it is rebuilt)") from exc
+    except ValueError as exc:
+        raise ShardsError(f"{directory}: {exc}; re-run `pf-trl pretokenize`") from exc
+
+
+def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None = None, verify: bool = True):
     """Open a shards directory memory-mapped and validate it against its manifest.
 
     Args:
         path: the directory written by :func:`pf_trl.pretokenize`.
         expected_tokenizer: a :func:`~pf_trl.data.tokenizer.tokenizer_fingerprint`; when given, shards made
             with another tokenizer are refused (their token ids would mean other tokens).
+        verify: check every file against the manifest's checksums first (:func:`verify_shards`: one streaming
+            read of the data; the cost per GB is in docs/data.md). False skips it.
 
     Returns:
         datasets.Dataset: columns ``input_ids``, ``labels``, ``length``; its ``pf_manifest`` attribute holds the
         manifest.
+
+    Raises:
+        ShardsError: a missing, incompatible or corrupt directory (the message names the file and the fix).
     """
     import datasets
 
     manifest = read_manifest(path)
     directory = Path(path)
+    if verify:
+        verify_shards(directory, manifest)
     try:
         dataset = datasets.load_from_disk(str(directory))
     except Exception as exc:

@@ -72,6 +72,8 @@ class TruncationReport:
         truncated: examples cut (policy ``truncate``).
         dropped_too_long: examples left out because they were too long (policy ``drop``).
         loss_tokens_lost: supervised tokens (labels other than -100) removed by cutting or dropping.
+        lost_at_least: ``loss_tokens_lost`` is a lower bound (a text far longer than the limit was tokenized only as
+            far as the limit needs, so the tokens beyond were never counted).
         dropped_no_loss: examples left without a supervised token, dropped (TRL drops them too).
         max_length, mode, policy: the limit applied.
     """
@@ -85,6 +87,7 @@ class TruncationReport:
     max_length: int | None = None
     mode: str = "keep_start"
     policy: str = DEFAULT_POLICY
+    lost_at_least: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,7 +106,7 @@ class TruncationReport:
             parts.append(f"{self.dropped_too_long} of {self.examples} examples longer than {limit_name} "
                          f"{self.max_length} were dropped (truncation policy 'drop')")
         if self.truncated or self.dropped_too_long:
-            parts.append(f"{self.loss_tokens_lost} supervised tokens lost")
+            parts.append(f"{'at least ' if self.lost_at_least else ''}{self.loss_tokens_lost} supervised tokens lost")
         if self.dropped_no_loss:
             parts.append(f"{self.dropped_no_loss} examples without a supervised token were dropped (as TRL does)")
         if not parts:
@@ -113,9 +116,10 @@ class TruncationReport:
             hint = f"; raise {limit_name} or choose the truncation policy (truncate | drop | refuse)"
         return f"{what}: " + "; ".join(parts) + hint
 
-    def refusal(self, first_index: int, first_length: int, limit_name: str = "max_length") -> str:
+    def refusal(self, first_index: int, first_length: int, limit_name: str = "max_length", *,
+                at_least: bool = False) -> str:
         return (f"{self.too_long} of {self.examples} examples are longer than {limit_name} {self.max_length} (first: "
-                f"row {first_index}, {first_length} tokens) and the truncation policy is 'refuse'; raise {limit_name}, "
+                f"row {first_index}, {'more than ' if at_least else ''}{first_length} tokens) and the truncation policy is 'refuse'; raise {limit_name}, "
                 "or choose truncation 'truncate' (TRL's behaviour) or 'drop'")
 
 
@@ -131,6 +135,7 @@ def report_from_manifest(manifest: dict[str, Any]) -> TruncationReport:
         truncated=too_long - dropped_too_long,  # every row cut, also those then dropped for having no loss left
         dropped_too_long=int(counts.get("dropped_too_long", 0)),
         loss_tokens_lost=int(counts.get("loss_tokens_lost", 0)),
+        lost_at_least=bool(counts.get("loss_tokens_lost_at_least", False)),
         dropped_no_loss=int(counts.get("dropped_no_loss", 0)),
         max_length=manifest.get("max_seq_len"),
         mode=options.get("truncation_mode", "keep_start"),

@@ -139,6 +139,9 @@ class PaddingFreeConfig(SFTConfig):
 
             self.bf16 = (not self.fp16) and torch.cuda.is_available() and not self.use_cpu
         super().__post_init__()
+        from pf_trl.trainer.parallel import check_launch
+
+        check_launch(self)  # before the model loads: ZeRO-3 partitions it at load with DeepSpeed's world size
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch <= 0:
             raise ValueError(f"max_tokens_per_batch must be a positive integer, got {self.max_tokens_per_batch}")
         if self.max_eval_tokens_per_batch is not None and self.max_eval_tokens_per_batch <= 0:

@@ -13,7 +13,8 @@ head reads them: :func:`head_transform_from_config`). pf-trl computes the loss t
   explicitly (no in-place op under autocast). Under DeepSpeed ZeRO-3 the head is read inside TRL's
   ``maybe_gather_lm_head_ctx``; an FSDP2 ``DTensor`` head is gathered once. Elsewhere (CPU), where that kernel falls
   back to torch ops on ``[4096, 32768]`` fp32 tiles, the head is applied to token chunks under activation
-  checkpointing instead (the same FLOPs, less than half the peak memory: ``benchmarks/loss_memory.py``).
+  checkpointing instead (the same FLOPs, less than half the peak memory: ``benchmarks/loss_memory.py``); a ZeRO-3
+  partitioned head is then called as a module, whose hooks gather it (also for the recompute in backward).
 - ``module``: any other head module (a PEFT LoRA/DoRA wrapper on ``lm_head``, a head with a projection) or label
   smoothing: the head *module* is called on chunks of supervised positions under activation checkpointing, then the
   config transform is applied. Adapters get their gradients; the peak is one chunk of fp32 logits.
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pf_trl.sharding import full_shape, gathered_forward, is_zero3_partitioned
 
 __all__ = [
     "FUSED_LOSS_CHOICES",
@@ -116,12 +119,14 @@ def _is_plain_linear(module) -> bool:
 
 @dataclass
 class HeadPlan:
-    """How the loss reaches the logits: ``path`` (linear | module | model), the transform, and why."""
+    """How the loss reaches the logits: ``path`` (linear | module | model), the transform, and why; ``probe`` is the
+    head probe's relative difference (:func:`probe_head`; ``None`` when it did not run)."""
 
     path: str
     scale: float = 1.0
     softcap: float | None = None
     reason: str = ""
+    probe: float | None = None
 
 
 def backbone_of(model) -> torch.nn.Module:
@@ -145,21 +150,22 @@ def backbone_of(model) -> torch.nn.Module:
 def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, seed: int = 0) -> float | None:
     """Max relative difference between the model's own logits and ``transform(head(base_model(ids)))``.
 
-    A short eval-mode forward (no grad) of the model and of its backbone, as the loss path calls it. ``None`` when it
-    cannot run (parameters on the meta device, or partitioned by DeepSpeed ZeRO-3 outside the engine).
+    A short eval-mode forward (no grad) of the model and of its backbone, as the loss path calls it; under DeepSpeed
+    ZeRO-3 each module gathers its partitions for its forward (:func:`pf_trl.sharding.gathered_forward`). ``None``
+    when it cannot run (parameters on the meta device).
     """
     params = list(model.parameters())
-    if not params or any(p.device.type == "meta" or hasattr(p, "ds_id") for p in params):
+    if not params or any(p.device.type == "meta" for p in params):
         return None
     head = model.get_output_embeddings()
     backbone = backbone_of(model)
-    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or head.weight.shape[0])
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or full_shape(head.weight)[0])
     device = params[0].device
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), gathered_forward(model):
             logits = model(input_ids=ids, use_cache=False).logits.float()
             # the backbone called as the pf-trl loss path calls it (a forward hook would miss models whose forward
             # calls an inner module of the backbone directly, e.g. OPT's decoder)
@@ -179,6 +185,13 @@ def plan_head(model, *, label_smoothing: float = 0.0, probe: bool = True) -> Hea
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): pf-trl cannot compute its loss")
     scale, softcap = head_transform_from_config(model.config)
     diff = probe_head(model, scale, softcap) if probe else None
+    plan = _plan_from_probe(model, head, scale, softcap, diff, label_smoothing)
+    plan.probe = diff
+    return plan
+
+
+def _plan_from_probe(model, head, scale: float, softcap: float | None, diff: float | None,
+                     label_smoothing: float) -> HeadPlan:
     if diff is not None:
         dtype = next(model.parameters()).dtype
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -304,14 +317,17 @@ def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = 
     """
     if hidden.shape[0] == 0:
         # an all-masked micro-batch: a differentiable zero that still reaches the backbone and every trainable head
-        # parameter (DDP expects a gradient for each; the step's divisor counts the other micro-batches' tokens)
-        touch = hidden.sum().float() * 0 + sum(p.sum().float() * 0 for p in head.parameters() if p.requires_grad)
+        # parameter (DDP expects a gradient for each; the step's divisor counts the other micro-batches' tokens).
+        # The head is called on the zero rows, not read: a ZeRO-3 head exists only inside its own forward.
+        touch = hidden.sum().float() * 0 + head(hidden).float().sum() * 0
         empty = hidden.new_zeros((0,), dtype=torch.float32) + touch
         return LossTerms(nll=empty, top1=torch.zeros(0, dtype=torch.bool, device=hidden.device),
                          smooth=empty if with_smooth else None)
     if impl == "liger":
         return _liger_terms(head, hidden, targets, plan)
-    linear = plan.path == "linear"
+    # a ZeRO-3 head is partitioned outside its own forward: call the module (its hooks gather the weight, again for
+    # the checkpointed recompute in backward, and reduce its gradient) instead of reading the weight
+    linear = plan.path == "linear" and not is_zero3_partitioned(head.weight)
     if impl == "none":
         return _module_terms(head, hidden, targets, plan.scale, plan.softcap, hidden.shape[0], with_smooth, False,
                              linear)
@@ -336,7 +352,9 @@ def _liger_terms(head, hidden, targets, plan: HeadPlan) -> LossTerms:
         )
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-    out = LigerFusedLinearCrossEntropyFunction.apply(hidden, head.weight, targets, head.bias, None, -100, 0.0, 0.0, "none")
+    with _gather_ctx(head.weight, head.bias):  # ZeRO-3: Liger computes its gradients in the forward (as TRL does)
+        out = LigerFusedLinearCrossEntropyFunction.apply(hidden, head.weight, targets, head.bias, None, -100, 0.0, 0.0,
+                                                         "none")
     nll = (out[0] if isinstance(out, tuple) else out).float()
     # Liger returns no logits: token accuracy is not available on this path
     return LossTerms(nll=nll, top1=torch.zeros_like(targets, dtype=torch.bool))

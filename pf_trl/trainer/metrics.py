@@ -73,13 +73,19 @@ def detect_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None
 
 
 def model_flop_params(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(P without input embeddings, n_layers, hidden) for :func:`train_flops`."""
+    """(P without input embeddings, n_layers, hidden) for :func:`train_flops`.
+
+    Parameters count by their full size, whichever rank holds them: a DeepSpeed ZeRO-3 partition by ``ds_numel``
+    (its local tensor is empty), an FSDP2 ``DTensor`` by its global shape (:func:`pf_trl.sharding.full_numel`).
+    """
+    from pf_trl.sharding import full_numel
+
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(full_numel(p) for p in model.parameters())
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    emb_params = emb.weight.numel() if emb is not None else 0
+    emb_params = full_numel(emb.weight) if emb is not None else 0
     if out is not None and emb is not None and out.weight is emb.weight:
         emb_params = 0  # tied: the matrix does work as the LM head
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)

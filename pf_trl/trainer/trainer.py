@@ -50,6 +50,7 @@ from trl import SFTTrainer
 
 from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.sampler import TokenBudgetBatchSampler
+from pf_trl.sharding import full_shape
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
 from pf_trl.trainer.data_identity import data_identity, describe_change
@@ -139,7 +140,7 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
     logger.info("pf-trl: loss path %s (%s)", plan.path, plan.reason)
     with_smooth = options.loss_type == "nll" and options.label_smoothing > 0
     text_config = model.config.get_text_config()
-    vocab_size = int(getattr(text_config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+    vocab_size = int(getattr(text_config, "vocab_size", 0) or full_shape(model.get_output_embeddings().weight)[0])
     previous = model.forward
     backbone = backbone_of(model)
 

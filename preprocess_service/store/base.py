@@ -274,15 +274,17 @@ class JobStore:
                 return cur.rowcount == 1
         return True
 
-    def finish_success(self, job_id: str, pid: int, manifest: dict[str, Any], publish: Callable[[], None]) -> bool:
+    def finish_success(self, job_id: str, pid: int, manifest: dict[str, Any],
+                       publish: Callable[[], dict[str, Any] | None]) -> bool:
         """Publish (rename into datasets/) and mark succeeded in one transaction (the row locked). False:
-        the job is no longer ours (cancelled, deleted or re-queued meanwhile); the caller discards its output."""
+        the job is no longer ours (cancelled, deleted or re-queued meanwhile); the caller discards its output.
+        ``publish`` may return the manifest of a dataset found already published (it is kept, and recorded)."""
         now = time.time()
         with self.tx() as db:
             row = self._row(db, job_id, lock=True)
             if row is None or row["state"] != "running" or row["worker_pid"] != pid or row["replica"] != self.replica:
                 return False
-            publish()
+            manifest = publish() or manifest
             counts = manifest.get("counts", {})
             rows, tokens = counts.get("source_rows", 0), counts.get("tokens", 0)
             self.execute(db, "UPDATE jobs SET state='succeeded', finished_at=?, updated_at=?, manifest=?, rows_done=?, "
@@ -367,12 +369,15 @@ class JobStore:
             self._event(db, job_id, "requeued", self._row(db, job_id))
         return True
 
-    def mark_recovered(self, job_id: str, manifest: dict[str, Any], *, attempts: int | None = None) -> bool:
+    def mark_recovered(self, job_id: str, manifest: dict[str, Any], *, attempts: int | None = None,
+                       from_states: tuple[str, ...] = ("running",)) -> bool:
+        """A job whose dataset was published before its worker died (a crash between the rename and the COMMIT):
+        succeeded, with the published manifest."""
         now = time.time()
         counts = manifest.get("counts", {})
         with self.tx() as db:
             row = self._row(db, job_id, lock=True)
-            if row is None or row["state"] != "running" or (attempts is not None and row["attempts"] != attempts):
+            if row is None or row["state"] not in from_states or (attempts is not None and row["attempts"] != attempts):
                 return False
             self.execute(db, "UPDATE jobs SET state='succeeded', finished_at=?, updated_at=?, manifest=?, rows_done=?, "
                          "rows_total=?, tokens_done=?, error_type=NULL, error=NULL WHERE id=?",
@@ -380,6 +385,21 @@ class JobStore:
                           counts.get("tokens", 0), job_id))
             self._count(db, "jobs_succeeded_total", 1)
             self._event(db, job_id, "succeeded", self._row(db, job_id), recovered=True)
+        return True
+
+    def mark_corrupt(self, job_id: str, message: str, move_away: Callable[[], None]) -> bool:
+        """A succeeded job whose dataset no longer matches its checksums: ``failed`` (``corrupt``) with the reason,
+        its directory moved away in the same transaction, so it is never served again (a new POST rebuilds it)."""
+        now = time.time()
+        with self.tx() as db:
+            row = self._row(db, job_id, lock=True)
+            if row is None or row["state"] != "succeeded":
+                return False
+            move_away()
+            self.execute(db, "UPDATE jobs SET state='failed', finished_at=?, updated_at=?, error_type='corrupt', "
+                         "error=? WHERE id=?", (now, now, message, job_id))
+            self._count(db, "jobs_corrupt_total", 1)
+            self._event(db, job_id, "failed", self._row(db, job_id))
         return True
 
     # --------------------------------------------------------------------------- idempotency keys
@@ -450,7 +470,7 @@ class JobStore:
         another replica (PostgreSQL) is orphaned when its heartbeat is stale. Every change is conditional
         on the attempt read here, so two replicas reconciling at once act once. Returns ``[(id, action)]``.
         """
-        from pf_trl.data.shards import ShardsError, is_shards_dir, read_manifest
+        from pf_trl.data.shards import ShardsError, is_shards_dir, read_manifest, verify_shards
 
         actions = []
         now = time.time()
@@ -465,7 +485,9 @@ class JobStore:
             target = datasets_dir / row["id"]
             if is_shards_dir(target):
                 try:
-                    if self.mark_recovered(row["id"], read_manifest(target), attempts=attempt):
+                    manifest = read_manifest(target)
+                    verify_shards(target, manifest)
+                    if self.mark_recovered(row["id"], manifest, attempts=attempt):
                         actions.append((row["id"], "recovered"))
                     continue
                 except ShardsError:
