@@ -118,12 +118,12 @@ def run_worker(scenario: dict[str, Any], mode: str) -> dict[str, Any]:
     )
     columns = ds.select_columns(["input_ids", "labels"])
     if mode == "pf-trl":
-        args = PaddingFreeConfig(padding_free="internal", per_device_train_batch_size=bs, max_tokens_per_batch=int(budget),
-                                 max_length=None, **common)
+        args = PaddingFreeConfig(padding_free_mode="internal", per_device_train_batch_size=bs,
+                                 max_tokens_per_batch=int(budget), max_length=None, **common)
         trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, processing_class=tokenizer)
         batch = f"budget {budget} tok"
     elif mode in ("padded", "trl-padding-free"):
-        args = SFTConfig(per_device_train_batch_size=bs, max_length=None, padding_free=mode == "trl-padding-free",
+        args = SFTConfig(per_device_train_batch_size=bs, max_length=None, padding_free_mode=mode == "trl-padding-free",
                          dataset_kwargs={"skip_prepare_dataset": True}, **common)
         trainer = MeasuredSFTTrainer(model, args=args, train_dataset=columns, processing_class=tokenizer)
         batch = f"batch {bs}"
