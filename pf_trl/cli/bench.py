@@ -13,7 +13,7 @@ is a fresh ``pf-trl-bench/<name>-<time>`` under the current directory (never the
 Modes:
 - ``padded``: stock ``SFTTrainer`` + TRL's collator (padding to the longest of the batch), ``per_device_train_batch_size``;
 - ``trl-padding-free``: stock ``SFTTrainer`` with TRL's own ``padding_free=True`` (same batch size);
-- ``pf-trl``: ``PaddingFreeSFTTrainer`` (``padding_free=internal``), token budget = batch size x mean length;
+- ``pf-trl``: ``PaddingFreeSFTTrainer`` (``padding_free_mode=internal``), token budget = batch size x mean length;
 - ``trl-bfd``: stock ``SFTTrainer`` with ``packing=True, packing_strategy="bfd"``, rows of the same token budget.
 """
 
