@@ -16,13 +16,14 @@ import datasets
 import pytest
 import torch
 
-TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+TINY = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+        "num_key_value_heads": 1}
 
 
 def _config(**kw):
     from pf_trl.trainer import PaddingFreeConfig
 
-    base = dict(output_dir="unused", use_cpu=True, report_to=[])
+    base = {"output_dir": "unused", "use_cpu": True, "report_to": []}
     return PaddingFreeConfig(**{**base, **kw})
 
 
@@ -95,8 +96,8 @@ def test_padding_free_false_trains_trls_padded_batches(tmp_path):
     from pf_trl.collator import PaddingFreeCollator
     from pf_trl.trainer import PaddingFreeConfig
 
-    common = dict(use_cpu=True, report_to=[], save_strategy="no", per_device_train_batch_size=3, max_length=64,
-                  dataloader_num_workers=0, bf16=False)
+    common = {"use_cpu": True, "report_to": [], "save_strategy": "no", "per_device_train_batch_size": 3,
+              "max_length": 64, "dataloader_num_workers": 0, "bf16": False}
     on = PaddingFreeConfig(output_dir=str(tmp_path / "on"), padding_free=True, **common)
     packed = _tiny_trainer(tmp_path, on)
     assert packed.pf_mode == "huggingface" and isinstance(packed.data_collator, PaddingFreeCollator)

@@ -13,7 +13,12 @@ from trl import SFTConfig
 
 from pf_trl.data.truncation import POLICY_HELP, check_mode, normalize_policy
 from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
-from pf_trl.trainer.modes import DEFAULT_MODE, PADDING_FREE_MODES, legacy_mode, resolve_padding_free
+from pf_trl.trainer.modes import (
+    DEFAULT_MODE,
+    PADDING_FREE_MODES,
+    legacy_mode,
+    resolve_padding_free,
+)
 
 logger = logging.getLogger("pf_trl.trainer")
 
