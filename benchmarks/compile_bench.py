@@ -136,7 +136,7 @@ def run_one(args, mode: str, compiled: bool, ds, tokenizer, dtype, workdir: Path
     cfg = PaddingFreeConfig(
         output_dir=str(workdir / f"out-{mode}-{compiled}"), report_to=[], save_strategy="no", logging_steps=1,
         disable_tqdm=True, learning_rate=1e-5, seed=0, per_device_train_batch_size=args.batch_size,
-        padding_free=mode, max_length=None, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        padding_free_mode=mode, max_length=None, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         gradient_checkpointing=False, num_train_epochs=args.epochs, bf16=dtype == torch.bfloat16, **extra,
     )
     clock = StepClock()

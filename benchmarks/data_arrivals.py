@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {}
         for mode in ("none", "internal"):
             kw = dict(per_device_train_batch_size=4, max_tokens_per_batch=None) if mode == "none" else {}
-            t = trainer(stream(a), max_steps=3, padding_free=mode, **kw)
+            t = trainer(stream(a), max_steps=3, padding_free_mode=mode, **kw)
             out[mode] = t.train().metrics["train_padding_share"]
         return {"padding_share_padded": out["none"], "padding_share_padding_free": out["internal"]}
 

@@ -60,7 +60,7 @@ def run_once(mode: str, data: Path, shards: Path, args, tokenizer) -> dict:
     config = PaddingFreeConfig(output_dir=tempfile.mkdtemp(prefix="pf-bench-"), report_to=[], use_cpu=True,
                                max_length=args.max_seq_len, max_steps=args.steps, max_tokens_per_batch=args.budget,
                                save_strategy="no", disable_tqdm=True, logging_steps=10_000, seed=0,
-                               padding_free="internal", activation_checkpointing=False)
+                               padding_free_mode="internal", activation_checkpointing=False)
     trainer = PaddingFreeSFTTrainer(model, args=config, train_dataset=train, processing_class=tokenizer)
     metrics = trainer.train().metrics
     steps = trainer.state.global_step

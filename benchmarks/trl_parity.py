@@ -94,7 +94,7 @@ def pf_trainer(rows, tmp, eval_rows=None, **fields):
     from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
-    args = PaddingFreeConfig(**_base(tmp, padding_free="huggingface", **fields))
+    args = PaddingFreeConfig(**_base(tmp, padding_free_mode="huggingface", **fields))
     return PaddingFreeSFTTrainer(_model(), args=args, train_dataset=datasets.Dataset.from_list(rows),
                                  eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
                                  processing_class=load_tokenizer())
@@ -233,7 +233,7 @@ def case_resume_same_lengths(tmp):
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
     def make(data, out):
-        args = PaddingFreeConfig(**_base(out, padding_free="huggingface", max_steps=3, save_strategy="steps",
+        args = PaddingFreeConfig(**_base(out, padding_free_mode="huggingface", max_steps=3, save_strategy="steps",
                                          save_steps=2, per_device_train_batch_size=4))
         return PaddingFreeSFTTrainer(_model(), args=args, train_dataset=datasets.Dataset.from_list(data),
                                      processing_class=load_tokenizer())

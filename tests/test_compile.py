@@ -111,7 +111,7 @@ def _train_losses(tmp_path, ds, tokenizer, mode, **compile_kwargs):
     args = PaddingFreeConfig(
         output_dir=str(tmp_path / f"out-{mode}-{bool(compile_kwargs)}"), report_to=[], save_strategy="no",
         logging_steps=1, disable_tqdm=True, learning_rate=1e-2, seed=0, per_device_train_batch_size=4,
-        padding_free=mode, max_length=None, use_cpu=True, dataloader_num_workers=0, gradient_checkpointing=False,
+        padding_free_mode=mode, max_length=None, use_cpu=True, dataloader_num_workers=0, gradient_checkpointing=False,
         **compile_kwargs,
     )
     trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, processing_class=tokenizer)

@@ -1,6 +1,7 @@
 """A plain SFTConfig / TrainingArguments handed to PaddingFreeSFTTrainer: converted field by field (the *_token
-fields kept, not masked as TrainingArguments.to_dict() masks them), and TRL's padding_free=False read as
-padding-free training, said in a log line."""
+fields kept, not masked as TrainingArguments.to_dict() masks them), and TRL's padding_free bool (False by default,
+so not a choice) read as padding-free training, said in a log line. A TrainingArguments (no padding_free) trains
+padding-free too."""
 
 from __future__ import annotations
 
@@ -43,14 +44,14 @@ def test_sft_config_tokens_survive_and_it_trains(tmp_path, small_ds, caplog):
     from pf_trl.trainer import PaddingFreeConfig, to_padding_free_config
 
     user = SFTConfig(output_dir=str(tmp_path), eos_token="</s>", pad_token="<unk>", hub_token="hf_not_a_real_token",
-                     lr_scheduler_type="cosine", eval_strategy="no", gradient_accumulation_steps=2, **COMMON)
+                     lr_scheduler_type="cosine", eval_strategy="no", gradient_accumulation_steps=2, padding_free=True,
+                     **COMMON)
     before = _init_fields(user)
     # every shared field has the user's value (the trainer then sets dataset_kwargs for pretokenized data); checked
     # before the trainer is built, since building a TrainingArguments resets accelerate's state
     converted = to_padding_free_config(user)
     for name, value in _init_fields(user).items():
-        if name != "padding_free":
-            assert getattr(converted, name) == value, name
+        assert getattr(converted, name) == value, name  # padding_free included: TRL's bool, the same meaning
     with caplog.at_level(logging.INFO, logger="pf_trl.trainer"):
         trainer = _trainer(user, small_ds)
     args = trainer.args
@@ -58,8 +59,8 @@ def test_sft_config_tokens_survive_and_it_trains(tmp_path, small_ds, caplog):
     # the *_token fields as given (to_dict() gives '<EOS_TOKEN>', which TRL refuses: not in the vocabulary)
     assert (args.eos_token, args.pad_token, args.hub_token) == ("</s>", "<unk>", "hf_not_a_real_token")
     assert _init_fields(user) == before, "the user's args object is not modified"
-    assert args.padding_free == trainer.pf_mode == "huggingface"
-    assert "padding_free=False (TRL's default)" in caplog.text and "padding_free='none'" in caplog.text
+    assert (args.padding_free, args.padding_free_mode, trainer.pf_mode) == (True, "huggingface", "huggingface")
+    assert "converted to PaddingFreeConfig (padding_free_mode='huggingface')" in caplog.text
     trainer.train()
     assert trainer.state.global_step == 1
     assert trainer.state.log_history[-1]["train_padding_share"] == 0.0  # trained padding-free, not padded
@@ -81,14 +82,17 @@ def test_training_arguments_hub_token_and_enums(tmp_path, small_ds):
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_sft_config_padding_free_bool_means_padding_free(flag, caplog):
+    import warnings
+
     from trl import SFTConfig
 
     from pf_trl.trainer import to_padding_free_config
 
-    with caplog.at_level(logging.INFO, logger="pf_trl.trainer"):
+    with caplog.at_level(logging.INFO, logger="pf_trl.trainer"), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*padding_free", category=FutureWarning)  # a bool: TRL's spelling
         args = to_padding_free_config(SFTConfig(output_dir="unused", padding_free=flag, **COMMON))
-    assert args.padding_free == "huggingface"
-    assert ("TRL's default" in caplog.text) == (not flag)
+    assert (args.padding_free, args.padding_free_mode) == (True, "huggingface")
+    assert ("TRL's default" in caplog.text and "padding_free_mode='none'" in caplog.text) == (not flag)
 
 
 def test_sft_config_packing_is_refused_with_the_reason():
@@ -97,6 +101,8 @@ def test_sft_config_packing_is_refused_with_the_reason():
     from pf_trl.trainer import to_padding_free_config
 
     with pytest.raises(ValueError, match="packing=True conflicts"):
+        to_padding_free_config(SFTConfig(output_dir="unused", packing=True, padding_free=True, **COMMON))
+    with pytest.raises(ValueError, match="packing=True conflicts"):  # padding_free=False (the default) alike
         to_padding_free_config(SFTConfig(output_dir="unused", packing=True, **COMMON))
 
 

@@ -621,7 +621,7 @@ def test_train_args_configmap_parses_with_the_real_train_parser():
     args = with_args_file.read_args_file(str(K8S / "config" / "train.args"))
     assert "### Response:" in args, "shell quoting must keep the template one argument"
     model_args, data_args, config = train.parse_args([*args, "--training_data_path", "/cache/merged/big"])
-    assert config.padding_free == "huggingface" and config.max_steps == 100 and config.per_device_train_batch_size == 4
+    assert config.padding_free_mode == "huggingface" and config.max_steps == 100 and config.per_device_train_batch_size == 4
     assert data_args.max_seq_len == 4096 and data_args.response_template == "### Response:"
     assert config.eval_strategy == "no" and config.use_flash_attn is True
     assert_exact_flags(train.normalize_argv(args), train._parser())

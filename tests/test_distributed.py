@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent(
             return super().compute_loss(model, inputs, **kw)
 
     args = PaddingFreeConfig(output_dir=out, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
-                             learning_rate=1e-3, seed=0, max_steps=3, padding_free="internal", max_length=None,
+                             learning_rate=1e-3, seed=0, max_steps=3, padding_free_mode="internal", max_length=None,
                              use_cpu=True, max_tokens_per_batch=600, dataloader_num_workers=0,
                              gradient_accumulation_steps=2 if mode == "single" else 1,
                              **({"fsdp": "full_shard auto_wrap",
@@ -294,7 +294,7 @@ def test_torchrun_cli_saves_checkpoint_and_final_model_on_every_rank(tmp_path, s
     tiny = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
     args = ["--training_data_path", str(data), "--output_dir", str(out), "--model_overrides", tiny,
             "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "4",
-            "--report_to", "none", "--padding_free", "internal", "--use_cpu", "True", "--max_seq_len", "128",
+            "--report_to", "none", "--padding_free_mode", "internal", "--use_cpu", "True", "--max_seq_len", "128",
             "--disable_tqdm", "True", "--save_only_model", "True"]
     env = {**_env(), "PF_TRL_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(_torchrun(script, str(tmp_path), *args), env=env, capture_output=True, text=True, timeout=900)

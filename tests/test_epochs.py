@@ -93,7 +93,7 @@ def _args(out, **kw):
     from pf_trl.trainer import PaddingFreeConfig
 
     base = dict(output_dir=str(out), report_to=[], logging_steps=50, disable_tqdm=True, learning_rate=1e-4, seed=0,
-                padding_free="huggingface", max_length=None, use_cpu=True, dataloader_num_workers=0,
+                padding_free_mode="huggingface", max_length=None, use_cpu=True, dataloader_num_workers=0,
                 max_tokens_per_batch=BUDGET, num_train_epochs=3, save_strategy="no",
                 lr_scheduler_type="constant")
     base.update(kw)

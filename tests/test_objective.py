@@ -1,7 +1,7 @@
 """The model's own objective through PaddingFreeSFTTrainer: head transforms, MoE aux loss, TRL loss options.
 
 Each check trains one epoch at lr 0 on equal-length examples, one per batch, so the padded and the packed batches hold
-the same tokens: ``train_loss`` of ``padding_free="internal"`` must equal ``"none"`` (TRL's padded loss). Each has a
+the same tokens: ``train_loss`` of ``padding_free_mode="internal"`` must equal ``"none"`` (TRL's padded loss). Each has a
 negative control showing that the test fails on the flaw it guards against.
 """
 
@@ -53,7 +53,7 @@ def train(tmp_path, model, mode, data=None, trainer_kwargs=None, **cfg):
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
     base = dict(output_dir=str(tmp_path / f"out-{mode}"), report_to=[], save_strategy="no", learning_rate=0.0,
-                per_device_train_batch_size=1, num_train_epochs=1, padding_free=mode, max_length=None, use_cpu=True,
+                per_device_train_batch_size=1, num_train_epochs=1, padding_free_mode=mode, max_length=None, use_cpu=True,
                 disable_tqdm=True, seed=0, logging_steps=1, dataloader_num_workers=0)
     base.update(cfg)
     trainer = PaddingFreeSFTTrainer(model, args=PaddingFreeConfig(**base), train_dataset=Dataset.from_dict(data or rows()),

@@ -77,7 +77,7 @@ def test_refusals_follow_the_value_not_the_name(name):
 @pytest.mark.parametrize("name", WARNABLE)
 def test_fields_without_effect_are_named_in_a_warning(name, caplog):
     class Args:
-        padding_free = "huggingface"
+        padding_free, padding_free_mode = True, "huggingface"
 
     setattr(Args, name, parity.FIELDS[name].example)
     with caplog.at_level(logging.WARNING, logger="pf_trl"):
@@ -86,10 +86,10 @@ def test_fields_without_effect_are_named_in_a_warning(name, caplog):
 
 
 def test_padded_mode_keeps_trls_behaviour(tmp_path):
-    """padding_free='none' is TRL's padded trainer: nothing is refused (dataloader_drop_last drops as TRL does)."""
+    """padding_free_mode='none' is TRL's padded trainer: nothing is refused (dataloader_drop_last drops as TRL does)."""
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
-    args = PaddingFreeConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], padding_free="none",
+    args = PaddingFreeConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], padding_free_mode="none",
                              dataloader_drop_last=True, per_device_train_batch_size=2, max_length=None)
     rows = [{"input_ids": [1] + [5 + i] * (4 + i)} for i in range(5)]
     trainer = PaddingFreeSFTTrainer("pf-trl/tiny-llama", args=args, train_dataset=datasets.Dataset.from_list(rows))
@@ -116,4 +116,5 @@ def test_one_config_object_builds_two_trainers_alike(tmp_path):
     for _ in range(2):
         trainer = PaddingFreeSFTTrainer("pf-trl/tiny-llama", args=args, train_dataset=rows)
         assert sorted(len(r) for r in trainer.train_dataset["input_ids"]) == [5, 8]
-    assert (args.dataset_kwargs, args.padding_free, args.assistant_only_loss) == (None, "huggingface", None)
+    assert (args.dataset_kwargs, args.padding_free, args.padding_free_mode, args.assistant_only_loss) == (
+        None, True, "huggingface", None)

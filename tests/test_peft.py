@@ -53,7 +53,7 @@ def trainer_for(tmp_path, model, **kw):
     rows = examples()
     ds = Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "labels")})
     args = PaddingFreeConfig(output_dir=str(tmp_path / "out"), report_to=[], save_strategy="no", learning_rate=0.0,
-                             per_device_train_batch_size=1, max_steps=1, padding_free="internal", max_length=None,
+                             per_device_train_batch_size=1, max_steps=1, padding_free_mode="internal", max_length=None,
                              use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0)
     return PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, **kw)
 

@@ -41,7 +41,7 @@ def _trainer(model, tokenizer, mode, tmp_path):
     from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
 
     ds = datasets.Dataset.from_dict({"input_ids": [[2, 3, 4]], "labels": [[2, 3, 4]]})
-    args = PaddingFreeConfig(output_dir=str(tmp_path), padding_free=mode, report_to=[], use_cpu=True,
+    args = PaddingFreeConfig(output_dir=str(tmp_path), padding_free_mode=mode, report_to=[], use_cpu=True,
                              save_strategy="no", disable_tqdm=True)
     return PaddingFreeSFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=ds)
 

@@ -149,7 +149,7 @@ DDP_SCRIPT = textwrap.dedent(
     args = PaddingFreeConfig(output_dir=os.path.join(out, resume), report_to=[], use_cpu=True, max_length=512, max_steps=4, save_steps=2,
                              save_strategy="steps", max_tokens_per_batch=1024, disable_tqdm=True, logging_steps=1,
                              learning_rate=1e-3, lr_scheduler_type="constant", seed=0, stream_buffer_size=24,
-                             padding_free="internal", save_only_model=False)
+                             padding_free_mode="internal", save_only_model=False)
     model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
     trainer = T(model, args=args, train_dataset=stream, processing_class=load_tokenizer())
     result = trainer.train(resume_from_checkpoint=os.path.join(out, "full", "checkpoint-2") if resume == "resume" else None)

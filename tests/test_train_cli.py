@@ -67,7 +67,7 @@ def test_seed_flags_map_onto_the_config(seed_json, tmp_path):
 
     cmd = SEED_CMD.format(data=seed_json, out=tmp_path)
     model_args, data_args, config = parse_args(shlex.split(cmd))
-    assert config.padding_free == "huggingface" and config.packing is False
+    assert (config.padding_free, config.padding_free_mode, config.packing) == (True, "huggingface", False)
     assert config.eval_strategy == "no" and config.skip_memory_metrics is False
     assert config.include_tokens_per_second and config.use_flash_attn
     assert data_args.max_seq_len == 4096 and data_args.response_template == "### Response:"
@@ -81,7 +81,7 @@ def test_sample_end_to_end_raw_prompt_completion(tmp_path, sample_path, sample_r
     cmd = (f"--training_data_path {sample_path} --validation_data_path {val} --max_seq_len 256 "
            f"--model_overrides {TINY_OVERRIDES} --max_steps 2 --per_device_train_batch_size 4 --output_dir {out} "
            "--report_to none --logging_steps 1 --eval_strategy steps --eval_steps 2 --per_device_eval_batch_size 64 "
-           "--max_eval_tokens_per_batch 16384 --padding_free internal --save_strategy no")
+           "--max_eval_tokens_per_batch 16384 --padding_free_mode internal --save_strategy no")
     assert run_cli(cmd) == 0
     text = capsys.readouterr().out
     assert "eval_loss" in text and "train_real_tokens_per_second" in text
@@ -133,7 +133,7 @@ def test_dataset_service_is_wired(tmp_path, sample_shards, monkeypatch, capsys):
     monkeypatch.setattr(client, "wait_for_dataset", fake_wait)
     cmd = (f"--dataset_service_url http://svc:8000 --dataset_id ds-1 --dataset_service_token tok "
            f"--model_overrides {TINY_OVERRIDES} --max_steps 1 --output_dir {tmp_path / 'o'} --report_to none "
-           "--padding_free internal")
+           "--padding_free_mode internal")
     assert run_cli(cmd) == 0
     assert calls == [("http://svc:8000", "ds-1", "tok")]
     assert "service dataset ds-1" in capsys.readouterr().out

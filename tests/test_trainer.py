@@ -32,7 +32,7 @@ def config(tmp_path, **kw):
 
     base = dict(output_dir=str(tmp_path / "out"), report_to=[], save_strategy="no", logging_steps=1,
                 disable_tqdm=True, learning_rate=1e-3, seed=0, per_device_train_batch_size=4,
-                padding_free="internal", max_length=None, use_cpu=True, dataloader_num_workers=0)
+                padding_free_mode="internal", max_length=None, use_cpu=True, dataloader_num_workers=0)
     base.update(kw)
     return PaddingFreeConfig(**base)
 
@@ -62,7 +62,7 @@ def _padded_trainer(model, args, ds, tokenizer, batches):
             cols = self.train_dataset.select_columns(["input_ids", "labels"])
             return DataLoader(cols, batch_sampler=_FixedBatches(batches), collate_fn=collator)
 
-    args.padding_free = "none"
+    args.padding_free, args.padding_free_mode = False, "none"  # TRL's padded path
     return Padded(model, args=args, train_dataset=ds, processing_class=tokenizer)
 
 
@@ -141,7 +141,7 @@ def test_eval_loss_equals_padded_token_weighted(tmp_path, small_ds, tokenizer, u
     assert ev["eval_loss"] == pytest.approx(total / count, rel=1e-5)
     model2 = tiny_model(seed=3)
     model2.config.use_cache = use_cache
-    pad = PaddingFreeSFTTrainer(model2, args=config(tmp_path / "pad", padding_free="none", per_device_eval_batch_size=4),
+    pad = PaddingFreeSFTTrainer(model2, args=config(tmp_path / "pad", padding_free_mode="none", per_device_eval_batch_size=4),
                                 train_dataset=ds, eval_dataset=ds, processing_class=tokenizer)
     ev_pad = pad.evaluate()
     assert ev_pad["eval_loss"] == pytest.approx(total / count, rel=1e-5)
@@ -204,10 +204,14 @@ def test_config_validation(tmp_path):
     from pf_trl.trainer import PaddingFreeConfig
 
     with pytest.raises(ValueError, match="packing=True conflicts"):
-        PaddingFreeConfig(output_dir=str(tmp_path), packing=True, padding_free="huggingface", use_cpu=True)
+        PaddingFreeConfig(output_dir=str(tmp_path), packing=True, padding_free_mode="huggingface", use_cpu=True)
     with pytest.raises(ValueError, match="padding_free must be one of"):
         PaddingFreeConfig(output_dir=str(tmp_path), padding_free="sometimes", use_cpu=True)
-    with pytest.raises(ValueError, match="needs --padding_free internal"):
-        PaddingFreeConfig(output_dir=str(tmp_path), padding_free="huggingface", attention_backend="sdpa", use_cpu=True)
-    assert PaddingFreeConfig(output_dir=str(tmp_path), padding_free="true", use_cpu=True).padding_free == "huggingface"
-    assert PaddingFreeConfig(output_dir=str(tmp_path), padding_free="false", use_cpu=True).padding_free == "none"
+    with pytest.raises(ValueError, match="padding_free_mode must be one of"):
+        PaddingFreeConfig(output_dir=str(tmp_path), padding_free_mode="sometimes", use_cpu=True)
+    with pytest.raises(ValueError, match="needs --padding_free_mode internal"):
+        PaddingFreeConfig(output_dir=str(tmp_path), padding_free_mode="huggingface", attention_backend="sdpa", use_cpu=True)
+    on = PaddingFreeConfig(output_dir=str(tmp_path), padding_free="true", use_cpu=True)  # TRL's CLI passes text
+    off = PaddingFreeConfig(output_dir=str(tmp_path), padding_free="false", use_cpu=True)
+    assert (on.padding_free, on.padding_free_mode, off.padding_free, off.padding_free_mode) == (
+        True, "huggingface", False, "none")

@@ -75,7 +75,7 @@ def pf_trainer(train, tmp_path, eval_rows=None, *, sft_config=False, **kw):
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
     args = SFTConfig(**fields(tmp_path / "pf", **kw)) if sft_config else PaddingFreeConfig(
-        **fields(tmp_path / "pf", padding_free="huggingface", **kw))
+        **fields(tmp_path / "pf", padding_free_mode="huggingface", **kw))
     return PaddingFreeSFTTrainer(model(), args=args, train_dataset=datasets.Dataset.from_list(train),
                                  eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
                                  processing_class=load_tokenizer())
@@ -197,7 +197,7 @@ def test_assistant_only_loss_false_trains_every_token(tmp_path, caplog):
 
         sft = kw.pop("sft_config", False)
         cls = SFTConfig if sft else PaddingFreeConfig
-        extra = {} if sft else {"padding_free": "huggingface"}
+        extra = {"padding_free": True} if sft else {"padding_free_mode": "huggingface"}
         return PaddingFreeSFTTrainer(model(), args=cls(**fields(tmp_path / name, **extra, **kw)),
                                      train_dataset=datasets.Dataset.from_list(chats), processing_class=load_tokenizer())
 

@@ -177,7 +177,7 @@ class _Sweep:
         from pf_trl.trainer.trainer import PaddingFreeSFTTrainer
 
         args = PaddingFreeConfig(
-            output_dir=self.tmp, padding_free=mode, report_to=[], use_cpu=True, save_strategy="no",
+            output_dir=self.tmp, padding_free_mode=mode, report_to=[], use_cpu=True, save_strategy="no",
             logging_strategy="no", disable_tqdm=True, allow_unverified=True,
         )
         return PaddingFreeSFTTrainer(model=model, args=args, processing_class=self.tokenizer, train_dataset=self.dataset)

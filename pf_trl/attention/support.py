@@ -84,7 +84,7 @@ def decide(model_type: str | None, class_name: str, mode: str, *, allow_unverifi
         reason = found.get("reason", "").rstrip(". ")
         todo = "" if "padding_free='none'" in reason else " Train it padded (padding_free='none')."
         if alt and alt["status"] == "exact":
-            todo += f" padding_free='{other}' is exact on it."
+            todo += f" padding_free_mode='{other}' is exact on it."
         raise UnsupportedModelError(
             f"{model_type} ({class_name}) cannot be trained padding-free in mode '{mode}' (pf-trl's coverage sweep, "
             f"transformers {swept_with}: {found['status']}): {reason}.{todo}"

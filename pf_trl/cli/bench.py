@@ -13,7 +13,7 @@ is a fresh ``pf-trl-bench/<name>-<time>`` under the current directory (never the
 Modes:
 - ``padded``: stock ``SFTTrainer`` + TRL's collator (padding to the longest of the batch), ``per_device_train_batch_size``;
 - ``trl-padding-free``: stock ``SFTTrainer`` with TRL's own ``padding_free=True`` (same batch size);
-- ``pf-trl``: ``PaddingFreeSFTTrainer`` (``padding_free=internal``), token budget = batch size x mean length;
+- ``pf-trl``: ``PaddingFreeSFTTrainer`` (``padding_free_mode=internal``), token budget = batch size x mean length;
 - ``trl-bfd``: stock ``SFTTrainer`` with ``packing=True, packing_strategy="bfd"``, rows of the same token budget.
 """
 
@@ -118,12 +118,12 @@ def run_worker(scenario: dict[str, Any], mode: str) -> dict[str, Any]:
     )
     columns = ds.select_columns(["input_ids", "labels"])
     if mode == "pf-trl":
-        args = PaddingFreeConfig(padding_free="internal", per_device_train_batch_size=bs, max_tokens_per_batch=int(budget),
-                                 max_length=None, **common)
+        args = PaddingFreeConfig(padding_free_mode="internal", per_device_train_batch_size=bs,
+                                 max_tokens_per_batch=int(budget), max_length=None, **common)
         trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, processing_class=tokenizer)
         batch = f"budget {budget} tok"
     elif mode in ("padded", "trl-padding-free"):
-        args = SFTConfig(per_device_train_batch_size=bs, max_length=None, padding_free=mode == "trl-padding-free",
+        args = SFTConfig(per_device_train_batch_size=bs, max_length=None, padding_free_mode=mode == "trl-padding-free",
                          dataset_kwargs={"skip_prepare_dataset": True}, **common)
         trainer = MeasuredSFTTrainer(model, args=args, train_dataset=columns, processing_class=tokenizer)
         batch = f"batch {bs}"

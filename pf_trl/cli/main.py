@@ -42,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pf-trl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     if name in UNDERSCORE_COMMANDS:  # their flags are spelled with underscores; dashes are accepted too
-        from pf_trl.cli.flags import normalize_flags
+        from pf_trl.cli.flags import FlagAliasError, normalize_flags, one_line
 
-        rest = normalize_flags(rest)
+        try:
+            rest = normalize_flags(rest, command=name)  # the one alias table, rows of this command included
+        except FlagAliasError as exc:
+            print(f"pf-trl {name}: error: {one_line(exc)}", file=sys.stderr)
+            return 2
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

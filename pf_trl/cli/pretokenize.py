@@ -20,10 +20,6 @@ _HELP = {
     "truncation_mode": "Which tokens 'truncate' keeps: keep_start (the first max_seq_len, TRL's default) or keep_end.",
 }
 
-# `pf-trl train` spellings of the same options.
-ALIASES = {"--dataset_text_field": "--text_field", "--tokenizer": "--tokenizer_name_or_path"}
-
-
 class PretokenizeCLIError(ValueError):
     """A bad flag; one line."""
 
@@ -111,8 +107,8 @@ def _pretokenize_mixture(data_config, args: argparse.Namespace, config: Pretoken
 
 
 def main(argv: list[str]) -> int:
-    argv = normalize_flags(argv, ALIASES)
     try:
+        argv = normalize_flags(argv, command="pretokenize")  # `pf-trl train` spellings: pf_trl.cli.flags.FLAG_ALIASES
         parser = build_parser()
         if any(a in ("-h", "--help") for a in argv):
             parser.print_help()

@@ -1,7 +1,9 @@
 """`pf-trl train`: fine-tune padding-free. Every TrainingArguments / SFTConfig / PaddingFreeConfig flag works
-(HfArgumentParser), plus the flags of the fms-acceleration seed command line:
+(HfArgumentParser) under TRL's names, plus the flags of the fms-acceleration seed command line (its other spellings,
+such as ``--padding_free huggingface`` for ``--padding_free_mode huggingface``, are aliases in the one table of
+:data:`pf_trl.cli.flags.FLAG_ALIASES`):
 
-    pf-trl train --model_name_or_path pf-trl/tiny-llama --padding_free huggingface --packing False \
+    pf-trl train --model_name_or_path pf-trl/tiny-llama --padding_free_mode huggingface --packing False \
         --max_seq_len 4096 --use_flash_attn True --response_template '### Response:' --dataset_text_field output \
         --include_tokens_per_second True --training_data_path data.json --output_dir out ...
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pf_trl.cli.flags import ALIASES, normalize_flags, one_line
+from pf_trl.cli.flags import FlagAliasError, normalize_flags, one_line
 from pf_trl.data.options import train_data_fields
 
 logger = logging.getLogger("pf_trl.cli.train")
@@ -146,7 +148,26 @@ _parser = full_parser
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
-    return normalize_flags(argv, ALIASES)
+    """Underscored flag names, the aliases of :data:`pf_trl.cli.flags.FLAG_ALIASES` mapped onto TRL's / pf-trl's
+    names (``--padding_free internal``: ``--padding_free_mode internal``, one FutureWarning). Idempotent."""
+    try:
+        argv = normalize_flags(argv, command="train")
+    except FlagAliasError as exc:
+        raise TrainCLIError(str(exc)) from exc
+    for i, arg in enumerate(argv):  # what is left of --padding_free is TRL's switch: true / false (or nothing)
+        if arg == "--padding_free" and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            _check_padding_free_value(argv[i + 1])
+        elif arg.startswith("--padding_free="):
+            _check_padding_free_value(arg.partition("=")[2])
+    return argv
+
+
+def _check_padding_free_value(value: str) -> None:
+    from pf_trl.trainer.modes import PADDING_FREE_MODES, as_bool
+
+    if as_bool(value) is None:
+        raise TrainCLIError(f"--padding_free must be one of true, false (TRL's switch) or, deprecated, a mode of "
+                            f"--padding_free_mode ({', '.join(PADDING_FREE_MODES)}), got {value!r}")
 
 
 def _unknown(rest: list[str], known: list[str]) -> TrainCLIError:
@@ -259,10 +280,10 @@ def check_combinations(get) -> None:
     """Flags that only make sense together, checked from ``get(flag, default)`` (the flag table's values before the
     import, the parsed dataclasses after it)."""
     from pf_trl.models import is_embedded_model
-    from pf_trl.trainer.modes import normalize_padding_free
+    from pf_trl.trainer.modes import resolve_padding_free
 
-    try:
-        normalize_padding_free(get("padding_free", "huggingface"))
+    try:  # --padding_free false with --padding_free_mode internal, ... (aliases are mapped by now: no warning)
+        resolve_padding_free(get("padding_free"), get("padding_free_mode"))
     except ValueError as exc:
         raise TrainCLIError(f"--{exc}") from exc
     strategy = get("eval_strategy", "no")
@@ -660,10 +681,10 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
         if flash_attn_available():
             attn = "flash_attention_2"
         else:
-            if config.padding_free == "huggingface":
-                config.padding_free = "internal"
+            if config.padding_free_mode == "huggingface":
+                config.padding_free_mode = "internal"
             print("pf-trl: --use_flash_attn True but flash-attn is not installed/usable here: using pf-trl's varlen "
-                  f"attention (padding_free=internal, backend={config.attention_backend})", flush=True)
+                  f"attention (padding_free_mode=internal, backend={config.attention_backend})", flush=True)
     model_ref = name
     if overrides.get("vocab_size") is not None:
         model_ref = None  # an embedded model resized by --model_overrides: its vocabulary is checked below
@@ -735,7 +756,7 @@ def _fail(exc: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         full_parser().print_help()
         return 0
@@ -743,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        argv = normalize_argv(argv)  # once: what follows reads the normalized command line (no second warning)
         precheck(argv)  # before transformers / TRL are imported (seconds) and before the model loads
         model_args, data_args, config = parse_args(argv)
         check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,

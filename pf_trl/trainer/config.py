@@ -13,7 +13,12 @@ from trl import SFTConfig
 
 from pf_trl.data.truncation import POLICY_HELP, check_mode, normalize_policy
 from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
-from pf_trl.trainer.modes import PADDING_FREE_MODES, normalize_padding_free  # noqa: F401 (re-exported)
+from pf_trl.trainer.modes import (
+    DEFAULT_MODE,
+    PADDING_FREE_MODES,
+    legacy_mode,
+    resolve_padding_free,
+)
 
 logger = logging.getLogger("pf_trl.trainer")
 
@@ -31,16 +36,30 @@ def _accelerator_present() -> bool:
 class PaddingFreeConfig(SFTConfig):
     """:class:`trl.SFTConfig` plus padding-free training options.
 
-    ``padding_free`` changes type: TRL's bool becomes a mode. ``huggingface`` uses transformers' native packed
-    attention (self-checked), ``internal`` pf-trl's ``pf_varlen`` kernels, ``none`` trains padded (stock collator,
-    stock sampler) with pf-trl's honest metrics.
+    ``padding_free`` keeps TRL's meaning: ``True`` (or unset) trains padding-free in ``padding_free_mode``, ``False``
+    trains padded (``padding_free_mode='none'``). ``padding_free_mode``: ``huggingface`` uses transformers' native
+    packed attention (self-checked), ``internal`` pf-trl's ``pf_varlen`` kernels, ``none`` trains padded (TRL's
+    collator and sampler) with pf-trl's honest metrics. The old spelling ``padding_free="internal"`` (a mode) is still
+    accepted, with one ``FutureWarning``.
     """
 
-    padding_free: str = field(
-        default="huggingface",
+    padding_free: bool | None = field(
+        default=None,
         metadata={
-            "help": "Padding-free mode: 'huggingface' (transformers' native packed attention), 'internal' "
-            "(pf-trl's varlen kernels) or 'none' (padded batches). true/false are accepted as huggingface/none.",
+            "help": "TRL's switch: True trains padding-free in --padding_free_mode, False trains padded (TRL's path, "
+            "--padding_free_mode none). Unset: padding-free. A mode here (huggingface / internal / none) is the "
+            "deprecated spelling of --padding_free_mode.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
+    padding_free_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": f"pf-trl's padding-free mode: 'huggingface' (transformers' native packed attention, self-checked), "
+            "'internal' (pf-trl's varlen kernels) or 'none' (padded batches, TRL's path). Unset: "
+            f"'{DEFAULT_MODE}', or 'none' with --padding_free False.",
+            "choices": list(PADDING_FREE_MODES),
         },
     )
     max_tokens_per_batch: int | None = field(
@@ -57,7 +76,8 @@ class PaddingFreeConfig(SFTConfig):
     )
     attention_backend: str = field(
         default="auto",
-        metadata={"help": "Varlen kernel for padding_free='internal': auto, flash_attn, torch_varlen, flex, sdpa."},
+        metadata={"help": "Varlen kernel for padding_free_mode='internal': auto, flash_attn, torch_varlen, flex, "
+                  "sdpa."},
     )
     fused_loss: str = field(
         default="auto",
@@ -127,7 +147,8 @@ class PaddingFreeConfig(SFTConfig):
     )
 
     def __post_init__(self):
-        self.padding_free = normalize_padding_free(self.padding_free)
+        self.padding_free, self.padding_free_mode = resolve_padding_free(self.padding_free, self.padding_free_mode,
+                                                                         stacklevel=3)
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default, under the name transformers 5 reads
         if self.dataloader_pin_memory and (self.use_cpu or not _accelerator_present()):
@@ -156,23 +177,34 @@ class PaddingFreeConfig(SFTConfig):
         check_mode(self.truncation_mode)
         if self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
-        if self.padding_free != "none" and self.packing:
+        if self.padding_free_mode != "none" and self.packing:
             raise ValueError(
-                f"packing=True conflicts with padding_free={self.padding_free!r}: pf-trl batches whole examples under a "
-                "token budget instead of packing fixed-length blocks. Use --packing False (or --padding_free none to "
-                "let TRL pack)."
+                f"packing=True conflicts with padding_free_mode={self.padding_free_mode!r}: pf-trl batches whole "
+                "examples under a token budget instead of packing fixed-length blocks. Use --packing False (or "
+                "--padding_free False to let TRL pack)."
             )
-        if self.padding_free == "huggingface" and self.attention_backend not in ("auto", None):
+        if self.padding_free_mode == "huggingface" and self.attention_backend not in ("auto", None):
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} selects one of pf-trl's kernels and needs "
-                "--padding_free internal"
+                "--padding_free_mode internal"
             )
         if self.include_tokens_per_second and self.include_num_input_tokens_seen == "no":
             self.include_num_input_tokens_seen = "non_padding"
 
     @property
     def is_padding_free(self) -> bool:
-        return self.padding_free != "none"
+        return self.padding_free_mode != "none"
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (``training_args.bin``), also a config saved by pf-trl before ``padding_free_mode``: its
+        ``padding_free`` held the mode (``"huggingface"``), which becomes ``padding_free_mode`` here."""
+        state = dict(state)
+        old = legacy_mode(state.get("padding_free"))
+        if "padding_free_mode" not in state or old is not None:
+            padded = state.get("padding_free") is False
+            state["padding_free_mode"] = old or ("none" if padded else DEFAULT_MODE)
+            state["padding_free"] = state["padding_free_mode"] != "none"
+        self.__dict__.update(state)
 
 
 def _plain_value(value: Any) -> Any:
@@ -198,9 +230,9 @@ def to_padding_free_config(args: Any) -> PaddingFreeConfig:
     included; ``to_dict()`` would replace them with ``'<EOS_TOKEN>'`` etc.). Fields that ``PaddingFreeConfig`` does
     not have (a user subclass's own) are named in a warning. The argument object is not modified.
 
-    ``padding_free``: a plain ``SFTConfig`` carries TRL's bool, ``False`` by default. Handing it to the padding-free
-    trainer asks for padding-free training, so both ``True`` and ``False`` become ``"huggingface"`` (the default of
-    :class:`PaddingFreeConfig`), said in a log line; padded training is ``PaddingFreeConfig(padding_free="none")``.
+    ``padding_free``: a plain ``SFTConfig`` carries TRL's bool, ``False`` by default, which cannot be told apart from a
+    choice. Handed to the padding-free trainer it trains padding-free (``padding_free_mode='huggingface'``), said in a
+    log line; padded training is ``padding_free_mode='none'`` (or ``PaddingFreeConfig(padding_free=False)``).
     """
     if isinstance(args, PaddingFreeConfig):
         return args
@@ -210,15 +242,12 @@ def to_padding_free_config(args: Any) -> PaddingFreeConfig:
     dropped = sorted(set(theirs) - ours)
     if dropped:
         logger.warning("pf-trl: %s fields not in PaddingFreeConfig are ignored: %s", type(args).__name__, ", ".join(dropped))
-    given = values.pop("padding_free", None)
-    if isinstance(given, str):
-        values["padding_free"] = given  # a mode string (e.g. a subclass that already speaks pf-trl's modes)
-    elif given is False:
+    if values.get("padding_free") is False:
+        del values["padding_free"]  # unset: pf-trl's default mode (with TRL's packing=True: refused, naming both)
         logger.warning(
             "pf-trl: args is a %s with padding_free=False (TRL's default); PaddingFreeSFTTrainer trains padding-free "
-            "(padding_free='huggingface'). For padded batches pass PaddingFreeConfig(padding_free='none').",
-            type(args).__name__,
-        )
-    else:
-        logger.info("pf-trl: args is a %s; converted to PaddingFreeConfig (padding_free='huggingface')", type(args).__name__)
-    return PaddingFreeConfig(**values)
+            "(padding_free_mode='huggingface'). For padded batches pass padding_free_mode='none'.", type(args).__name__)
+    config = PaddingFreeConfig(**values)  # a mode string in padding_free (a subclass of the old spelling): warned
+    logger.info("pf-trl: args is a %s; converted to PaddingFreeConfig (padding_free_mode=%r)", type(args).__name__,
+                config.padding_free_mode)
+    return config

@@ -62,11 +62,12 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
 
             check_vocab_fits(tokenizer, model_vocab_size(model))  # these rows are tokenized with it
         if data_config is not None:
-            if data_config.is_mixture and training and args.padding_free == "none":
-                raise DataConfigError("a weighted mixture is drawn by pf-trl's mixture sampler, which padding_free='none' "
-                                      "does not use (it would train the plain concatenation): use padding_free "
-                                      "'huggingface' or 'internal', or drop the sampling weights")
-            if data_config.streaming and training and args.padding_free != "none":
+            if data_config.is_mixture and training and args.padding_free_mode == "none":
+                raise DataConfigError("a weighted mixture is drawn by pf-trl's mixture sampler, which padded training "
+                                      "(padding_free=False) does not use (it would train the plain concatenation): "
+                                      "train padding-free (padding_free_mode 'huggingface' or 'internal'), or drop "
+                                      "the sampling weights")
+            if data_config.streaming and training and args.padding_free_mode != "none":
                 _require_max_steps(args)
                 stream = stream_mixture(data_config, tokenizer, config, rank=rank, world_size=world, what=what)
                 stream_budget(stream, args)  # a budget below max_length: refused now, not at the first step
@@ -79,7 +80,7 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
             dataset = train_split(dataset, what)
             if hasattr(tokenizer, "backend_tokenizer"):  # shards streamed with to_iterable_dataset() are checked too
                 check_dataset_identity(dataset, tokenizer_fingerprint(tokenizer), what=what)
-            if args.padding_free == "none" and training:
+            if args.padding_free_mode == "none" and training:
                 # padded training: the same tokens (pf-trl's formats and masks), batched and padded by TRL
                 tokenized = prepare_stream(dataset, tokenizer, config, what=what).dataset
                 return tokenized.filter(lambda row: row["_drop"] == 0).remove_columns(

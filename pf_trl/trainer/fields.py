@@ -90,13 +90,24 @@ def say_mask_decisions(dataset, args, *, what: str, had_completion_mask: bool = 
 
 @contextlib.contextmanager
 def hidden_from_trl(args, active: bool, skip_prepare: bool = False):
-    """Fields TRL's ``__init__`` reads as its own while pf-trl has already acted on them: ``padding_free`` (a mode
-    here, a bool in TRL), ``assistant_only_loss`` (TRL checks the rows are conversational; pf-trl's are tokenized by
-    then) and, with ``skip_prepare``, ``dataset_kwargs["skip_prepare_dataset"]`` (TRL must not cut or shuffle the
-    prepared rows again). Restored afterwards, so the same config object builds the next trainer alike."""
+    """Fields TRL's ``__init__`` reads as its own while pf-trl has already acted on them, hidden for its duration:
+
+    - ``padding_free`` (a bool, TRL's meaning), in pf-trl's padding-free modes only (``padding_free_mode`` not
+      ``'none'``). There it is ``True``, and TRL's ``SFTTrainer.__init__`` would refuse pf-trl's
+      ``PaddingFreeCollator`` ("Passing a custom data collator is not supported when using padding-free"), refuse
+      ``max_length`` without packing (pf-trl has cut the rows to it already) and warn at batch size 1; without a
+      collator it would build its own flattening ``DataCollatorForLanguageModeling``. pf-trl's collator, sampler and
+      attention are in charge, so TRL sees ``False``. With ``padding_free=False`` (mode ``'none'``) nothing is hidden:
+      TRL's padded path is the one trained.
+    - ``assistant_only_loss`` with ``active`` (TRL checks the rows are conversational; pf-trl's are tokenized by then).
+    - with ``skip_prepare``, ``dataset_kwargs["skip_prepare_dataset"]`` (TRL must not cut or shuffle the prepared rows
+      again).
+
+    Restored afterwards, so the same config object builds the next trainer alike."""
     saved = {"padding_free": args.padding_free, "assistant_only_loss": args.assistant_only_loss,
              "dataset_kwargs": args.dataset_kwargs}
-    args.padding_free = False
+    if getattr(args, "padding_free_mode", "none") != "none":
+        args.padding_free = False
     if active:
         args.assistant_only_loss = False
     if skip_prepare:

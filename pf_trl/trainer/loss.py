@@ -142,7 +142,7 @@ def backbone_of(model) -> torch.nn.Module:
         raise ValueError(
             f"pf-trl cannot find the backbone of {type(model).__name__} (base_model_prefix "
             f"{model.base_model_prefix!r} names no sub-module), so it cannot compute the loss at the supervised "
-            "positions only; train it padded (padding_free='none')"
+            "positions only; train it padded (padding_free=False)"
         )
     return backbone
 
@@ -201,7 +201,7 @@ def _plan_from_probe(model, head, scale: float, softcap: float | None, diff: flo
                     f"pf-trl cannot reproduce the logits of {type(model).__name__} (its forward post-processes the "
                     f"head output in a way pf-trl does not know: relative difference {diff:.3g}), and its forward has "
                     "no logits_to_keep to run its own head on the supervised positions only. Train it with "
-                    "padding_free='none'."
+                    "padding_free=False (padded)."
                 )
             return HeadPlan("model", scale, softcap,
                             f"the model's logits differ from transform(lm_head(hidden)) by {diff:.3g}: its own forward "

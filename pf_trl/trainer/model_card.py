@@ -22,7 +22,7 @@ TEMPLATE = """---
 {{ origin }}
 
 Fine-tuned with pf-trl {{ pf_trl_version }}: supervised fine-tuning with TRL's
-`SFTTrainer`, padding-free (`padding_free={{ mode }}`; every example of a batch in one packed row, the loss as a
+`SFTTrainer`, padding-free (`padding_free_mode={{ mode }}`; every example of a batch in one packed row, the loss as a
 padded run computes it).
 
 ## Training data
@@ -112,7 +112,7 @@ def write_model_card(trainer, model_name: str | None = None, tags: list[str] | N
                          tags=card_tags)
     card = ModelCard.from_template(
         data, template_str=TEMPLATE, model_name=model_name or output_dir.name, origin=origin,
-        pf_trl_version=__version__, mode=getattr(trainer.args, "padding_free", "huggingface"),
+        pf_trl_version=__version__, mode=getattr(trainer.args, "padding_free_mode", "huggingface"),
         data=describe_data(trainer.train_dataset), path=str(output_dir.resolve()), versions=_versions(),
     )
     path = output_dir / "README.md"

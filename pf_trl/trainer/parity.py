@@ -126,15 +126,18 @@ FIELDS: dict[str, FieldParity] = {
         evidence="tests/test_trl_parity.py::test_chat_template_path_jinja_file_as_trl"),
     "packing": FieldParity(
         REFUSED, "pf-trl batches whole examples under a token budget instead of packing fixed-length blocks (which "
-        "cut examples); padding_free='none' lets TRL pack.",
+        "cut examples); padding_free=False lets TRL pack.",
         refuse_if=_is_true, example=True),
     "packing_strategy": FieldParity(NOT_APPLICABLE, "Only used with packing, which is refused."),
     "eval_packing": FieldParity(
         NOT_APPLICABLE, "Eval batches are token budgets of whole examples already: the eval loss over the same "
         "tokens is the same.", warn_if=_is_true, example=True),
     "padding_free": FieldParity(
-        HONOURED, "pf-trl's mode: 'huggingface' | 'internal' | 'none' (TRL's bool: True/False map to "
-        "'huggingface'/'none'; a converted SFTConfig trains padding-free)."),
+        HONOURED, "TRL's bool: True trains padding-free in padding_free_mode (default 'huggingface'), False trains "
+        "padded, TRL's own path (padding_free_mode='none'; a converted SFTConfig keeps its value). PaddingFreeConfig "
+        "leaves it unset: padding-free. A mode here ('internal', ...) is the deprecated spelling of "
+        "padding_free_mode (one FutureWarning).",
+        evidence="tests/test_padding_free_mode.py::test_padding_free_false_trains_trls_padded_batches"),
     "pad_to_multiple_of": FieldParity(
         HONOURED, "Appends one dummy segment (labels -100, positions from 0) to the packed row.",
         evidence="tests/test_collator.py::test_pad_to_multiple_of_adds_one_dummy_segment_without_loss"),
@@ -162,7 +165,7 @@ FIELDS: dict[str, FieldParity] = {
     "dataloader_drop_last": FieldParity(
         REFUSED, "Token-budget batches have no fixed example count, hence no partial last batch to drop; pf-trl gives "
         "every rank the same number of batches without dropping or repeating an example. Unset it, or use "
-        "padding_free='none'.",
+        "padding_free=False.",
         refuse_if=_is_true, example=True),
     "seed": FieldParity(HONOURED, "Model init (embedded models), Trainer's RNG, and the sampler's shuffle when "
                         "data_seed is unset."),
@@ -291,15 +294,15 @@ def check_config(args: Any) -> None:
 
     Called by :class:`~pf_trl.trainer.PaddingFreeSFTTrainer` at construction in the padding-free modes.
     """
-    mode = getattr(args, "padding_free", None)
+    mode = getattr(args, "padding_free_mode", None)
     for name, entry in FIELDS.items():
         if not hasattr(args, name):
             continue
         value = getattr(args, name)
         if entry.refuse_if is not None and entry.refuse_if(value):
-            raise ParityError(f"{name}={value!r} is not supported with padding_free={mode!r}: {entry.how}")
+            raise ParityError(f"{name}={value!r} is not supported with padding_free_mode={mode!r}: {entry.how}")
         if entry.warn_if is not None and entry.warn_if(value):
-            logger.warning("pf-trl: %s=%r has no effect with padding_free=%r: %s", name, value, mode, entry.how)
+            logger.warning("pf-trl: %s=%r has no effect with padding_free_mode=%r: %s", name, value, mode, entry.how)
 
 
 # ---------------------------------------------------------------------------------------------- the docs page
@@ -343,7 +346,8 @@ def render_markdown() -> str:
         "that checks the field against TRL's padded `SFTTrainer` where pf-trl implements it itself.",
         "",
         "The table lives in `pf_trl/trainer/parity.py`; a test fails when an installed TRL or transformers has a "
-        "field it does not classify. With `padding_free='none'` TRL's own behaviour applies to every field.",
+        "field it does not classify. With `padding_free=False` (`padding_free_mode='none'`) TRL's own behaviour "
+        "applies to every field.",
         "",
     ]
     for title, names in (

@@ -1,6 +1,6 @@
 """PaddingFreeSFTTrainer: TRL's SFTTrainer with token-budget batches, packed rows and an exact loss.
 
-What changes against ``SFTTrainer`` (``padding_free`` != ``"none"``):
+What changes against ``SFTTrainer`` (``padding_free_mode`` != ``"none"``, i.e. ``padding_free=True``):
 
 - data: train and eval dataloaders batch with :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (rank-aware: each
   rank gets disjoint, token-balanced batches and the same number of them) and collate with
@@ -232,7 +232,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
             args = to_padding_free_config(args)  # field by field (to_dict() masks *_token fields)
-        if args.padding_free != "none":
+        if args.padding_free_mode != "none":
             from pf_trl.trainer.parity import check_config  # (imported here: `python -m` runs that module)
 
             check_config(args)  # every SFTConfig / TrainingArguments value pf-trl cannot reproduce, by name
@@ -256,7 +256,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 eval_dataset = {k: prepare(v, what=f"evaluation {k}") for k, v in eval_dataset.items()}
             else:
                 eval_dataset = prepare(eval_dataset, what="evaluation")
-            if args.padding_free != "none":  # padded: TRL's own preparation shuffles
+            if args.padding_free_mode != "none":  # padded: TRL's own preparation shuffles
                 train_dataset = shuffle_once(train_dataset, args)
                 eval_dataset = ({k: shuffle_once(v, args) for k, v in eval_dataset.items()}
                                 if isinstance(eval_dataset, dict) else shuffle_once(eval_dataset, args))
@@ -265,12 +265,13 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         pf_stream = train_dataset if isinstance(train_dataset, TokenizedStream) else None
         if pf_stream is not None:
             train_dataset = pf_stream.dataset  # Trainer sees the stream (no length: max_steps); the packer reads it
-        self.pf_mode = args.padding_free
+        self.pf_mode = args.padding_free_mode
         if self.pf_mode != "none":
             if data_collator is not None and not isinstance(data_collator, PaddingFreeCollator):
                 raise ValueError(
-                    f"padding_free={self.pf_mode!r} batches with PaddingFreeCollator; got a {type(data_collator).__name__}. "
-                    "Pass no data_collator (or a PaddingFreeCollator), or use padding_free='none'."
+                    f"padding_free_mode={self.pf_mode!r} batches with PaddingFreeCollator; got a "
+                    f"{type(data_collator).__name__}. Pass no data_collator (or a PaddingFreeCollator), or use "
+                    "padding_free=False (TRL's padded path)."
                 )
             from pf_trl.attention import enable_padding_free
 
@@ -283,8 +284,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 pad_to_multiple_of=args.pad_to_multiple_of, pad_token_id=int(pad_id or 0)
             )
             self._pf_collator = data_collator
-        # TRL reads `padding_free` as a bool (its own collator / max_length checks), checks assistant_only_loss against
-        # raw rows and would prepare (re-truncate, re-shuffle) the rows pf-trl has prepared: hidden during its init
+        # TRL would act on padding_free=True (its own collator, its max_length check), checks assistant_only_loss
+        # against raw rows and would prepare (re-truncate, re-shuffle) the rows pf-trl has prepared: hidden during its
+        # init (see hidden_from_trl)
         tokenized = _is_tokenized(train_dataset)
         with hidden_from_trl(args, active=tokenized, skip_prepare=tokenized and self.pf_mode != "none"), \
                 _admit_head_adapters(self.pf_mode != "none"):
@@ -728,7 +730,7 @@ def _admit_head_adapters(active: bool):
     TRL refuses one because its fused head reads ``lm_head.weight`` and would bypass the adapter; pf-trl's loss calls
     the adapted head module itself (the ``module`` path), so the adapter trains. TRL's check is an ``isinstance``
     against ``BaseTunerLayer`` in its module: it is pointed at a class nothing is an instance of, for the duration of
-    ``SFTTrainer.__init__`` only. The padded mode (``padding_free="none"``) keeps TRL's refusal.
+    ``SFTTrainer.__init__`` only. The padded mode (``padding_free=False``) keeps TRL's refusal.
     """
     import trl.trainer.sft_trainer as sft_module
 
