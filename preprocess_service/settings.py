@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 ENV_PREFIX = "PF_SERVICE_"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
@@ -16,7 +18,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "ti": 2**40, "tib": 2**40}
 
 
-class SettingsError(ValueError):
+class SettingsError(PfTrlError, ValueError):
     """A flag or environment variable has a bad value; the message names it and the fix."""
 
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
 from preprocess_service.settings import Settings
 from preprocess_service.store import JobStore, open_store, setup_event_log
 
@@ -30,11 +31,11 @@ logger = logging.getLogger("preprocess_service.worker")
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-class JobAbandoned(Exception):
+class JobAbandoned(PfTrlError):
     """The job is no longer ours (cancelled, deleted or re-queued elsewhere): stop, publish nothing."""
 
 
-class JobError(Exception):
+class JobError(PfTrlError):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind

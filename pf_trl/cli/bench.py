@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 MODES = ("padded", "trl-padding-free", "pf-trl", "trl-bfd")
 LABELS = {
     "padded": "TRL SFTTrainer, padded",
@@ -44,7 +46,7 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
-class BenchError(ValueError):
+class BenchError(PfTrlError, ValueError):
     pass
 
 

@@ -11,12 +11,13 @@ import sys
 import numpy as np
 
 from pf_trl.cli.flags import normalize_flags, one_line
-from pf_trl.data.shards import ShardsError, load_shards
+from pf_trl.data.shards import load_shards
+from pf_trl.errors import PfTrlError
 
 LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
 
 
-class InspectCLIError(ValueError):
+class InspectCLIError(PfTrlError, ValueError):
     """A bad flag; one line."""
 
 
@@ -156,7 +157,7 @@ def main(argv: list[str]) -> int:
             print(f"budget {budget}: {len(sampler)} batches, fill {sampler.efficiency:.4f}")
         if args.samples:
             print_samples(ds, manifest, args.samples, args.tokenizer_name_or_path)
-    except (argparse.ArgumentError, InspectCLIError, ShardsError, ValueError) as exc:
+    except (argparse.ArgumentError, PfTrlError) as exc:  # InspectCLIError, ShardsError, SamplerError, ...
         if os.environ.get("PF_TRL_DEBUG"):
             raise
         print(f"pf-trl inspect: error: {one_line(exc)}", file=sys.stderr)

@@ -32,6 +32,7 @@ from typing import Any
 
 from pf_trl.cli.flags import ALIASES, normalize_flags, one_line
 from pf_trl.data.options import train_data_fields
+from pf_trl.errors import PfTrlError
 
 logger = logging.getLogger("pf_trl.cli.train")
 
@@ -40,7 +41,7 @@ SERVICE_WAIT_S = 600.0
 DEFAULT_OUTPUT_DIR = "pf-trl-output"
 
 
-class TrainCLIError(ValueError):
+class TrainCLIError(PfTrlError, ValueError):
     """A bad flag or data path; the message says what to change."""
 
 
@@ -711,22 +712,6 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from pf_trl.data.pretokenize import PretokenizeError
-    from pf_trl.data.service_client import DatasetServiceError
-    from pf_trl.data.shards import ShardsError
-    from pf_trl.data.sources import DataSourceError
-    from pf_trl.data.tokenizer import TokenizerLoadError
-    from pf_trl.trainer.output_dir import OutputDirError
-
-    errors = (TrainCLIError, DataSourceError, TokenizerLoadError, PretokenizeError, ShardsError, DatasetServiceError,
-              OutputDirError)
-    # PaddingFreeError: pf-trl refuses the model (with its reason) before training. Importing it imports torch, and
-    # it can only have been raised once pf_trl.attention was imported: a cheap error stays cheap.
-    attention_errors = sys.modules.get("pf_trl.attention.errors")
-    return errors + ((attention_errors.PaddingFreeError,) if attention_errors else ())
-
-
 def _fail(exc: BaseException) -> int:
     if os.environ.get("PF_TRL_DEBUG"):
         raise exc
@@ -748,13 +733,15 @@ def main(argv: list[str] | None = None) -> int:
         check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
                          overwrite_output_dir=config.overwrite_output_dir, cli=True)
         trainer = build(model_args, data_args, config, given=given_options(argv))
-    except _user_errors() as exc:
+    except PfTrlError as exc:  # pf-trl's own refusals, PaddingFreeError (a model pf-trl refuses) included
         return _fail(exc)
-    except ValueError as exc:  # the trainer's own checks of the configuration and data
-        return _fail(exc)
+    except ValueError as exc:  # upstream's checks (TrainingArguments / SFTConfig, from_pretrained, SFTTrainer) and the
+        return _fail(exc)  # trainer's own checks that still raise a bare ValueError (pf_trl/trainer/)
     try:
         result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    except ValueError as exc:  # resume mismatch, sampler budget: the message says what to change
+    except PfTrlError as exc:  # sampler budget or state (SamplerError): the message says what to change
+        return _fail(exc)
+    except ValueError as exc:  # a resume mismatch found by pf_trl/trainer/ (a bare ValueError there), or upstream's
         return _fail(exc)
     metrics = dict(result.metrics)
     if trainer.is_world_process_zero():

@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 IGNORE_INDEX = -100
 FORMATS = ("pretokenized", "text", "prompt_completion", "messages", "conversational_prompt_completion", "alpaca",
            "sharegpt")
@@ -58,7 +60,7 @@ SHAREGPT_ROLES = {
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class FormatError(ValueError):
+class FormatError(PfTrlError, ValueError):
     """A row does not fit the declared input format. The message names the row and the fix; ``option`` names the
     data option to change, when one is the fix."""
 

@@ -20,11 +20,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 IDENTITY_PREFIX = "pf-trl-shards "
 MANIFEST_FILE = "pf_manifest.json"
 
 
-class IdentityError(ValueError):
+class IdentityError(PfTrlError, ValueError):
     """A part of the data was made with another tokenizer than the model's; the message names the part."""
 
 

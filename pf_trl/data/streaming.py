@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
+from pf_trl.errors import PfTrlError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ PREFLIGHT_ROWS = 64
 _BOOKKEEPING = ("_drop", "_truncated", "_loss")
 
 
-class StreamError(ValueError):
+class StreamError(PfTrlError, ValueError):
     """A stream cannot be trained from; the message names the problem and the fix."""
 
 

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from pf_trl.errors import PfTrlError
+
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL = ("succeeded", "failed", "cancelled")
 DURATION_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0)
@@ -47,11 +49,11 @@ JOB_COLUMNS = {  # name -> portable type; used by both schemas and by the SQLite
 events_log = logging.getLogger("preprocess_service.events")
 
 
-class QueueFull(Exception):
+class QueueFull(PfTrlError):
     """More than ``max_queued`` jobs are waiting."""
 
 
-class IdempotencyMismatch(Exception):
+class IdempotencyMismatch(PfTrlError):
     """An ``Idempotency-Key`` was reused with another request body."""
 
 
