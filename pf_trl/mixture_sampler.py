@@ -70,7 +70,8 @@ class MixtureSchedule:
         if self.bounds[0][0] != 0 or self.bounds[-1][1] != len(self.lengths) or any(
                 a >= b for a, b in self.bounds) or any(self.bounds[i][1] != self.bounds[i + 1][0]
                                                        for i in range(len(self.bounds) - 1)):
-            raise SamplerError(f"source bounds {self.bounds} do not tile the {len(self.lengths)} rows (an empty source?)")
+            raise SamplerError(f"source bounds {self.bounds} do not tile the {len(self.lengths)} rows "
+                               "(an empty source?)")
         w = np.asarray(weights, dtype=np.float64)
         if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
             raise SamplerError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
@@ -144,7 +145,8 @@ class MixtureSchedule:
             return epoch * self.counts
         while len(self._starts) <= epoch:
             prev = self._starts[-1]
-            self._starts.append(prev + np.asarray([self._token_count(s, int(prev[s])) for s in range(len(self.bounds))]))
+            counts = [self._token_count(s, int(prev[s])) for s in range(len(self.bounds))]
+            self._starts.append(prev + np.asarray(counts))
         return self._starts[epoch]
 
     def epoch_counts(self, epoch: int) -> np.ndarray:
@@ -216,8 +218,8 @@ class MixtureBatchSampler:
         self.num_epochs = max(1, int(num_epochs))
         longest = int(schedule.lengths.max())
         if longest > self.max_tokens:
-            raise SamplerError(f"an example has {longest} tokens > max_tokens={self.max_tokens}; raise the token budget "
-                             "or pretokenize with a lower max_seq_len")
+            raise SamplerError(f"an example has {longest} tokens > max_tokens={self.max_tokens}; raise the token "
+                               "budget or pretokenize with a lower max_seq_len")
         if window is None:
             per_bin = self.max_tokens / float(schedule.lengths.mean())
             window = int(min(16384, max(512, math.ceil(128 * per_bin))))
@@ -337,7 +339,7 @@ class MixtureBatchSampler:
             raise SamplerError("the checkpoint's sampler state is not a mixture's: the run was trained on other data")
         if state["fingerprint"] != self.fingerprint():
             raise SamplerError("the checkpoint's mixture differs from this one (sources, weights, seed, sample_by, "
-                             "token budget, ranks or planned epochs): cannot resume it exactly")
+                               "token budget, ranks or planned epochs): cannot resume it exactly")
         if int(state["seed"]) != self.seed:
             raise SamplerError(f"sampler state was saved with seed={state['seed']}, this sampler has seed={self.seed}")
         self.epoch = int(state["epoch"])
@@ -346,4 +348,4 @@ class MixtureBatchSampler:
         self._pending = {**inner, "epoch": self.epoch, "batches_yielded": int(state["batches_yielded"])}
         if not 0 <= int(state["batches_yielded"]) <= len(self):
             raise SamplerError(f"sampler state has batches_yielded={state['batches_yielded']}, but an epoch has "
-                             f"{len(self)} batches per rank")
+                               f"{len(self)} batches per rank")

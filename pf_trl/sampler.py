@@ -252,7 +252,8 @@ class TokenBudgetBatchSampler:
     # ------------------------------------------------------------------ construction helpers
 
     @classmethod
-    def from_dataset(cls, dataset: Any, max_tokens: int, *, length_column: str = "length", **kwargs: Any) -> TokenBudgetBatchSampler:
+    def from_dataset(cls, dataset: Any, max_tokens: int, *, length_column: str = "length",
+                     **kwargs: Any) -> TokenBudgetBatchSampler:
         """Build a sampler from a ``datasets.Dataset`` (or anything indexable by column name).
 
         Reads only ``length_column`` (through Arrow when available: fast, and it honours a
@@ -345,7 +346,8 @@ class TokenBudgetBatchSampler:
                         count += len(win_bins[b])
                     if take:
                         taken = set(take)
-                        carried = np.fromiter(chain.from_iterable(win_bins[b] for b in take), dtype=np.int64, count=count)
+                        carried = np.fromiter(chain.from_iterable(win_bins[b] for b in take), dtype=np.int64,
+                                              count=count)
                         win_bins = [b for j, b in enumerate(win_bins) if j not in taken]
             bins.extend(win_bins)
         return bins
@@ -676,14 +678,17 @@ class TokenBudgetBatchSampler:
         if missing:
             raise SamplerError(f"sampler state is missing {missing}; expected the output of state_dict()")
         if state.get("version", _STATE_VERSION) != _STATE_VERSION:
-            raise SamplerError(f"sampler state version {state.get('version')} is not supported (expected {_STATE_VERSION})")
+            raise SamplerError(f"sampler state version {state.get('version')} is not supported "
+                               f"(expected {_STATE_VERSION})")
         if state["fingerprint"] != self.fingerprint():
             diffs = [
                 f"{k}: saved {state[k]!r}, now {v!r}"
-                for k, v in (("num_examples", len(self.lengths)), ("max_tokens", self.max_tokens), ("num_replicas", self.num_replicas))
+                for k, v in (("num_examples", len(self.lengths)), ("max_tokens", self.max_tokens),
+                             ("num_replicas", self.num_replicas))
                 if k in state and state[k] != v
             ]
-            detail = "; ".join(diffs) if diffs else "lengths or packing options (shuffle, drop_last, window, carry_below) differ"
+            detail = ("; ".join(diffs) if diffs
+                      else "lengths or packing options (shuffle, drop_last, window, carry_below) differ")
             raise SamplerError(f"sampler state is incompatible with this sampler ({detail}): cannot resume mid-epoch")
         if int(state["seed"]) != self.seed:
             raise SamplerError(f"sampler state was saved with seed={state['seed']}, this sampler has seed={self.seed}")
@@ -694,7 +699,8 @@ class TokenBudgetBatchSampler:
         self._yielded = 0
         total = len(self)
         if not 0 <= done <= total:
-            raise SamplerError(f"sampler state has batches_yielded={done}, but epoch {epoch} has {total} batches per rank")
+            raise SamplerError(f"sampler state has batches_yielded={done}, but epoch {epoch} has {total} batches "
+                               "per rank")
         self._resume_at = done
 
     def __repr__(self) -> str:

@@ -81,7 +81,7 @@ class StreamPacker:
                 except StopIteration:
                     if read_this_pass == 0 and not self._buffer:
                         raise SamplerError("the stream yields no usable example (every row dropped, or no rows); check "
-                                         "the data and the truncation / loss options") from None
+                                           "the data and the truncation / loss options") from None
                     if read_this_pass == 0:
                         break  # an empty pass: pack what is left rather than loop forever
                     self.passes += 1
@@ -95,7 +95,7 @@ class StreamPacker:
                 length = int(example["length"])
                 if length > self.max_tokens:
                     raise SamplerError(f"a streamed example has {length} tokens > the token budget {self.max_tokens}; "
-                                     "set max_tokens_per_batch >= max_length (examples are truncated to max_length)")
+                                       "set max_tokens_per_batch >= max_length (examples are truncated to max_length)")
                 self._buffer.append({"input_ids": example["input_ids"], "labels": example["labels"],
                                      "length": length})
             if not self._buffer:
@@ -126,7 +126,8 @@ class StreamPacker:
         """The state after ``batches_consumed`` batches: the stream position and the buffer at that point.
 
         Raises:
-            SamplerError (a ValueError): when that batch is older than the kept history (training lagged more than ``history``).
+            SamplerError (a ValueError): when that batch is older than the kept history (training lagged more than
+                ``history``).
         """
         for batches, passes, stream_state, buffer in reversed(self._history):
             if batches == batches_consumed:
@@ -134,7 +135,7 @@ class StreamPacker:
                         "max_tokens": self.max_tokens, "buffer_size": self.buffer_size, "buffer": buffer}
         kept = [h[0] for h in self._history]
         raise SamplerError(f"the stream state after batch {batches_consumed} is no longer kept (kept: {kept[0]}.."
-                         f"{kept[-1]}); raise `history`")
+                           f"{kept[-1]}); raise `history`")
 
     def _load(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:

@@ -135,7 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             try:
                 app.state.submitter.tokenizer("pf-trl/mistral-7b-v0.1")
                 import datasets  # noqa: F401
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("warm-up failed")
 
         import threading
@@ -468,7 +468,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             app.state.store.query("SELECT 1")
             checks["database"] = "ok"
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             checks["database"] = f"error: {exc}"
         checks["cache_dir_writable"] = os.access(settings.cache_dir, os.W_OK)
         live = app.state.supervisor.live_pids()

@@ -177,11 +177,11 @@ class Settings:
                 "replica": self.replica_id, "host": self.host, "port": self.port}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Settings":
+    def from_json(cls, data: dict[str, Any]) -> Settings:
         return cls(**data)
 
     @classmethod
-    def load(cls, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> "Settings":
+    def load(cls, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Settings:
         """Defaults < ``PF_SERVICE_<NAME>`` env vars < ``overrides`` (flags; None values are ignored)."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}

@@ -75,7 +75,7 @@ def count_rows(path: Path) -> int | None:
                     return None
                 fh.seek(0)
                 return sum(1 for line in fh if line.strip())
-    except Exception:  # noqa: BLE001 - a count is a nicety; the job finds real problems
+    except Exception:  # a count is a nicety; the job finds real problems
         return None
     return None
 
@@ -170,7 +170,7 @@ class Submitter:
                                              "service never executes (trust_remote_code is always off); use a "
                                              "tokenizer folder with a plain tokenizer.json", "unknown-tokenizer") from exc
                     raise _unprocessable("tokenizer", f"tokenizer: {exc}", "unknown-tokenizer") from exc
-                except Exception as exc:  # noqa: BLE001 - e.g. a config that asks for remote code
+                except Exception as exc:  # e.g. a config that asks for remote code
                     raise _unprocessable("tokenizer", f"tokenizer: could not load {raw!r} from local files without "
                                          f"remote code ({type(exc).__name__}: {exc})", "unknown-tokenizer") from exc
                 hit = (tok, tokenizer_fingerprint(tok))
@@ -234,7 +234,7 @@ class Submitter:
         try:
             pf = pq.ParquetFile(str(path))
             batch = next(pf.iter_batches(batch_size=n), None)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise _unprocessable("source", f"source {path.name}: cannot read as Parquet ({exc})", "invalid-data") from exc
         table = pa.Table.from_batches([batch]) if batch is not None else pf.schema_arrow.empty_table()
         pq.write_table(table, str(head))

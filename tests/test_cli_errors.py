@@ -50,7 +50,7 @@ def service():
     answers = {"status": 404, "body": {"detail": "unknown dataset"}}
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             body = json.dumps(answers["body"]).encode()
             self.send_response(answers["status"])
             self.send_header("Content-Type", "application/problem+json")

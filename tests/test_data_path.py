@@ -10,9 +10,10 @@ from pathlib import Path
 import datasets
 import pytest
 
-from conftest import write_jsonl
 from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
 from pf_trl.data.shards import load_shards
+
+from conftest import write_jsonl
 
 CHATML_GENERATION = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

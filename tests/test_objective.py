@@ -18,8 +18,7 @@ TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layer
 
 
 def _config(name):
-    from transformers import (CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig, MixtralConfig,
-                              Qwen2MoeConfig)
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
     return {
         "llama": lambda: LlamaConfig(**TINY),

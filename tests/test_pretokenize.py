@@ -10,9 +10,10 @@ import datasets
 import numpy as np
 import pytest
 
-from conftest import write_jsonl
 from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
 from pf_trl.data.shards import MANIFEST_FILE, ShardsError, load_shards
+
+from conftest import write_jsonl
 
 TEMPLATE = "### Response:"
 

@@ -13,8 +13,9 @@ import datasets
 import numpy as np
 import pytest
 
-from conftest import write_jsonl
 from pf_trl.data.truncation import TruncationRefused, cut, truncate_dataset
+
+from conftest import write_jsonl
 
 
 @pytest.fixture(autouse=True)

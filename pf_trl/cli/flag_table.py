@@ -45,7 +45,7 @@ def stamp() -> dict[str, str]:
 
 
 def _kind(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # noqa: SLF001 - argparse's own
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # argparse's own
         return "flag"
     if action.choices is not None:
         return "choice"
@@ -56,8 +56,8 @@ def _kind(action: argparse.Action) -> str:
 def table_from_parser(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
     """One row per option of ``parser`` (help excluded): its spellings, value kind, choices and ``nargs``."""
     rows = []
-    for action in parser._actions:  # noqa: SLF001 - the parser's public-by-convention action list
-        if isinstance(action, argparse._HelpAction) or not action.option_strings:  # noqa: SLF001
+    for action in parser._actions:  # the parser's public-by-convention action list
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:
             continue
         row: dict[str, Any] = {"flags": list(action.option_strings), "dest": action.dest, "kind": _kind(action)}
         if action.choices is not None:

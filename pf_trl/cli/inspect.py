@@ -54,8 +54,13 @@ def _manifest_tokenizer(manifest: dict, override: str | None):
     """The tokenizer the shards were made with: ``override``, else the manifest's (the embedded name, or the absolute
     folder it records), with the chat template the data was rendered with. A tokenizer that is not the one recorded
     is said so, with what differs."""
-    from pf_trl.data.tokenizer import (TokenizerLoadError, load_tokenizer, tokenizer_differences,
-                                       tokenizer_fingerprint, with_chat_template)
+    from pf_trl.data.tokenizer import (
+        TokenizerLoadError,
+        load_tokenizer,
+        tokenizer_differences,
+        tokenizer_fingerprint,
+        with_chat_template,
+    )
 
     info = manifest["tokenizer"]
     name = override or (info.get("name") if str(info.get("name", "")).startswith("pf-trl/") else info.get("path"))

@@ -177,7 +177,7 @@ def parse_args(argv: list[str]):
     except ValueError as exc:  # PaddingFreeConfig / TrainingArguments validation
         raise TrainCLIError(str(exc)) from exc
     if rest:
-        raise _unknown(rest, [s for a in parser._actions for s in a.option_strings])  # noqa: SLF001
+        raise _unknown(rest, [s for a in parser._actions for s in a.option_strings])
     one_sequence_limit(argv, data_args, config)
     return model_args, data_args, config
 
@@ -328,12 +328,11 @@ def precheck(argv: list[str], *, say=print) -> None:
     """Checks that need no model and no transformers import: every flag and value (the flag table), data paths and
     their lines, data options, lengths, model and tokenizer folders, the output directory's checkpoints, the service.
     Raises TrainCLIError with a one-line reason and fix."""
+    from pf_trl.data.data_config import DataConfigError, check_data_config_paths, is_data_config_path, read_data_config
     from pf_trl.data.scan import JsonLinesError, check_json_lines
     from pf_trl.data.shards import is_shards_dir, read_manifest
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
-    from pf_trl.data.data_config import (DataConfigError, check_data_config_paths, is_data_config_path,
-                                         read_data_config)
     from pf_trl.models import is_embedded_model
     from pf_trl.trainer.output_dir import OutputDirError, check_output_dir
 

@@ -30,8 +30,8 @@ keeps its label only where every mask present is 1 and ``labels`` (when given) i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 

@@ -107,7 +107,7 @@ def _stream_shards(dataset) -> list:
 def _cache_files(dataset) -> list[str]:
     try:
         files = dataset.cache_files or []
-    except Exception:  # noqa: BLE001 - an IterableDataset or a custom object: no files to look at
+    except Exception:  # an IterableDataset or a custom object: no files to look at
         return []
     return [f["filename"] for f in files if isinstance(f, dict) and f.get("filename")]
 

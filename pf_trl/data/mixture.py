@@ -263,7 +263,7 @@ def _manifest_beside(dataset) -> dict[str, Any] | None:
     """The manifest of a shards directory opened with ``datasets.load_from_disk`` (found next to its Arrow files)."""
     try:
         files = dataset.cache_files or []
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     dirs = {str(Path(f["filename"]).parent) for f in files if isinstance(f, dict) and f.get("filename")}
     if len(dirs) != 1:

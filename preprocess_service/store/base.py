@@ -26,9 +26,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from pf_trl.errors import PfTrlError
 
@@ -133,7 +134,7 @@ class JobStore:
             self._local.pending = []
             try:
                 conn.execute("ROLLBACK")
-            except Exception:  # noqa: BLE001 - a broken connection: the original error is the one to raise
+            except Exception:  # a broken connection: the original error is the one to raise
                 pass
             raise
         conn.execute("COMMIT")
