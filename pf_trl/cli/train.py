@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pf_trl._compat import parser_actions
 from pf_trl.cli.flags import ALIASES, normalize_flags, one_line
 from pf_trl.data.options import train_data_fields
 from pf_trl.errors import PfTrlError
@@ -177,7 +178,7 @@ def parse_args(argv: list[str]):
     except ValueError as exc:  # PaddingFreeConfig / TrainingArguments validation
         raise TrainCLIError(str(exc)) from exc
     if rest:
-        raise _unknown(rest, [s for a in parser._actions for s in a.option_strings])
+        raise _unknown(rest, [s for a in parser_actions(parser) for s in a.option_strings])
     one_sequence_limit(argv, data_args, config)
     return model_args, data_args, config
 

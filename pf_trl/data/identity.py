@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pf_trl._compat import stream_ex_iterable
 from pf_trl.errors import PfTrlError
 
 IDENTITY_PREFIX = "pf-trl-shards "
@@ -93,7 +94,7 @@ def identities(dataset) -> list[dict[str, Any]]:
 def _stream_shards(dataset) -> list:
     """The ``Dataset`` shards behind an ``IterableDataset`` made by ``to_iterable_dataset()`` (which drops the
     description): datasets keeps them in the examples iterable's ``kwargs["shards"]``, behind any map / split."""
-    found, ex = [], getattr(dataset, "_ex_iterable", None)
+    found, ex = [], stream_ex_iterable(dataset)
     for _ in range(64):  # a chain of wrapped iterables (map, filter, split...), never a cycle in practice
         if ex is None:
             break
