@@ -158,6 +158,7 @@ def compare(arch, mode, *, attn="sdpa", checkpointing=False, backend="auto", exs
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mixtral", "granite"])
 def test_internal_matches_padded(arch):
     model = compare(arch, "internal")

@@ -178,6 +178,7 @@ def test_pretokenize_errors_and_spellings(capsys, tmp_path, data):
                           "never downloads")
 
 
+@pytest.mark.slow
 def test_inspect_samples_show_the_supervised_spans(capsys, tmp_path):
     alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Name a colour.", "input": "", "output": "Blue."}])
     assert run(capsys, "pretokenize", alpaca, tmp_path / "s", "--no_progress")[0] == 0

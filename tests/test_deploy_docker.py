@@ -362,6 +362,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_service_healthcheck_command_works_against_a_real_service(tmp_path):
     """The HEALTHCHECK of Dockerfile.service, run as is against `pf-trl serve` on loopback (and failing
     while nothing listens)."""

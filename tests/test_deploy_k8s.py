@@ -725,6 +725,7 @@ def parts(tmp_path_factory, sample_rows, tokenizer):
     return root
 
 
+@pytest.mark.slow
 def test_merge_shards_equals_pretokenizing_the_whole_source(parts, tokenizer):
     from pf_trl.data.shards import load_shards
     from pf_trl.data.tokenizer import tokenizer_fingerprint
@@ -765,6 +766,7 @@ def test_merge_shards_refuses_bad_parts(parts, tokenizer, tmp_path):
     assert not (tmp_path / "o3").exists()
 
 
+@pytest.mark.slow
 def test_indexed_slices_markers_refusals_and_a_killed_slice(tmp_path, sample_rows, tokenizer, monkeypatch):
     """The Indexed Job's slices through pretokenize_slice.py: a completion marker per slice, another slice
     count on the same parts refused, a slice SIGKILLed mid-way re-run whole (no duplicated rows), a done

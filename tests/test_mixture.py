@@ -336,6 +336,7 @@ def test_service_mixture_trains_the_same_batches(tmp_path, three_sources, tokeni
         server.stop()
 
 
+@pytest.mark.slow
 def test_pretokenize_and_inspect_a_data_config(tmp_path, three_sources, capsys, monkeypatch):
     from pf_trl.cli import inspect as inspect_cli
     from pf_trl.cli import pretokenize as pretokenize_cli

@@ -154,6 +154,7 @@ def test_existing_output_is_never_touched(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_atomically(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a", "completion": "b"}])
     out = tmp_path / "out"
