@@ -212,7 +212,7 @@ def run_interleaved(args, mode: str, ds, tokenizer, dtype, workdir: Path) -> lis
                 timed[which] += step(which, b)[0]
     tokens = sum(int(b["input_ids"].numel()) for b in batches) * (args.epochs - 1)
     eager_pass_s = sum(t for t, _ in eager_first)
-    losses = ([l for _, l in eager_first], [l for _, l in first])
+    losses = ([loss for _, loss in eager_first], [loss for _, loss in first])
     rows = []
     for which in (0, 1):
         rows.append({

@@ -31,12 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     import datasets
     import numpy as np
 
-    from data_paths import rows_per_format
     from pf_trl.data.pretokenize import pretokenize
     from pf_trl.data.shards import load_shards
     from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+    from data_paths import rows_per_format
 
     tok = load_tokenizer()
     work = Path(tempfile.mkdtemp(prefix="pf-arrivals-"))
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     def row(name, fn):
         try:
             res[name] = "OK: " + str(fn())
-        except BaseException as exc:  # noqa: BLE001 - the outcome is what is recorded
+        except BaseException as exc:  # the outcome is what is recorded
             res[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240]}"
         print(f"{name} -> {res[name]}", flush=True)
 

@@ -103,7 +103,7 @@ def run(n: int) -> dict[str, Any]:
                 argv += ["--response_template", "### Response:"]
             try:
                 entry["cli"] = count_dataloader(build(*parse_args(argv), quiet=True))
-            except BaseException as exc:  # noqa: BLE001 - a refusal is a result here
+            except BaseException as exc:  # a refusal is a result here
                 entry["cli"] = {"error": first_line(exc)}
             try:
                 model = build_model("pf-trl/tiny-llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
@@ -117,7 +117,7 @@ def run(n: int) -> dict[str, Any]:
                 trainer = PaddingFreeSFTTrainer(model, args=config, train_dataset=datasets.Dataset.from_list(rows),
                                                 **kwargs)
                 entry["api"] = count_dataloader(trainer)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 entry["api"] = {"error": first_line(exc)}
             results[name] = entry
             print(f"{name:34s} cli {entry['cli']}  api {entry['api']}", flush=True)

@@ -82,6 +82,7 @@ def run_pretokenize(src: Path, work: Path, procs: int, tok) -> tuple[float, int]
 
 def run_service(src: Path, work: Path, procs: int) -> tuple[float, int]:
     import httpx
+
     from test_service_support import Server
 
     cache = work / f"svc-{procs}-{time.time_ns()}"  # a fresh cache: content addressing would make a rerun free
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = work / "data"
         data.mkdir()
-        src = data / "sharegpt_x{}.jsonl".format(args.repeat)
+        src = data / f"sharegpt_x{args.repeat}.jsonl"
         raw = SHAREGPT_SAMPLE.read_bytes()
         raw = raw if raw.endswith(b"\n") else raw + b"\n"
         src.write_bytes(raw * args.repeat)

@@ -23,8 +23,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from test_service_support import Server, generated_rows, postgres_bin, Postgres, write_rows  # noqa: E402
+from test_service_support import Postgres, Server, generated_rows, postgres_bin, write_rows  # noqa: E402
 
 SECRET = "TOP-SECRET-PAYLOAD-4242"
 
@@ -148,8 +149,9 @@ def _evil_save_to_disk(folder: Path, filename: str) -> None:
 
 
 def _decoded_shards(path: str) -> str:
-    from pf_trl.data.tokenizer import load_tokenizer
     import datasets
+
+    from pf_trl.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     ds = datasets.load_from_disk(path)
@@ -265,8 +267,8 @@ def _flip_token(shards: Path) -> tuple[Path, int]:
 
 def probe_flipped_byte(ctx) -> dict[str, Any]:
     """One flipped byte in a published shard: POST again, GET, load_shards, the trainer's data path."""
-    from pf_trl.data.sources import DataSourceError, load_training_data
     from pf_trl.data.shards import load_shards
+    from pf_trl.data.sources import DataSourceError, load_training_data
     from pf_trl.data.tokenizer import load_tokenizer
 
     write_rows(ctx.root / "flip.jsonl", generated_rows(200, "flip"))
@@ -484,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             try:
                 results[name] = PROBES[name](ctx)
-            except Exception as exc:  # noqa: BLE001 - a probe that breaks is a result too
+            except Exception as exc:
                 results[name] = {"probe_error": f"{type(exc).__name__}: {exc}"[:400]}
             print(f"{name} ({time.time() - t0:.0f}s): {json.dumps(results[name], default=str)}", flush=True)
     finally:

@@ -45,7 +45,7 @@ def generate(path: Path, rows: int, seed: int = 0) -> int:
     text = SHAREGPT_SAMPLE.read_text(encoding="utf-8")
     vocab = sorted({w for w in text.replace("\\n", " ").split() if w.isalpha() and len(w) < 15})
     with open(path, "w", encoding="utf-8") as f:
-        for i in range(rows):
+        for _ in range(rows):
             prompt = " ".join(rng.choices(vocab, k=rng.randint(5, 30)))
             response = " ".join(rng.choices(vocab, k=rng.randint(10, 80)))
             f.write(json.dumps({"prompt": f"### Instruction:\n{prompt}\n\n### Response:\n", "completion": response}))

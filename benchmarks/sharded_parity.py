@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "sharded_harness.py"
 sys.path.insert(0, str(HARNESS.parent))
 from sharded_harness import job, save_models  # noqa: E402  (the runs of tests/test_sharded.py)
+
 RESULTS = ROOT / "benchmarks" / "results" / "sharded_parity_cpu.json"
 MODES = ("internal", "huggingface")
 

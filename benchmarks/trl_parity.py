@@ -24,8 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
+import datasets
+import torch
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.INFO)
@@ -138,7 +138,7 @@ def attempt(build):
             trainer = build()
         trainer._said = list(SAID.lines)
         return trainer, None
-    except Exception as exc:  # noqa: BLE001 - a refusal is a result here
+    except Exception as exc:  # a refusal is a result here
         return None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:150]}"
 
 

@@ -8,6 +8,7 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
   :class:`PaddingFreeCollator`
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
 - training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`
+- errors: :class:`PfTrlError`, the root of every exception pf-trl raises on purpose (``pf_trl.errors``)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib
 from typing import Any
 
 from pf_trl._version import __version__
+from pf_trl.errors import PfTrlError
 
 _EXPORTS = {
     "pretokenize": "pf_trl.data.pretokenize",
@@ -37,7 +39,7 @@ _EXPORTS = {
     "PaddingFreeSFTTrainer": "pf_trl.trainer",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", "PfTrlError", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:

@@ -169,7 +169,7 @@ def mark_dynamic_lengths(batch: Mapping[str, Any]) -> None:
     at most two compilations over an epoch of varying packed lengths. Call it on the tensors the compiled model
     receives (after any device move: a copy loses the mark). A no-op for eager execution.
     """
-    from torch._dynamo import maybe_mark_dynamic
+    from pf_trl._compat import maybe_mark_dynamic
 
     for name in ("input_ids", "labels", "position_ids"):
         value = batch.get(name)

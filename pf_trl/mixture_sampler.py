@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from pf_trl.sampler import TokenBudgetBatchSampler, _best_fit_decreasing
+from pf_trl.sampler import SamplerError, TokenBudgetBatchSampler, _best_fit_decreasing
 
 __all__ = ["MixtureBatchSampler", "MixtureSchedule"]
 
@@ -66,19 +66,20 @@ class MixtureSchedule:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.bounds = [(int(a), int(b)) for a, b in bounds]
         if len(self.bounds) != len(weights):
-            raise ValueError(f"{len(self.bounds)} sources but {len(weights)} weights")
+            raise SamplerError(f"{len(self.bounds)} sources but {len(weights)} weights")
         if self.bounds[0][0] != 0 or self.bounds[-1][1] != len(self.lengths) or any(
                 a >= b for a, b in self.bounds) or any(self.bounds[i][1] != self.bounds[i + 1][0]
                                                        for i in range(len(self.bounds) - 1)):
-            raise ValueError(f"source bounds {self.bounds} do not tile the {len(self.lengths)} rows (an empty source?)")
+            raise SamplerError(f"source bounds {self.bounds} do not tile the {len(self.lengths)} rows "
+                               "(an empty source?)")
         w = np.asarray(weights, dtype=np.float64)
         if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-            raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
+            raise SamplerError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
         self.weights = w / w.sum()
         if sample_by not in ("examples", "tokens"):
-            raise ValueError(f"sample_by must be examples or tokens, got {sample_by!r}")
+            raise SamplerError(f"sample_by must be examples or tokens, got {sample_by!r}")
         if stopping_strategy not in ("all_exhausted", "first_exhausted"):
-            raise ValueError(f"stopping_strategy must be all_exhausted or first_exhausted, got {stopping_strategy!r}")
+            raise SamplerError(f"stopping_strategy must be all_exhausted or first_exhausted, got {stopping_strategy!r}")
         self.seed, self.sample_by, self.stopping_strategy = int(seed), sample_by, stopping_strategy
         self.sizes = np.asarray([b - a for a, b in self.bounds], dtype=np.int64)
         self.source_tokens = np.asarray([int(self.lengths[a:b].sum()) for a, b in self.bounds], dtype=np.int64)
@@ -144,7 +145,8 @@ class MixtureSchedule:
             return epoch * self.counts
         while len(self._starts) <= epoch:
             prev = self._starts[-1]
-            self._starts.append(prev + np.asarray([self._token_count(s, int(prev[s])) for s in range(len(self.bounds))]))
+            counts = [self._token_count(s, int(prev[s])) for s in range(len(self.bounds))]
+            self._starts.append(prev + np.asarray(counts))
         return self._starts[epoch]
 
     def epoch_counts(self, epoch: int) -> np.ndarray:
@@ -216,8 +218,8 @@ class MixtureBatchSampler:
         self.num_epochs = max(1, int(num_epochs))
         longest = int(schedule.lengths.max())
         if longest > self.max_tokens:
-            raise ValueError(f"an example has {longest} tokens > max_tokens={self.max_tokens}; raise the token budget "
-                             "or pretokenize with a lower max_seq_len")
+            raise SamplerError(f"an example has {longest} tokens > max_tokens={self.max_tokens}; raise the token "
+                               "budget or pretokenize with a lower max_seq_len")
         if window is None:
             per_bin = self.max_tokens / float(schedule.lengths.mean())
             window = int(min(16384, max(512, math.ceil(128 * per_bin))))
@@ -328,22 +330,22 @@ class MixtureBatchSampler:
         """Restore :meth:`state_dict`: the next iteration yields the rest of that epoch.
 
         Raises:
-            ValueError: a state of another mixture, budget, rank count, seed or batch count.
+            SamplerError (a ValueError): a state of another mixture, budget, rank count, seed or batch count.
         """
         missing = [k for k in ("epoch", "seed", "batches_yielded", "fingerprint") if k not in state]
         if missing:
-            raise ValueError(f"sampler state is missing {missing}; expected a MixtureBatchSampler state_dict()")
+            raise SamplerError(f"sampler state is missing {missing}; expected a MixtureBatchSampler state_dict()")
         if state.get("kind") != "mixture":
-            raise ValueError("the checkpoint's sampler state is not a mixture's: the run was trained on other data")
+            raise SamplerError("the checkpoint's sampler state is not a mixture's: the run was trained on other data")
         if state["fingerprint"] != self.fingerprint():
-            raise ValueError("the checkpoint's mixture differs from this one (sources, weights, seed, sample_by, "
-                             "token budget, ranks or planned epochs): cannot resume it exactly")
+            raise SamplerError("the checkpoint's mixture differs from this one (sources, weights, seed, sample_by, "
+                               "token budget, ranks or planned epochs): cannot resume it exactly")
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"sampler state was saved with seed={state['seed']}, this sampler has seed={self.seed}")
+            raise SamplerError(f"sampler state was saved with seed={state['seed']}, this sampler has seed={self.seed}")
         self.epoch = int(state["epoch"])
         sampler = self._sampler()
         inner = sampler.state_dict()
         self._pending = {**inner, "epoch": self.epoch, "batches_yielded": int(state["batches_yielded"])}
         if not 0 <= int(state["batches_yielded"]) <= len(self):
-            raise ValueError(f"sampler state has batches_yielded={state['batches_yielded']}, but an epoch has "
-                             f"{len(self)} batches per rank")
+            raise SamplerError(f"sampler state has batches_yielded={state['batches_yielded']}, but an epoch has "
+                               f"{len(self)} batches per rank")

@@ -13,12 +13,13 @@ import shutil
 from pathlib import Path
 
 from pf_trl.data.tokenizer import cache_root
+from pf_trl.errors import PfTrlError
 
 GEMMA3_270M = "gemma-3-270m"
 _DONE = "pf_trl_complete"
 
 
-class PretrainedUnavailableError(RuntimeError):
+class PretrainedUnavailableError(PfTrlError, RuntimeError):
     """The registry package (or ``gguf``) that holds the weights is not installed."""
 
 

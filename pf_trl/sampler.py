@@ -56,7 +56,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TokenBudgetBatchSampler"]
+from pf_trl.errors import PfTrlError
+
+__all__ = ["SamplerError", "TokenBudgetBatchSampler"]
 
 _STATE_VERSION = 2  # 2: a fixed batch count for every epoch (plans differ from version 1)
 # BFD keys are ``remaining_capacity << _SHIFT | bin_id`` so one sorted list of ints replaces a
@@ -68,6 +70,11 @@ _MASK = (1 << _SHIFT) - 1
 _AUTO_WINDOW_BINS = 128
 _AUTO_WINDOW_MIN = 512
 _AUTO_WINDOW_MAX = 16384
+
+
+class SamplerError(PfTrlError, ValueError):
+    """Bad sampler options or lengths, an example over the token budget, or a saved state this sampler cannot resume
+    (the samplers of ``mixture_sampler`` and ``stream_sampler`` raise it too)."""
 
 
 @dataclass(frozen=True)
@@ -172,11 +179,11 @@ class TokenBudgetBatchSampler:
             one does not fit (next-fit), and batches come in that order.
 
     Raises:
-        ValueError: on an empty or non-integer ``lengths``, a length ``<= 0``, an example longer than
+        SamplerError (a ValueError): on an empty or non-integer ``lengths``, a length ``<= 0``, an example longer than
             ``max_tokens`` (the message names its index and length), ``max_tokens <= 0``, a rank
             out of range, or fewer examples than ``num_replicas``.
 
-    With ``drop_last=False``, ``len()`` and iteration raise ``ValueError`` in the degenerate case where
+    With ``drop_last=False``, ``len()`` and iteration raise ``SamplerError`` in the degenerate case where
     equal batch counts per rank are impossible without duplicating an index (almost every example needs
     its own bin and there are fewer examples than the next multiple of ``num_replicas``); use
     ``drop_last=True`` or a larger ``max_tokens`` then.
@@ -197,19 +204,19 @@ class TokenBudgetBatchSampler:
         ordered: bool = False,
     ) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+            raise SamplerError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+            raise SamplerError(f"max_tokens must be a positive integer, got {max_tokens}")
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+            raise SamplerError(f"num_replicas must be a positive integer, got {num_replicas!r}")
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be an integer in [0, {num_replicas}), got {rank!r}")
+            raise SamplerError(f"rank must be an integer in [0, {num_replicas}), got {rank!r}")
         if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
-            raise ValueError(f"window must be a positive integer or None, got {window!r}")
+            raise SamplerError(f"window must be a positive integer or None, got {window!r}")
         if not 0.0 <= float(carry_below) <= 1.0:
-            raise ValueError(f"carry_below must be in [0, 1], got {carry_below!r}")
+            raise SamplerError(f"carry_below must be in [0, 1], got {carry_below!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+            raise SamplerError(f"seed must be a non-negative integer, got {seed!r}")
 
         self.lengths = self._validate_lengths(lengths, int(max_tokens))
         self.max_tokens = int(max_tokens)
@@ -220,11 +227,11 @@ class TokenBudgetBatchSampler:
         self.drop_last = bool(drop_last)
         self.carry_below = float(carry_below)
         if ordered and shuffle:
-            raise ValueError("ordered=True keeps the dataset order and needs shuffle=False")
+            raise SamplerError("ordered=True keeps the dataset order and needs shuffle=False")
         self.ordered = bool(ordered)
         n = len(self.lengths)
         if n < self.num_replicas:
-            raise ValueError(
+            raise SamplerError(
                 f"the dataset has {n} example(s) but num_replicas={self.num_replicas}: every rank needs at least "
                 "one example; use fewer processes or more data"
             )
@@ -245,7 +252,8 @@ class TokenBudgetBatchSampler:
     # ------------------------------------------------------------------ construction helpers
 
     @classmethod
-    def from_dataset(cls, dataset: Any, max_tokens: int, *, length_column: str = "length", **kwargs: Any) -> TokenBudgetBatchSampler:
+    def from_dataset(cls, dataset: Any, max_tokens: int, *, length_column: str = "length",
+                     **kwargs: Any) -> TokenBudgetBatchSampler:
         """Build a sampler from a ``datasets.Dataset`` (or anything indexable by column name).
 
         Reads only ``length_column`` (through Arrow when available: fast, and it honours a
@@ -264,27 +272,27 @@ class TokenBudgetBatchSampler:
         if arr.dtype == object:  # e.g. a lazy column that numpy could not read as numbers
             arr = np.asarray(list(lengths))
         if arr.ndim != 1:
-            raise ValueError(f"lengths must be one-dimensional, got shape {arr.shape}")
+            raise SamplerError(f"lengths must be one-dimensional, got shape {arr.shape}")
         if arr.size == 0:
-            raise ValueError("lengths is empty: the dataset has no examples")
+            raise SamplerError("lengths is empty: the dataset has no examples")
         if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-            raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
+            raise SamplerError(f"lengths must be integers, got dtype {arr.dtype}")
         if np.issubdtype(arr.dtype, np.floating):
             if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
                 bad = int(np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))[0])
-                raise ValueError(f"lengths must be integers, example {bad} has length {arr[bad]!r}")
+                raise SamplerError(f"lengths must be integers, example {bad} has length {arr[bad]!r}")
         arr = arr.astype(np.int64)
         nonpos = np.flatnonzero(arr <= 0)
         if nonpos.size:
             i = int(nonpos[0])
-            raise ValueError(
+            raise SamplerError(
                 f"example {i} has length {int(arr[i])}: lengths must be positive "
                 f"({nonpos.size} example(s) with length <= 0); drop empty examples when pretokenizing"
             )
         too_long = np.flatnonzero(arr > max_tokens)
         if too_long.size:
             i = int(too_long[0])
-            raise ValueError(
+            raise SamplerError(
                 f"example {i} has length {int(arr[i])} > max_tokens={max_tokens} "
                 f"({too_long.size} example(s) too long); pretokenize with max_seq_len <= {max_tokens} "
                 "(the truncation policy lives in pretokenization) or raise max_tokens"
@@ -338,7 +346,8 @@ class TokenBudgetBatchSampler:
                         count += len(win_bins[b])
                     if take:
                         taken = set(take)
-                        carried = np.fromiter(chain.from_iterable(win_bins[b] for b in take), dtype=np.int64, count=count)
+                        carried = np.fromiter(chain.from_iterable(win_bins[b] for b in take), dtype=np.int64,
+                                              count=count)
                         win_bins = [b for j, b in enumerate(win_bins) if j not in taken]
             bins.extend(win_bins)
         return bins
@@ -365,7 +374,7 @@ class TokenBudgetBatchSampler:
             return (base // r) * r
         target = -(-base // r) * r
         if target > len(self.lengths):
-            raise ValueError(
+            raise SamplerError(
                 f"cannot give all {r} ranks the same number of batches without duplicating an example: the data packs "
                 f"into {base} bin(s), {target} are needed and there are only {len(self.lengths)} examples (max_tokens="
                 f"{self.max_tokens}); use drop_last=True, a larger max_tokens or fewer ranks"
@@ -513,7 +522,7 @@ class TokenBudgetBatchSampler:
         epoch that was just restored by :meth:`load_state_dict` keeps the resume position.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+            raise SamplerError(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self.epoch:
             self.epoch = int(epoch)
             self._resume_at = 0
@@ -524,7 +533,7 @@ class TokenBudgetBatchSampler:
         ``num_train_epochs``): that epoch's steps are ordered so those batches hold the same share of its examples as
         of its batches. Every example of the epoch is still planned (and yielded if iterated to the end)."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+            raise SamplerError(f"epoch must be a non-negative integer, got {epoch!r}")
         self._partial = (int(epoch), int(num_batches))
         if self._plan_cache is not None and self._plan_cache.epoch == int(epoch):
             self._plan_cache = None
@@ -576,7 +585,7 @@ class TokenBudgetBatchSampler:
         if rank is None:
             return counts
         if not 0 <= rank < self.num_replicas:
-            raise ValueError(f"rank must be in [0, {self.num_replicas}), got {rank}")
+            raise SamplerError(f"rank must be in [0, {self.num_replicas}), got {rank}")
         return counts[:, rank].copy()
 
     def batch_example_counts(self, rank: int | None = None) -> np.ndarray:
@@ -662,32 +671,36 @@ class TokenBudgetBatchSampler:
         """Restore :meth:`state_dict`'s output: the next iteration yields exactly the remaining batches.
 
         Raises:
-            ValueError: if the state is malformed or was saved by an incompatible sampler (other
+            SamplerError (a ValueError): if the state is malformed or was saved by an incompatible sampler (other
                 lengths, ``max_tokens``, ``num_replicas``, packing options or seed).
         """
         missing = [k for k in ("epoch", "seed", "batches_yielded", "fingerprint") if k not in state]
         if missing:
-            raise ValueError(f"sampler state is missing {missing}; expected the output of state_dict()")
+            raise SamplerError(f"sampler state is missing {missing}; expected the output of state_dict()")
         if state.get("version", _STATE_VERSION) != _STATE_VERSION:
-            raise ValueError(f"sampler state version {state.get('version')} is not supported (expected {_STATE_VERSION})")
+            raise SamplerError(f"sampler state version {state.get('version')} is not supported "
+                               f"(expected {_STATE_VERSION})")
         if state["fingerprint"] != self.fingerprint():
             diffs = [
                 f"{k}: saved {state[k]!r}, now {v!r}"
-                for k, v in (("num_examples", len(self.lengths)), ("max_tokens", self.max_tokens), ("num_replicas", self.num_replicas))
+                for k, v in (("num_examples", len(self.lengths)), ("max_tokens", self.max_tokens),
+                             ("num_replicas", self.num_replicas))
                 if k in state and state[k] != v
             ]
-            detail = "; ".join(diffs) if diffs else "lengths or packing options (shuffle, drop_last, window, carry_below) differ"
-            raise ValueError(f"sampler state is incompatible with this sampler ({detail}): cannot resume mid-epoch")
+            detail = ("; ".join(diffs) if diffs
+                      else "lengths or packing options (shuffle, drop_last, window, carry_below) differ")
+            raise SamplerError(f"sampler state is incompatible with this sampler ({detail}): cannot resume mid-epoch")
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"sampler state was saved with seed={state['seed']}, this sampler has seed={self.seed}")
+            raise SamplerError(f"sampler state was saved with seed={state['seed']}, this sampler has seed={self.seed}")
         epoch, done = int(state["epoch"]), int(state["batches_yielded"])
         if epoch < 0:
-            raise ValueError(f"sampler state has a negative epoch {epoch}")
+            raise SamplerError(f"sampler state has a negative epoch {epoch}")
         self.epoch = epoch
         self._yielded = 0
         total = len(self)
         if not 0 <= done <= total:
-            raise ValueError(f"sampler state has batches_yielded={done}, but epoch {epoch} has {total} batches per rank")
+            raise SamplerError(f"sampler state has batches_yielded={done}, but epoch {epoch} has {total} batches "
+                               "per rank")
         self._resume_at = done
 
     def __repr__(self) -> str:

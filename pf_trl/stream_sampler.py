@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pf_trl.sampler import _best_fit_decreasing
+from pf_trl.sampler import SamplerError, _best_fit_decreasing
 
 __all__ = ["StreamPacker"]
 
@@ -48,7 +48,7 @@ class StreamPacker:
     def __init__(self, stream, max_tokens: int, *, buffer_size: int = 1024, history: int = 256,
                  state: dict[str, Any] | None = None) -> None:
         if max_tokens <= 0 or buffer_size <= 0:
-            raise ValueError(f"max_tokens and buffer_size must be positive, got {max_tokens}, {buffer_size}")
+            raise SamplerError(f"max_tokens and buffer_size must be positive, got {max_tokens}, {buffer_size}")
         self.stream = stream
         self.max_tokens = int(max_tokens)
         self.buffer_size = int(buffer_size)
@@ -80,8 +80,8 @@ class StreamPacker:
                     example = next(it)
                 except StopIteration:
                     if read_this_pass == 0 and not self._buffer:
-                        raise ValueError("the stream yields no usable example (every row dropped, or no rows); check "
-                                         "the data and the truncation / loss options") from None
+                        raise SamplerError("the stream yields no usable example (every row dropped, or no rows); check "
+                                           "the data and the truncation / loss options") from None
                     if read_this_pass == 0:
                         break  # an empty pass: pack what is left rather than loop forever
                     self.passes += 1
@@ -94,12 +94,12 @@ class StreamPacker:
                     continue
                 length = int(example["length"])
                 if length > self.max_tokens:
-                    raise ValueError(f"a streamed example has {length} tokens > the token budget {self.max_tokens}; "
-                                     "set max_tokens_per_batch >= max_length (examples are truncated to max_length)")
+                    raise SamplerError(f"a streamed example has {length} tokens > the token budget {self.max_tokens}; "
+                                       "set max_tokens_per_batch >= max_length (examples are truncated to max_length)")
                 self._buffer.append({"input_ids": example["input_ids"], "labels": example["labels"],
                                      "length": length})
             if not self._buffer:
-                raise ValueError("the stream yields no usable example (every row dropped, or no rows)")
+                raise SamplerError("the stream yields no usable example (every row dropped, or no rows)")
             batch = self._take_fullest()
             self.batches += 1
             self.real_tokens += sum(e["length"] for e in batch)
@@ -126,21 +126,22 @@ class StreamPacker:
         """The state after ``batches_consumed`` batches: the stream position and the buffer at that point.
 
         Raises:
-            ValueError: when that batch is older than the kept history (training lagged more than ``history``).
+            SamplerError (a ValueError): when that batch is older than the kept history (training lagged more than
+                ``history``).
         """
         for batches, passes, stream_state, buffer in reversed(self._history):
             if batches == batches_consumed:
                 return {"version": STATE_VERSION, "batches": batches, "passes": passes, "stream": stream_state,
                         "max_tokens": self.max_tokens, "buffer_size": self.buffer_size, "buffer": buffer}
         kept = [h[0] for h in self._history]
-        raise ValueError(f"the stream state after batch {batches_consumed} is no longer kept (kept: {kept[0]}.."
-                         f"{kept[-1]}); raise `history`")
+        raise SamplerError(f"the stream state after batch {batches_consumed} is no longer kept (kept: {kept[0]}.."
+                           f"{kept[-1]}); raise `history`")
 
     def _load(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"stream state version {state.get('version')} is not supported")
+            raise SamplerError(f"stream state version {state.get('version')} is not supported")
         if state["max_tokens"] != self.max_tokens or state["buffer_size"] != self.buffer_size:
-            raise ValueError(
+            raise SamplerError(
                 f"the checkpoint's stream was packed with max_tokens={state['max_tokens']}, buffer "
                 f"{state['buffer_size']}; now {self.max_tokens}, {self.buffer_size}: the same batches cannot be "
                 "reproduced (use the same max_tokens_per_batch and stream_buffer_size)")

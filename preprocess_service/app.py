@@ -153,7 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 try:
                     for gone in upload_store.expire_uploads(settings.uploads_dir, store, settings.upload_ttl_s):
                         log_event("upload_expired", upload_id=gone, replica=settings.replica_id)
-                except Exception:  # noqa: BLE001 - a transient database error: next round
+                except Exception:
                     logger.exception("upload expiry failed")
 
         threading.Thread(target=janitor, daemon=True, name="pf-upload-janitor").start()
@@ -555,7 +555,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             app.state.store.query("SELECT 1")
             checks["database"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        except Exception as exc:
             checks["database"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         checks["cache_dir_writable"] = os.access(settings.cache_dir, os.W_OK)
         try:
@@ -566,7 +566,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         live = app.state.supervisor.live_pids()
         try:
             ready = app.state.store.ready_worker_pids() & live if checks["database"] == "ok" else set()
-        except Exception:  # noqa: BLE001 - the database went away between the two queries
+        except Exception:
             ready = set()
         checks["workers_alive"], checks["workers_ready"] = len(live), len(ready)
         checks["preflight_ready"] = app.state.preflight.ready()

@@ -152,10 +152,10 @@ class Supervisor:
                 for job_id in self.store.running_on(pid):
                     self.store.requeue(job_id, "the service was stopped while this job ran; re-queued",
                                        count_attempt=False)
-            except Exception:  # noqa: BLE001 - e.g. the database is down: the next start reconciles them
+            except Exception:
                 logger.exception("could not re-queue the jobs of worker %d; the next start-up reconciles them", pid)
             shutil.rmtree(self.settings.scratch_dir / f"w{pid}", ignore_errors=True)
         try:
             self.store.clear_workers()
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("could not clear this replica's workers from the store")

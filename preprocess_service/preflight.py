@@ -38,11 +38,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 logger = logging.getLogger("preprocess_service.preflight")
 
 
 # ------------------------------------------------------------------------------ inside the sandbox
-class _Refusal(Exception):
+class _Refusal(PfTrlError):
     def __init__(self, status: int, kind: str, field: str, detail: str):
         super().__init__(detail)
         self.answer = {"error": {"status": status, "kind": kind, "field": field, "detail": detail}}
@@ -77,7 +79,7 @@ class _Sandbox:
                                      "service never executes (trust_remote_code is always off); use a tokenizer "
                                      "folder with a plain tokenizer.json", "unknown-tokenizer") from exc
             raise _unprocessable("tokenizer", f"tokenizer: {exc}", "unknown-tokenizer") from exc
-        except Exception as exc:  # noqa: BLE001 - e.g. a config that asks for remote code
+        except Exception as exc:
             raise _unprocessable("tokenizer", f"tokenizer: could not load {shown!r} from local files without remote "
                                  f"code ({type(exc).__name__}: {str(exc)[:300]})", "unknown-tokenizer") from exc
         self._tokenizers[name] = (key, tok)
@@ -170,7 +172,7 @@ def count_rows(path: Path, deadline: float | None = None) -> int | None:
                         open_line = False
                     open_line = open_line or bool(pieces[-1].strip())
                 return rows + open_line
-    except Exception:  # noqa: BLE001 - a count is a nicety; the job finds real problems
+    except Exception:
         return None
     return None
 
@@ -199,7 +201,7 @@ def _parquet_head(path: Path, head: Path, n: int) -> bool:
     try:
         pf = pq.ParquetFile(str(path))
         batch = next(pf.iter_batches(batch_size=n), None)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise _unprocessable("source", f"source {path.name}: cannot read as Parquet ({str(exc)[:300]})",
                              "invalid-data") from exc
     table = pa.Table.from_batches([batch]) if batch is not None else pf.schema_arrow.empty_table()
@@ -213,11 +215,11 @@ def _serve(scratch: Path) -> int:
     os.dup2(2, 1)
     sandbox = _Sandbox(scratch)
     try:  # warm: the imports and the embedded tokenizer cost seconds, once
-        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
         import pf_trl.data.pretokenize  # noqa: F401
+        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
 
         sandbox._tokenizer(DEFAULT_TOKENIZER)
-    except Exception:  # noqa: BLE001 - a request that needs it answers with the reason
+    except Exception:
         logger.exception("preflight warm-up failed")
     out.write(json.dumps({"ready": os.getpid()}) + "\n")
     for line in sys.stdin:
@@ -228,7 +230,7 @@ def _serve(scratch: Path) -> int:
             answer = exc.answer
         except MemoryError:
             answer = {"error": {"status": 422, "kind": "invalid-data", "field": "source", "detail": "__memory__"}}
-        except Exception as exc:  # noqa: BLE001 - any other failure is this request's, answered as such
+        except Exception as exc:
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
                 answer = {"error": {"status": 507, "kind": "insufficient-storage", "field": "source",
                                     "detail": f"the service's disk is full ({exc.strerror}); DELETE old datasets or "
@@ -242,7 +244,7 @@ def _serve(scratch: Path) -> int:
 
 
 # -------------------------------------------------------------------------------------- in the API
-class PreflightError(Exception):
+class PreflightError(PfTrlError):
     """A sandbox answered with a refusal, crashed, or ran out of time or memory."""
 
     def __init__(self, status: int, kind: str, field: str, detail: str):
@@ -292,7 +294,7 @@ class PreflightPool:
         for i, slot in enumerate(slots):
             try:
                 slots[i] = slot or self._spawn()
-            except Exception:  # noqa: BLE001 - retried on first use
+            except Exception:
                 logger.exception("could not start a preflight sandbox")
         for slot in slots:
             self._idle.put(slot)
@@ -344,7 +346,7 @@ class PreflightPool:
                     proc = None
                 try:
                     proc = self._spawn()
-                except Exception as exc:  # noqa: BLE001 - the machine, not the request: 503, retry
+                except Exception as exc:
                     logger.exception("could not start a preflight sandbox")
                     raise PreflightError(503, "not-ready", "source", "the preflight sandbox could not start "
                                          f"({type(exc).__name__}); retry shortly") from exc
@@ -356,7 +358,7 @@ class PreflightPool:
                 self._kill(proc)
                 proc = None
                 raise PreflightError(422, "invalid-data", "source", f"{what}: the synchronous check took more than "
-                                     f"{timeout:g} s (--preflight-timeout-s) and was stopped; nothing was queued")
+                                     f"{timeout:g} s (--preflight-timeout-s) and was stopped; nothing was queued") from None
             except BrokenPipeError:
                 line = None
             if line is None:

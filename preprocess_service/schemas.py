@@ -51,7 +51,7 @@ class SourceSpec(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "SourceSpec":
+    def _exactly_one(self) -> SourceSpec:
         if (self.path is None) == (self.upload_id is None):
             raise ValueError("give exactly one of `path` (a file under a data root) or `upload_id` (from POST /v1/uploads)")
         return self
@@ -141,7 +141,7 @@ class MixtureRequest(BaseModel):
     mixture: MixtureRule = Field(default_factory=MixtureRule)
 
     @model_validator(mode="after")
-    def _weights_and_names(self) -> "MixtureRequest":
+    def _weights_and_names(self) -> MixtureRequest:
         given = [s.weight is not None for s in self.sources]
         if any(given) and not all(given):
             raise ValueError("give every source a `weight` (a mixture) or none (a concatenation)")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
 from preprocess_service.schemas import MAX_MIXTURE_SOURCES, PROBLEM_JSON, problem_body
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
@@ -19,7 +20,7 @@ MIXTURES_PATH = "/v1/mixtures"
 MIXTURE_BODY_FACTOR = 2 * MAX_MIXTURE_SOURCES  # a source can be as large as a dataset request, twice over
 
 
-class ServiceError(Exception):
+class ServiceError(PfTrlError):
     """An error answered as problem+json: ``status``, short ``title``, ``detail`` naming the field and the fix."""
 
     def __init__(self, status: int, title: str, detail: str, *, kind: str, field: str | None = None,

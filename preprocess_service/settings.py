@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 ENV_PREFIX = "PF_SERVICE_"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
@@ -16,7 +18,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "ti": 2**40, "tib": 2**40}
 
 
-class SettingsError(ValueError):
+class SettingsError(PfTrlError, ValueError):
     """A flag or environment variable has a bad value; the message names it and the fix."""
 
 
@@ -217,11 +219,11 @@ class Settings:
                 "replica": self.replica_id, "host": self.host, "port": self.port}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Settings":
+    def from_json(cls, data: dict[str, Any]) -> Settings:
         return cls(**data)
 
     @classmethod
-    def load(cls, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> "Settings":
+    def load(cls, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Settings:
         """Defaults < ``PF_SERVICE_<NAME>`` env vars < ``overrides`` (flags; None values are ignored)."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
 from preprocess_service.settings import Settings
 from preprocess_service.store import JobStore, open_store, setup_event_log
 
@@ -31,11 +32,11 @@ logger = logging.getLogger("preprocess_service.worker")
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-class JobAbandoned(Exception):
+class JobAbandoned(PfTrlError):
     """The job is no longer ours (cancelled, deleted or re-queued elsewhere): stop, publish nothing."""
 
 
-class JobError(Exception):
+class JobError(PfTrlError):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
@@ -168,7 +169,7 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
                                           "free space or DELETE old datasets, then POST again")
         else:
             kind, message = "io_error", f"I/O error: {exc}"
-    except Exception as exc:  # noqa: BLE001 - a job must end failed with a reason, whatever happened
+    except Exception as exc:  # a job must end failed with a reason, whatever happened
         logger.exception("job %s crashed", job_id)
         kind, message = "internal", f"internal error {type(exc).__name__}: {exc}"
     finally:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             try:  # the store keeps one connection per thread: this thread has its own
                 if not store.heartbeat(job_id, pid) and job_id == current["job"]:
                     abandon.set()
-            except Exception:  # noqa: BLE001 - a busy database must not kill the heartbeat
+            except Exception:  # a busy database must not kill the heartbeat
                 pass
             time.sleep(1.0)
 
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
         tokenizers.get(DEFAULT_TOKENIZER)
-    except Exception:  # noqa: BLE001 - a job that needs it will fail with the reason
+    except Exception:  # a job that needs it will fail with the reason
         logger.exception("warm-up failed")
     store.worker_ready(pid)
     while True:

@@ -21,6 +21,9 @@ if [[ -z "${PF_TRL_SKIP_POSTGRES:-}" ]]; then
 fi
 
 status=0
+# Lint first (rules in pyproject.toml's [tool.ruff]; ruff pinned in constraints/cpu.txt, installed by setup.sh with
+# the dev extra): a finding fails the run, after the tests have still run.
+.venv/bin/python -m ruff check pf_trl preprocess_service tests benchmarks scripts || status=$?
 .venv/bin/python -m pytest -q -m "not legacy and not real" "$@" || status=$?
 # The real pretrained model (Gemma 3 270M, its own 262k tokenizer; ~250 MB of registry packages, ~3 min to
 # dequantize once, ~1-4 min of tests on 2 cores): on in CI (it fits the time budget), opt-in elsewhere

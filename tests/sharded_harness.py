@@ -263,7 +263,7 @@ def run_faulty_job(spec: dict, job: dict) -> None:
     try:
         run_job(spec, {**job, "fault": None})
         error = None
-    except Exception as exc:  # noqa: BLE001 - recorded for the test to check
+    except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
         setattr(target, name, original)

@@ -10,6 +10,9 @@ from pf_trl.attention.dispatch import backend_status, flash_window, resolve_back
 from pf_trl.attention.errors import BackendUnavailableError, UnsupportedFeatureError
 
 CPU_BACKENDS = [name for name, reason in backend_status("cpu", torch.float32).items() if reason is None]
+# every backend, so that one which cannot run on CPU (flash_attn, torch_varlen: CUDA only) shows as skipped, with why
+BACKEND_PARAMS = [pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=f"{name}: {reason}"))
+                  for name, reason in backend_status("cpu", torch.float32).items()]
 
 
 def naive_reference(q, k, v, cu_q, cu_k, *, causal=True, scale=None, sliding_window=None, softcap=None):
@@ -71,7 +74,7 @@ def test_cpu_has_sdpa_and_flex():
     assert resolve_backend("auto", device=torch.device("cpu"), dtype=torch.float32) == "sdpa"
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("shared_cu", [False, True], ids=["cu_q_k", "one_cu"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize(
@@ -109,7 +112,7 @@ def test_forward_matches_reference(backend, shared_cu, layout, features):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("shared_cu", [False, True], ids=["cu_q_k", "one_cu"])
 @pytest.mark.parametrize("features", [{}, {"sliding_window": 3, "softcap": 3.0}], ids=["plain", "window_softcap"])
 def test_backward_matches_reference(backend, shared_cu, features):
@@ -133,7 +136,7 @@ def test_backward_matches_reference(backend, shared_cu, features):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_fewer_queries_than_keys_is_bottom_right_aligned(backend):
     # decode-like call: each segment has its last 1-2 tokens as queries over all its keys
     q, k, v, cu_q, cu_k, mq, mk = make_inputs([1, 2, 1], kv_lengths=[4, 6, 1], seed=2)

@@ -158,6 +158,7 @@ def compare(arch, mode, *, attn="sdpa", checkpointing=False, backend="auto", exs
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mixtral", "granite"])
 def test_internal_matches_padded(arch):
     model = compare(arch, "internal")
@@ -327,8 +328,8 @@ def test_unknown_and_custom_models_raise():
 
 def test_huggingface_mode_self_check_refuses_an_implementation_that_leaks():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
 
     def leaky(module, q, k, v, attention_mask, **kw):  # plain causal attention that ignores segments
         return sdpa_attention_forward(module, q, k, v, None, **kw)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 
 SCENARIO = Path(__file__).resolve().parents[1] / "benchmarks" / "scenarios" / "tiny_test.yaml"
 
 
+@pytest.mark.slow
 def test_bench_tiny_scenario(tmp_path, monkeypatch, capsys):
     from pf_trl.cli.bench import main
 
@@ -43,6 +45,7 @@ def test_bench_rejects_bad_scenarios(tmp_path, capsys):
     assert main([str(tmp_path / "missing.yaml")]) == 2
 
 
+@pytest.mark.slow
 def test_bench_default_output_is_fresh_and_untracked(tmp_path, monkeypatch):
     """Without --output-dir a run writes under ./pf-trl-bench/<name>-<time>, never into benchmarks/results."""
     from pf_trl.cli.bench import main

@@ -50,7 +50,7 @@ def service():
     answers = {"status": 404, "body": {"detail": "unknown dataset"}}
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             body = json.dumps(answers["body"]).encode()
             self.send_response(answers["status"])
             self.send_header("Content-Type", "application/problem+json")
@@ -178,6 +178,7 @@ def test_pretokenize_errors_and_spellings(capsys, tmp_path, data):
                           "never downloads")
 
 
+@pytest.mark.slow
 def test_inspect_samples_show_the_supervised_spans(capsys, tmp_path):
     alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Name a colour.", "input": "", "output": "Blue."}])
     assert run(capsys, "pretokenize", alpaca, tmp_path / "s", "--no_progress")[0] == 0

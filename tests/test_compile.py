@@ -83,6 +83,7 @@ def _compilations(model, mark: bool, batches: int = len(EPOCH)) -> tuple[int, li
     return counter.frame_count, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["internal", "huggingface"])
 def test_at_most_two_compilations_over_an_epoch_of_packed_lengths(mode):
     model = tiny("pf-trl/tiny-llama", mode)
@@ -95,6 +96,7 @@ def test_at_most_two_compilations_over_an_epoch_of_packed_lengths(mode):
         torch.testing.assert_close(grads[i], model.model.layers[0].self_attn.q_proj.weight.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_without_marking_lengths_dynamic_it_recompiles_more():
     # negative control for mark_dynamic_lengths: dynamo's automatic dynamic shapes alone recompile whenever a size
     # that has not changed so far changes (here the segment count at the third batch)
@@ -128,6 +130,7 @@ def three_batches(sample_shards):
     return ds.select(keep.tolist()).flatten_indices()
 
 
+@pytest.mark.slow
 def test_compiled_trainer_loss_equals_eager(tmp_path, three_batches, tokenizer):
     # the user's path: PaddingFreeSFTTrainer(torch_compile=True) compiles the whole model (accelerate); the
     # backbone becomes one graph, the supervised-position loss runs eagerly after it (dynamo alone here: the
@@ -142,6 +145,7 @@ def test_compiled_trainer_loss_equals_eager(tmp_path, three_batches, tokenizer):
     assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
 
 
+@pytest.mark.slow
 def test_inductor_matches_eager():
     # numerics of the generated code (CPU C++), forward and backward, over changing packed lengths
     model = tiny("pf-trl/tiny-llama", "internal")

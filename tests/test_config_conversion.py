@@ -38,6 +38,7 @@ def _init_fields(obj):
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
 
 
+@pytest.mark.slow
 def test_sft_config_tokens_survive_and_it_trains(tmp_path, small_ds, caplog):
     from trl import SFTConfig
 

@@ -26,6 +26,7 @@ def fresh_matrix():
     return coverage.run_sweep(progress=False)
 
 
+@pytest.mark.slow
 def test_committed_matrix_is_fresh(fresh_matrix):
     stable = coverage._stable(fresh_matrix)
     committed = json.loads(support.SUPPORT_PATH.read_text())
@@ -41,6 +42,7 @@ def test_committed_matrix_is_fresh(fresh_matrix):
     assert docs == coverage.comparable(coverage.render_markdown(stable)), "docs/models.md is stale"
 
 
+@pytest.mark.slow
 def test_sweep_targets(fresh_matrix):
     models = fresh_matrix["models"]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -74,6 +76,7 @@ def test_the_sweep_sees_a_leak_when_pf_trl_does_nothing(monkeypatch):
     assert entry["leak"] > 100 * coverage.LOSS_ATOL
 
 
+@pytest.mark.slow
 def test_sweep_entry_exact_for_llama():
     with coverage._quiet(), support.use_matrix({}):
         entry = coverage.sweep_type(coverage._Sweep(), "llama")

@@ -36,6 +36,7 @@ def plain_tokenizer_dir(tmp_path, tokenizer, monkeypatch):
     return Path("models/my-model")
 
 
+@pytest.mark.slow
 def test_manifest_records_an_absolute_tokenizer_path(tmp_path, plain_tokenizer_dir):
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
 
@@ -62,6 +63,7 @@ def test_chat_data_without_a_template_names_the_option(tmp_path, plain_tokenizer
     assert info.value.option == "chat_template"
 
 
+@pytest.mark.slow
 def test_a_mismatch_says_what_differs(tmp_path, plain_tokenizer_dir, tokenizer):
     """Through the trainer's data path (pf_trl.data.sources): a template-only difference names the template and the
     flag that fixes it; a different tokenizer file names that file."""

@@ -10,9 +10,10 @@ from pathlib import Path
 import datasets
 import pytest
 
-from conftest import write_jsonl
 from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
 from pf_trl.data.shards import load_shards
+
+from conftest import write_jsonl
 
 CHATML_GENERATION = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -135,6 +136,7 @@ def test_tokenizer_defaults_to_the_model_folder(model_dir, my_tok, tmp_path):
     assert my_tok.decode(ex["input_ids"]).startswith("<s>Below is an instruction")
 
 
+@pytest.mark.slow
 def test_train_cli_tokenizes_with_the_model_folder_tokenizer(model_dir, my_tok, tmp_path, capsys):
     from pf_trl.data.tokenizer import tokenizer_fingerprint
 
@@ -164,6 +166,7 @@ def test_data_made_with_another_tokenizer_is_refused(model_dir, tmp_path, capsys
     assert load_training_data(mistral, load_tokenizer()).num_rows == len(ALPACA)
 
 
+@pytest.mark.slow
 def test_tokenizer_larger_than_the_embeddings_is_refused(model_dir, tmp_path, capsys):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -278,6 +281,7 @@ def test_input_format_override_and_field_names(my_tok, tmp_path):
     assert load_shards(tmp_path / "o").pf_manifest["source"]["input_format"] == "alpaca"
 
 
+@pytest.mark.slow
 def test_chat_template_file(tmp_path, capsys):
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}"
@@ -334,6 +338,7 @@ def test_cli_and_python_api_give_the_same_shards(fmt, model_dir, tmp_path):
     assert supervised_token_count(cli) == supervised_token_count(api) > 0
 
 
+@pytest.mark.slow
 def test_every_source_kind_reaches_the_same_shards(tokenizer, tmp_path):
     from pf_trl.data.sources import load_training_data
 

@@ -110,6 +110,7 @@ def test_concatenated_rows_of_two_formats_refused_with_the_way_out(sample_rows, 
     assert [s["input_format"] for s in trainer.train_dataset.pf_manifest["sources"]] == ["alpaca", "sharegpt"]
 
 
+@pytest.mark.slow
 def test_k8s_merge_records_each_parts_format(sample_rows, tokenizer, tmp_path):
     from pf_trl.data.pretokenize import pretokenize
 

@@ -19,11 +19,11 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -362,6 +362,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_service_healthcheck_command_works_against_a_real_service(tmp_path):
     """The HEALTHCHECK of Dockerfile.service, run as is against `pf-trl serve` on loopback (and failing
     while nothing listens)."""

@@ -462,9 +462,9 @@ def test_images_carry_the_package_version():
 
 
 def test_service_deployment(tmp_path):
+    from pf_trl.cli.serve import build_parser
     from preprocess_service.app import create_app
     from preprocess_service.settings import ENV_PREFIX, Settings
-    from pf_trl.cli.serve import build_parser
 
     dep = doc("Deployment", "pf-trl-preprocess")
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
@@ -506,8 +506,8 @@ def test_serve_parser_rejects_a_bogus_flag():
 
 
 def test_pretokenize_job_runs_the_service_client_on_a_valid_request(monkeypatch, capsys):
-    from preprocess_service.schemas import DatasetRequest
     from pf_trl.data import service_client
+    from preprocess_service.schemas import DatasetRequest
 
     job = doc("Job", "pf-trl-pretokenize")
     pod = job["spec"]["template"]["spec"]
@@ -659,7 +659,7 @@ def test_multinode_pytorchjob_runs_torchrun_then_pf_trl_train():
     from pf_trl.cli.main import COMMANDS
 
     for job in _pytorchjobs():
-        for rtype, spec in job["spec"]["pytorchReplicaSpecs"].items():
+        for _rtype, spec in job["spec"]["pytorchReplicaSpecs"].items():
             pod = spec["template"]["spec"]
             (c,) = pod["containers"]
             argv = _train_argv(pod, c)
@@ -721,8 +721,9 @@ def test_with_args_file_execs_the_command_with_the_file_args(tmp_path):
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory, sample_rows, tokenizer):
     """Three slices of the shipped sample, each pretokenized like one index of the Indexed Job."""
-    from conftest import write_jsonl
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+
+    from conftest import write_jsonl
 
     root = tmp_path_factory.mktemp("indexed")
     rows = sample_rows[:240]
@@ -735,6 +736,7 @@ def parts(tmp_path_factory, sample_rows, tokenizer):
     return root
 
 
+@pytest.mark.slow
 def test_merge_shards_equals_pretokenizing_the_whole_source(parts, tokenizer):
     from pf_trl.data.shards import load_shards
     from pf_trl.data.tokenizer import tokenizer_fingerprint
@@ -775,6 +777,7 @@ def test_merge_shards_refuses_bad_parts(parts, tokenizer, tmp_path):
     assert not (tmp_path / "o3").exists()
 
 
+@pytest.mark.slow
 def test_indexed_slices_markers_refusals_and_a_killed_slice(tmp_path, sample_rows, tokenizer, monkeypatch):
     """The Indexed Job's slices through pretokenize_slice.py: a completion marker per slice, another slice
     count on the same parts refused, a slice SIGKILLed mid-way re-run whole (no duplicated rows), a done
@@ -783,9 +786,10 @@ def test_indexed_slices_markers_refusals_and_a_killed_slice(tmp_path, sample_row
     import signal
     import time
 
-    from conftest import write_jsonl
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
     from pf_trl.data.shards import load_shards, read_manifest
+
+    from conftest import write_jsonl
 
     src = tmp_path / "src"
     src.mkdir()

@@ -277,9 +277,8 @@ SAVE_SCRIPT = textwrap.dedent(
 def test_torchrun_cli_saves_checkpoint_and_final_model_on_every_rank(tmp_path, sample_shards):
     """`pf-trl train` on 2 ranks (gloo) saves a checkpoint and the final model; the save is entered by every rank,
     as FSDP / ZeRO-3 need (before: rank 0 only, which hangs there)."""
-    from pf_trl.data.shards import load_shards
-
     from pf_trl.data.pretokenize import pretokenize
+    from pf_trl.data.shards import load_shards
 
     rows = tmp_path / "train.jsonl"
     with open(rows, "w") as f:

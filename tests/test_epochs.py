@@ -124,6 +124,7 @@ def test_packings_differ_between_epochs():
     assert len(sampler) == 27
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ga", [1, 2])
 def test_three_epochs_each_example_once_and_resume_mid_epoch_two(tmp_path, dataset, tokenizer, ga):
     Recording = _trainer_cls()

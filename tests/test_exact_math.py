@@ -95,6 +95,7 @@ def test_padding_free_matches_padded(attn):
     assert max_rel_grad_diff(grad_pf, grad_pad) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_negative_control_without_position_ids_differs(attn):
     """Concatenated without position_ids, examples attend to each other: the test above can fail."""

@@ -52,6 +52,7 @@ def data(tmp_path):
     return write_jsonl(tmp_path / "d.jsonl", ROWS)
 
 
+@pytest.mark.slow
 def test_train_user_errors_come_before_any_heavy_import(tmp_path, data, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     lines = [json.dumps(r) for r in ROWS]

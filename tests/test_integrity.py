@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_service_support import REPO
-
 from conftest import write_jsonl
+from test_service_support import REPO
 
 
 def _shards(tmp_path: Path, name: str = "shards", rows: int = 60) -> Path:
@@ -111,8 +110,8 @@ def test_truncated_or_missing_files_are_named(tmp_path):
 def test_the_trainer_data_path_refuses_a_corrupt_cached_dataset(tmp_path, monkeypatch, tokenizer):
     """What `pf-trl train` and PaddingFreeSFTTrainer do with a data file: the content-addressed cache; a cache hit
     whose shards changed is refused, naming the shard, instead of trained on."""
-    from pf_trl.data.sources import DataSourceError, cached_shards, load_training_data
     from pf_trl.data.pretokenize import PretokenizeConfig
+    from pf_trl.data.sources import DataSourceError, cached_shards, load_training_data
 
     monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
     src = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Q{i}\n", "completion": f"A{i}"} for i in range(40)])
@@ -161,7 +160,7 @@ def test_pf_trl_verify_command(tmp_path):
 
 def test_merged_k8s_shards_carry_checksums(tmp_path):
     """Every writer of a manifest (here: the Indexed Job's merge) records checksums, since write_manifest does."""
-    from pf_trl.data.shards import read_manifest, write_manifest, verify_shards
+    from pf_trl.data.shards import read_manifest, verify_shards, write_manifest
 
     out = _shards(tmp_path)
     manifest = read_manifest(out)

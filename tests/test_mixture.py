@@ -290,11 +290,11 @@ def test_mixture_training_resumes_exactly(tmp_path, three_sources, tokenizer, mo
 def test_service_mixture_trains_the_same_batches(tmp_path, three_sources, tokenizer, monkeypatch):
     """POST /v1/mixtures (three sources, their weights, the config's seed) -> one dataset id; `pf-trl train
     --dataset_service_url/--dataset_id` on it draws the same batches as the data config through the Python API."""
-    from test_service_support import Server, wait_state
-
     from pf_trl.cli.train import build, parse_args
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+    from test_service_support import Server, wait_state
 
     monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "cache"))
     server = Server(tmp_path / "svc", [three_sources]).start()
@@ -336,6 +336,7 @@ def test_service_mixture_trains_the_same_batches(tmp_path, three_sources, tokeni
         server.stop()
 
 
+@pytest.mark.slow
 def test_pretokenize_and_inspect_a_data_config(tmp_path, three_sources, capsys, monkeypatch):
     from pf_trl.cli import inspect as inspect_cli
     from pf_trl.cli import pretokenize as pretokenize_cli

@@ -18,8 +18,7 @@ TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layer
 
 
 def _config(name):
-    from transformers import (CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig, MixtralConfig,
-                              Qwen2MoeConfig)
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
     return {
         "llama": lambda: LlamaConfig(**TINY),
@@ -76,6 +75,7 @@ def _quiet():
 # ----------------------------------------------------------------------------------- head transforms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["granite", "gemma2", "cohere"])
 def test_head_transform_equals_padded(tmp_path, name, monkeypatch):
     pf, padded, trainer = both(tmp_path, name)
@@ -91,6 +91,7 @@ def test_head_transform_equals_padded(tmp_path, name, monkeypatch):
     assert abs(skipped - padded) > 0.05
 
 
+@pytest.mark.slow
 def test_unknown_head_transform_falls_back_to_the_models_own_head(tmp_path, monkeypatch):
     import pf_trl.trainer.loss as loss_mod
 
@@ -115,6 +116,7 @@ def test_unreproducible_head_without_logits_to_keep_is_refused(monkeypatch):
 # ----------------------------------------------------------------------------------- MoE aux loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_moe_aux_loss_equals_padded(tmp_path, name):
     pf, padded, trainer = both(tmp_path, name)
@@ -156,6 +158,7 @@ def test_moe_aux_loss_masks_the_pad_segment_like_a_padded_batch(tmp_path):
 # ----------------------------------------------------------------------------------- TRL loss options
 
 
+@pytest.mark.slow
 def test_label_smoothing_equals_padded(tmp_path):
     pf, padded, trainer = both(tmp_path, "llama", label_smoothing_factor=0.5)
     assert trainer.pf_head_plan.path == "module"
@@ -164,6 +167,7 @@ def test_label_smoothing_equals_padded(tmp_path):
     assert abs(plain - padded) > 0.01  # negative control: smoothing ignored
 
 
+@pytest.mark.slow
 def test_dft_equals_padded(tmp_path):
     pf, padded, _ = both(tmp_path, "granite", loss_type="dft")
     assert pf == pytest.approx(padded, rel=1e-5, abs=1e-6)
@@ -181,6 +185,7 @@ def _z_loss(outputs, labels, num_items_in_batch=None):
     return (ce + 0.5 * z) / n
 
 
+@pytest.mark.slow
 def test_compute_loss_func_equals_padded(tmp_path):
     kw = {"trainer_kwargs": {"compute_loss_func": _z_loss}}
     pf, padded, _ = both(tmp_path, "llama", **kw)
@@ -202,6 +207,7 @@ def test_unsupported_loss_options_are_refused(tmp_path, options, match):
         train(tmp_path, make_model("llama"), "internal", **options)
 
 
+@pytest.mark.slow
 def test_all_masked_micro_batch_is_a_differentiable_zero(tmp_path):
     from pf_trl.collator import PaddingFreeCollator
 

@@ -106,6 +106,7 @@ def test_truncation_policy_field():
         PaddingFreeConfig(output_dir="x", use_cpu=True, truncation_mode="keep_middle")
 
 
+@pytest.mark.slow
 def test_one_config_object_builds_two_trainers_alike(tmp_path):
     """What pf-trl hides from TRL during its init (padding_free, assistant_only_loss, skip_prepare_dataset) is restored:
     a second trainer from the same config still applies max_length."""

@@ -112,6 +112,7 @@ def test_peft_config_loss_and_adapter_grads_equal_padded(tmp_path, targets, dora
         assert any("lm_head" in n for n in got) and all(float(g.abs().sum()) > 0 for n, g in got.items() if "lm_head" in n)
 
 
+@pytest.mark.slow
 def test_adapter_on_head_bypassed_is_caught(tmp_path, monkeypatch):
     """Negative control: reading lm_head.weight (the old path, and TRL's) leaves the head adapter without gradient."""
     import pf_trl.trainer.loss as loss_mod
@@ -138,6 +139,7 @@ def test_peft_model_passed_in_trains(tmp_path):
     trainer.train()
 
 
+@pytest.mark.slow
 def test_cli_lora_saves_adapter_and_merged_model(tmp_path, sample_path):
     from transformers import AutoModelForCausalLM
 

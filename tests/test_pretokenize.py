@@ -10,9 +10,10 @@ import datasets
 import numpy as np
 import pytest
 
-from conftest import write_jsonl
 from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
 from pf_trl.data.shards import MANIFEST_FILE, ShardsError, load_shards
+
+from conftest import write_jsonl
 
 TEMPLATE = "### Response:"
 
@@ -153,6 +154,7 @@ def test_existing_output_is_never_touched(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_atomically(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a", "completion": "b"}])
     out = tmp_path / "out"

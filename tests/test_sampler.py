@@ -113,6 +113,7 @@ def test_token_balance_across_ranks(cfg):
     assert spread.max() <= cfg["max_tokens"]
 
 
+@pytest.mark.slow
 @PROPS
 @given(configs())
 def test_deterministic_for_seed_and_epoch(cfg):
@@ -124,6 +125,7 @@ def test_deterministic_for_seed_and_epoch(cfg):
     assert list(again) == first[0]
 
 
+@pytest.mark.slow
 @PROPS
 @given(configs(), st.data())
 def test_resume_reproduces_remaining_batches(cfg, data):
@@ -152,6 +154,7 @@ def test_resume_reproduces_remaining_batches(cfg, data):
     assert list(fresh) == list(nxt), "the epoch after a resumed one starts from batch 0"
 
 
+@pytest.mark.slow
 @PROPS
 @given(configs())
 def test_drop_last_drops_only_smallest_bins(cfg):
@@ -173,6 +176,7 @@ def test_drop_last_drops_only_smallest_bins(cfg):
         assert dropped.max() <= min(kept_tokens), "only the bins with the fewest tokens are dropped"
 
 
+@pytest.mark.slow
 @PROPS
 @given(configs(), st.lists(st.integers(0, 50), min_size=2, max_size=4, unique=True))
 def test_same_batch_count_every_epoch_each_example_once(cfg, epochs):
@@ -194,6 +198,7 @@ def test_same_batch_count_every_epoch_each_example_once(cfg, epochs):
     assert len(counts) == 1, f"per-rank batch counts differ between epochs {epochs}: {counts}"
 
 
+@pytest.mark.slow
 @PROPS
 @given(configs())
 def test_efficiency_matches_manual_computation(cfg):

@@ -72,7 +72,7 @@ def pg_env(tmp_path_factory, postgres_server):
     server.stop()
 
 
-def _sse(client: "httpx.Client", dataset_id: str, last_event_id: str | None = None, timeout: float = 120):
+def _sse(client: httpx.Client, dataset_id: str, last_event_id: str | None = None, timeout: float = 120):
     """All events of one stream until the server ends it: [(id, kind, data)]."""
     headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last_event_id} if last_event_id else {})}
     events, current = [], {}

@@ -286,9 +286,9 @@ def test_uploads_can_be_listed_deleted_are_bounded_and_expire(env, client):
 
 def test_an_upload_read_by_a_queued_job_is_kept(tmp_path):
     """DELETE answers 409 and expiry waits while a queued or running job reads an upload."""
+    from preprocess_service.security import ServiceError
     from preprocess_service.settings import Settings
     from preprocess_service.store import open_store
-    from preprocess_service.security import ServiceError
     from preprocess_service.uploads import delete_upload, expire_uploads
 
     settings = Settings(cache_dir=tmp_path / "cache")

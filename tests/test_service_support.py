@@ -39,7 +39,7 @@ class Server:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def start(self, timeout: float = 240.0) -> "Server":
+    def start(self, timeout: float = 240.0) -> Server:
         cmd = [sys.executable, "-m", "pf_trl.cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--cache-dir", str(self.cache_dir), "--log-level", "warning", *self.args]
         for root in self.data_roots:
@@ -162,7 +162,7 @@ class Postgres:
         if proc.returncode != 0:
             raise RuntimeError(f"{args[0]} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
-    def start(self) -> "Postgres":
+    def start(self) -> Postgres:
         pwfile = self.dir / "pw"
         pwfile.write_text(self.PASSWORD)
         os.chmod(pwfile, 0o600)

@@ -67,9 +67,9 @@ def test_save_to_disk_naming_a_file_outside_is_refused_before_reading(tmp_path, 
 
 
 def test_dataset_dict_split_outside_is_refused(tmp_path):
-    from pf_trl.data.source_files import SourceFileError, save_to_disk_files
-
     import datasets
+
+    from pf_trl.data.source_files import SourceFileError, save_to_disk_files
 
     d = tmp_path / "dd"
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "x"}])}).save_to_disk(str(d))

@@ -171,7 +171,6 @@ def test_stream_under_ddp_two_ranks_packs_and_resumes_exactly(alpaca_file, tmp_p
     padding; a run resumed from the step-2 checkpoint trains exactly the batches of steps 3-4 of the uninterrupted
     run, to the same weights (the packer's buffer and the stream position are in the checkpoint)."""
     import torch
-
     from test_distributed import _env, _failure, _torchrun
 
     script = tmp_path / "stream_ddp.py"

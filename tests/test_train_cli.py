@@ -43,6 +43,7 @@ def run_cli(args: str | list[str]) -> int:
     return main(["train", *argv])
 
 
+@pytest.mark.slow
 def test_seed_command_line_parses_and_runs(tmp_path, seed_json, capsys):
     out = tmp_path / "ilab"
     cmd = SEED_CMD.format(data=seed_json, out=out).replace("--max_steps 100", "--max_steps 3")
@@ -74,6 +75,7 @@ def test_seed_flags_map_onto_the_config(seed_json, tmp_path):
     assert config.dataset_text_field == "output" and model_args.torch_dtype == "float16"
 
 
+@pytest.mark.slow
 def test_sample_end_to_end_raw_prompt_completion(tmp_path, sample_path, sample_rows, capsys):
     out = tmp_path / "run"
     val = tmp_path / "val.jsonl"
@@ -121,6 +123,7 @@ def test_bad_data_gives_clear_error(tmp_path, capsys):
     assert "response_template" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_dataset_service_is_wired(tmp_path, sample_shards, monkeypatch, capsys):
     import pf_trl.data.service_client as client
 
@@ -139,6 +142,7 @@ def test_dataset_service_is_wired(tmp_path, sample_shards, monkeypatch, capsys):
     assert "service dataset ds-1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plain_cpu_run_is_quiet_and_says_where_things_are(tmp_path, seed_json):
     """A plain CPU run prints no framework warning (their causes are fixed, not filtered), no per-save progress bar,
     one line where the model went, and on resume one line saying where it resumed."""

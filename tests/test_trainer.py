@@ -70,6 +70,7 @@ def _losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ga", [1, 2])
 def test_loss_and_weights_equal_padded(tmp_path, small_ds, tokenizer, ga):
     from pf_trl.trainer import PaddingFreeSFTTrainer
@@ -93,6 +94,7 @@ def test_loss_and_weights_equal_padded(tmp_path, small_ds, tokenizer, ga):
     assert fm["train_padding_share"] == 0.0 and pm["train_padding_share"] > 0.0
 
 
+@pytest.mark.slow
 def test_metrics_count_every_real_token(tmp_path, small_ds, tokenizer):
     from pf_trl.trainer import PaddingFreeSFTTrainer
 
@@ -114,6 +116,7 @@ def test_metrics_count_every_real_token(tmp_path, small_ds, tokenizer):
     assert step_logs and all("real_tokens_per_second" in h and h["padding_share"] == 0.0 for h in step_logs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_eval_loss_equals_padded_token_weighted(tmp_path, small_ds, tokenizer, use_cache):
     from pf_trl.trainer import PaddingFreeSFTTrainer
@@ -171,6 +174,7 @@ def _recording_trainer(model, args, ds, tokenizer, rec):
     return Rec(model, args=args, train_dataset=ds, processing_class=tokenizer, callbacks=[StepMark()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ga", [1, 2])
 def test_resume_continues_with_exactly_the_same_batches(tmp_path, small_ds, tokenizer, ga):
     ds = small_ds.select(range(16))
@@ -190,6 +194,7 @@ def test_resume_continues_with_exactly_the_same_batches(tmp_path, small_ds, toke
     np.testing.assert_allclose(_losses(b)[-2:], _losses(a)[4:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_data(tmp_path, small_ds, tokenizer):
     ds = small_ds.select(range(16))
     kw = dict(max_steps=3, save_strategy="steps", save_steps=2)

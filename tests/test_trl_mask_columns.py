@@ -99,6 +99,7 @@ def test_cli_file_with_mask_column_gives_the_same_labels(tmp_path):
     assert (supervised, total) == (192, 511)
 
 
+@pytest.mark.slow
 def test_training_step_runs_on_folded_masks(tmp_path):
     trainer = trainer_for(trl_rows("assistant_masks"), tmp_path)
     result = trainer.train()

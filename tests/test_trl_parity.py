@@ -160,6 +160,7 @@ def test_truncation_policy_drop_or_refuse(tmp_path, policy):
     assert [len(r) for r in pf.train_dataset["input_ids"]] == [30]
 
 
+@pytest.mark.slow
 def test_completion_mask_unset_is_applied_and_said_false_follows_trl(tmp_path, caplog):
     """Decision: an unset completion_only_loss keeps a tokenized completion_mask (TRL would train the full sequence)
     and says so in one line; False trains what TRL trains, True too without the line."""
@@ -183,6 +184,7 @@ def test_completion_mask_unset_is_applied_and_said_false_follows_trl(tmp_path, c
         assert "completion_mask column is applied" not in caplog.text
 
 
+@pytest.mark.slow
 def test_assistant_only_loss_false_trains_every_token(tmp_path, caplog):
     """Chat rows: assistant_only_loss=False (TRL's default, and a converted SFTConfig's) trains every token as TRL does,
     the same token ids; unset (PaddingFreeConfig) trains the assistant turns and says so."""
@@ -261,6 +263,7 @@ def test_resume_refuses_other_examples_with_the_same_lengths(tmp_path):
     assert resumed.state.global_step == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("eos_token", [None, "<unk>"])
 def test_prompt_completion_rows_and_eos_token_as_trl(tmp_path, eos_token):
     """Raw prompt-completion rows: the same token ids and completion labels as TRL, ending with SFTConfig.eos_token when
@@ -274,6 +277,7 @@ def test_prompt_completion_rows_and_eos_token_as_trl(tmp_path, eos_token):
     assert {ids[-1] for ids, _ in got} == {0 if eos_token else 2}
 
 
+@pytest.mark.slow
 def test_eval_dataset_passed_to_evaluate_is_cut_as_trl_cuts_it(tmp_path):
     """evaluate(eval_dataset=rows): TRL prepares the rows (max_length) before evaluating them; so does pf-trl."""
     train = rows([30, 20], [5, 5])
@@ -287,6 +291,7 @@ def test_eval_dataset_passed_to_evaluate_is_cut_as_trl_cuts_it(tmp_path):
     assert got["eval_loss"] == pytest.approx(trl.evaluate(eval_dataset=held)["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_chat_template_path_jinja_file_as_trl(tmp_path):
     """chat_template_path (a .jinja file) renders the chat rows pf-trl tokenizes, as TRL sets it before tokenizing."""
     template = tmp_path / "chat.jinja"

@@ -13,8 +13,9 @@ import datasets
 import numpy as np
 import pytest
 
-from conftest import write_jsonl
 from pf_trl.data.truncation import TruncationRefused, cut, truncate_dataset
+
+from conftest import write_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +94,7 @@ def test_drop_and_refuse_policies_count_what_they_would_cut():
         truncate_dataset(ds, max_length=40, policy="refuse")
 
 
+@pytest.mark.slow
 def test_pretokenize_keep_end_and_manifest_counts(tmp_path):
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
     from pf_trl.data.shards import load_shards
@@ -111,6 +113,7 @@ def test_pretokenize_keep_end_and_manifest_counts(tmp_path):
     assert (start["truncated"], start["loss_tokens_lost"]) == (2, 20 + 40)  # keep_start: 10 of 30 and 10 of 50 kept
 
 
+@pytest.mark.slow
 def test_cli_pretokenize_says_what_was_cut(tmp_path, capsys):
     from pf_trl.cli.pretokenize import main
 
@@ -155,6 +158,7 @@ def test_cli_train_says_what_was_cut_and_one_limit(tmp_path, capsys):
         parse_args([*base, "--max_seq_len", "64", "--max_length", "128"])
 
 
+@pytest.mark.slow
 def test_trainer_cuts_shards_without_writing_into_them(tmp_path, sample_shards):
     """Shards made with a longer limit are cut to max_length in a private copy: the shards directory is untouched."""
     from pf_trl.data.shards import load_shards
@@ -170,6 +174,7 @@ def test_trainer_cuts_shards_without_writing_into_them(tmp_path, sample_shards):
     assert sorted(p.name for p in sample_shards.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_labels_of_another_length_are_refused_with_the_row():
     ds = datasets.Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
                                      {"input_ids": [1, 2, 3, 4], "labels": [-100, 2]}])

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from pf_trl.attention import varlen_attention  # noqa: E402
-from pf_trl.attention.dispatch import BACKENDS, backend_status, resolve_backend  # noqa: E402
+from pf_trl.attention import varlen_attention
+from pf_trl.attention.dispatch import BACKENDS, backend_status, resolve_backend
 
 
 def sharegpt_lengths(total: int, *, mean: float = 470.0, sigma: float = 0.8, lo: int = 8, hi: int = 1024, seed: int = 0):
@@ -171,6 +171,7 @@ def check_speed(backends, status, device, dtype, sizes, results, backward: bool)
 def model_check(device, dtype, results):
     try:
         import transformers
+
         from pf_trl.attention import enable_padding_free
         from pf_trl.collator import PaddingFreeCollator
     except Exception as exc:

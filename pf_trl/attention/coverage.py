@@ -235,7 +235,7 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
         enable_padding_free(model, mode=mode, allow_unverified=True)
     except PaddingFreeError as exc:
         return {"status": "refused", "reason": str(exc)}
-    except Exception as exc:  # noqa: BLE001 - anything else is a crash, recorded as such
+    except Exception as exc:  # anything else is a crash, recorded as such
         return {"status": "crash", "reason": f"enable_padding_free: {_first_error_line(exc)}"}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     try:
@@ -243,7 +243,7 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
             logits = model(**inputs).logits
     except PaddingFreeError as exc:
         return {"status": "refused", "reason": f"late (on the first batch): {exc}"}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return {"status": "crash", "reason": f"packed forward: {_first_error_line(exc)}"}
     model_err = _max_diff(_per_example_nll(logits, exs, _starts(exs)), ref["per_example"])
     result: dict[str, Any] = {"model_err": model_err}
@@ -255,7 +255,7 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
         loss.backward()
     except PaddingFreeError as exc:
         return {**result, "status": "refused", "reason": f"trainer: {exc}"}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return {**result, "status": "crash", "reason": f"trainer: {_first_error_line(exc)}"}
     result["loss_err"] = abs(float(loss) - ref["loss"])
     result["grad_err"] = _grad_error(_grads(trainer.model), ref["grads"])
@@ -282,7 +282,7 @@ def sweep_type(sweep: _Sweep, model_type: str) -> dict[str, Any]:
     entry: dict[str, Any] = {"class": causal_lm_class(model_type).__name__}
     try:
         base = tiny_model(model_type)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
     base.train()
@@ -292,7 +292,7 @@ def sweep_type(sweep: _Sweep, model_type: str) -> dict[str, Any]:
     try:
         ref = _reference(base, exs, pad_id)
         entry["leak"] = _leak(base, exs, ref)
-    except Exception as exc:  # noqa: BLE001 - the model itself fails padded: no reference, no evidence
+    except Exception as exc:  # the model itself fails padded: no reference, no evidence
         reason = f"the padded reference fails on a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
     for mode in MODES:

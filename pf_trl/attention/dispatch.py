@@ -56,7 +56,7 @@ def _module(name: str) -> ModuleType:
     return module
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unavailable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
     try:
         return _module(name).unavailable(device, dtype)

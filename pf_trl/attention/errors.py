@@ -6,8 +6,10 @@ these instead of falling back.
 
 from __future__ import annotations
 
+from pf_trl.errors import PfTrlError
 
-class PaddingFreeError(RuntimeError):
+
+class PaddingFreeError(PfTrlError, RuntimeError):
     """Base class for padding-free attention errors."""
 
 

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 MODES = ("padded", "trl-padding-free", "pf-trl", "trl-bfd")
 LABELS = {
     "padded": "TRL SFTTrainer, padded",
@@ -44,7 +46,7 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
-class BenchError(ValueError):
+class BenchError(PfTrlError, ValueError):
     pass
 
 
@@ -74,7 +76,6 @@ def _subset(scenario: dict[str, Any]):
     from pf_trl.data.pretokenize import PretokenizeConfig
     from pf_trl.data.sources import load_training_data
     from pf_trl.data.tokenizer import load_tokenizer
-
     from pf_trl.pretrained import resolve_pretrained
 
     tokenizer = load_tokenizer(resolve_pretrained(scenario["tokenizer"])) if scenario.get("tokenizer") else load_tokenizer()

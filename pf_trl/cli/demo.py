@@ -29,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from pf_trl.cli import train as train_cli
     from pf_trl.data.samples import SHAREGPT_SAMPLE
-
     from pf_trl.pretrained import PRETRAINED, resolve_pretrained
 
     model = resolve_pretrained(args.model)  # pf-trl/gemma-3-270m: a real model, built once from its GGUF package

@@ -23,6 +23,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pf_trl._compat import is_help_action, is_store_bool_action, parser_actions
+
 PACKAGE = Path(__file__).resolve().parents[1]
 SHIPPED_TABLE = Path(__file__).with_name("train_flags.json")
 # The pf-trl files whose dataclasses declare train flags (their bytes enter the stamp).
@@ -45,7 +47,7 @@ def stamp() -> dict[str, str]:
 
 
 def _kind(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # noqa: SLF001 - argparse's own
+    if is_store_bool_action(action):
         return "flag"
     if action.choices is not None:
         return "choice"
@@ -56,8 +58,8 @@ def _kind(action: argparse.Action) -> str:
 def table_from_parser(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
     """One row per option of ``parser`` (help excluded): its spellings, value kind, choices and ``nargs``."""
     rows = []
-    for action in parser._actions:  # noqa: SLF001 - the parser's public-by-convention action list
-        if isinstance(action, argparse._HelpAction) or not action.option_strings:  # noqa: SLF001
+    for action in parser_actions(parser):
+        if is_help_action(action) or not action.option_strings:
             continue
         row: dict[str, Any] = {"flags": list(action.option_strings), "dest": action.dest, "kind": _kind(action)}
         if action.choices is not None:

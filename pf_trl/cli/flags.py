@@ -6,10 +6,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from pf_trl.errors import PfTrlError
 from pf_trl.trainer.modes import PADDING_FREE_MODES, deprecation_message
 
 
-class FlagAliasError(ValueError):
+class FlagAliasError(PfTrlError, ValueError):
     """An alias and the flag it stands for, given with two different values."""
 
 

@@ -11,12 +11,13 @@ import sys
 import numpy as np
 
 from pf_trl.cli.flags import normalize_flags, one_line
-from pf_trl.data.shards import ShardsError, load_shards
+from pf_trl.data.shards import load_shards
+from pf_trl.errors import PfTrlError
 
 LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
 
 
-class InspectCLIError(ValueError):
+class InspectCLIError(PfTrlError, ValueError):
     """A bad flag; one line."""
 
 
@@ -53,8 +54,13 @@ def _manifest_tokenizer(manifest: dict, override: str | None):
     """The tokenizer the shards were made with: ``override``, else the manifest's (the embedded name, or the absolute
     folder it records), with the chat template the data was rendered with. A tokenizer that is not the one recorded
     is said so, with what differs."""
-    from pf_trl.data.tokenizer import (TokenizerLoadError, load_tokenizer, tokenizer_differences,
-                                       tokenizer_fingerprint, with_chat_template)
+    from pf_trl.data.tokenizer import (
+        TokenizerLoadError,
+        load_tokenizer,
+        tokenizer_differences,
+        tokenizer_fingerprint,
+        with_chat_template,
+    )
 
     info = manifest["tokenizer"]
     name = override or (info.get("name") if str(info.get("name", "")).startswith("pf-trl/") else info.get("path"))
@@ -156,7 +162,7 @@ def main(argv: list[str]) -> int:
             print(f"budget {budget}: {len(sampler)} batches, fill {sampler.efficiency:.4f}")
         if args.samples:
             print_samples(ds, manifest, args.samples, args.tokenizer_name_or_path)
-    except (argparse.ArgumentError, InspectCLIError, ShardsError, ValueError) as exc:
+    except (argparse.ArgumentError, PfTrlError) as exc:  # InspectCLIError, ShardsError, SamplerError, ...
         if os.environ.get("PF_TRL_DEBUG"):
             raise
         print(f"pf-trl inspect: error: {one_line(exc)}", file=sys.stderr)

@@ -8,19 +8,19 @@ import os
 import sys
 
 from pf_trl.cli.flags import normalize_flags, one_line
-from pf_trl.data.options import PretokenizeConfig, PretokenizeError, add_cli_arguments, config_from_values
-from pf_trl.data.scan import JsonLinesError, check_json_lines
-from pf_trl.data.shards import ShardsError
-from pf_trl.data.sources import DataSourceError, check_source_path
-from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer
+from pf_trl.data.options import PretokenizeConfig, add_cli_arguments, config_from_values
+from pf_trl.data.scan import check_json_lines
+from pf_trl.data.sources import check_source_path
+from pf_trl.data.tokenizer import default_tokenizer_for, resolve_tokenizer
 from pf_trl.data.truncation import POLICY_HELP
+from pf_trl.errors import PfTrlError
 
 _HELP = {
     "truncation": POLICY_HELP.replace("the sequence limit", "--max_seq_len"),
     "truncation_mode": "Which tokens 'truncate' keeps: keep_start (the first max_seq_len, TRL's default) or keep_end.",
 }
 
-class PretokenizeCLIError(ValueError):
+class PretokenizeCLIError(PfTrlError, ValueError):
     """A bad flag; one line."""
 
 
@@ -132,8 +132,9 @@ def main(argv: list[str]) -> int:
 
             manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
                                    overwrite=args.overwrite, progress=not args.no_progress)
-    except (argparse.ArgumentError, PretokenizeCLIError, PretokenizeError, ShardsError, TokenizerLoadError,
-            DataSourceError, JsonLinesError, ValueError) as exc:
+    # PfTrlError: pf-trl's refusals (flags, options, sources, tokenizer, shards); ValueError: what upstream raises on the
+    # data (transformers' tokenizers, e.g. apply_chat_template; datasets) and the truncation policy check
+    except (argparse.ArgumentError, PfTrlError, ValueError) as exc:
         if os.environ.get("PF_TRL_DEBUG"):
             raise
         print(f"pf-trl pretokenize: error: {one_line(exc)}", file=sys.stderr)

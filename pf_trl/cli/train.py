@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pf_trl._compat import parser_actions
 from pf_trl.cli.flags import FlagAliasError, normalize_flags, one_line
 from pf_trl.data.options import train_data_fields
+from pf_trl.errors import PfTrlError
 
 logger = logging.getLogger("pf_trl.cli.train")
 
@@ -42,7 +44,7 @@ SERVICE_WAIT_S = 600.0
 DEFAULT_OUTPUT_DIR = "pf-trl-output"
 
 
-class TrainCLIError(ValueError):
+class TrainCLIError(PfTrlError, ValueError):
     """A bad flag or data path; the message says what to change."""
 
 
@@ -197,7 +199,7 @@ def parse_args(argv: list[str]):
     except ValueError as exc:  # PaddingFreeConfig / TrainingArguments validation
         raise TrainCLIError(str(exc)) from exc
     if rest:
-        raise _unknown(rest, [s for a in parser._actions for s in a.option_strings])  # noqa: SLF001
+        raise _unknown(rest, [s for a in parser_actions(parser) for s in a.option_strings])
     one_sequence_limit(argv, data_args, config)
     return model_args, data_args, config
 
@@ -348,12 +350,11 @@ def precheck(argv: list[str], *, say=print) -> None:
     """Checks that need no model and no transformers import: every flag and value (the flag table), data paths and
     their lines, data options, lengths, model and tokenizer folders, the output directory's checkpoints, the service.
     Raises TrainCLIError with a one-line reason and fix."""
+    from pf_trl.data.data_config import DataConfigError, check_data_config_paths, is_data_config_path, read_data_config
     from pf_trl.data.scan import JsonLinesError, check_json_lines
     from pf_trl.data.shards import is_shards_dir, read_manifest
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
-    from pf_trl.data.data_config import (DataConfigError, check_data_config_paths, is_data_config_path,
-                                         read_data_config)
     from pf_trl.models import is_embedded_model
     from pf_trl.trainer.output_dir import OutputDirError, check_output_dir
 
@@ -732,22 +733,6 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from pf_trl.data.pretokenize import PretokenizeError
-    from pf_trl.data.service_client import DatasetServiceError
-    from pf_trl.data.shards import ShardsError
-    from pf_trl.data.sources import DataSourceError
-    from pf_trl.data.tokenizer import TokenizerLoadError
-    from pf_trl.trainer.output_dir import OutputDirError
-
-    errors = (TrainCLIError, DataSourceError, TokenizerLoadError, PretokenizeError, ShardsError, DatasetServiceError,
-              OutputDirError)
-    # PaddingFreeError: pf-trl refuses the model (with its reason) before training. Importing it imports torch, and
-    # it can only have been raised once pf_trl.attention was imported: a cheap error stays cheap.
-    attention_errors = sys.modules.get("pf_trl.attention.errors")
-    return errors + ((attention_errors.PaddingFreeError,) if attention_errors else ())
-
-
 def _fail(exc: BaseException) -> int:
     if os.environ.get("PF_TRL_DEBUG"):
         raise exc
@@ -770,13 +755,15 @@ def main(argv: list[str] | None = None) -> int:
         check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
                          overwrite_output_dir=config.overwrite_output_dir, cli=True)
         trainer = build(model_args, data_args, config, given=given_options(argv))
-    except _user_errors() as exc:
+    except PfTrlError as exc:  # pf-trl's own refusals, PaddingFreeError (a model pf-trl refuses) included
         return _fail(exc)
-    except ValueError as exc:  # the trainer's own checks of the configuration and data
-        return _fail(exc)
+    except ValueError as exc:  # upstream's checks (TrainingArguments / SFTConfig, from_pretrained, SFTTrainer) and the
+        return _fail(exc)  # trainer's own checks that still raise a bare ValueError (pf_trl/trainer/)
     try:
         result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    except ValueError as exc:  # resume mismatch, sampler budget: the message says what to change
+    except PfTrlError as exc:  # sampler budget or state (SamplerError): the message says what to change
+        return _fail(exc)
+    except ValueError as exc:  # a resume mismatch found by pf_trl/trainer/ (a bare ValueError there), or upstream's
         return _fail(exc)
     metrics = dict(result.metrics)
     if trainer.is_world_process_zero():

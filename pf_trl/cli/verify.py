@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 from pf_trl.cli.flags import one_line
+from pf_trl.errors import PfTrlError
 
 
-class VerifyCLIError(ValueError):
+class VerifyCLIError(PfTrlError, ValueError):
     """A bad argument; one line, exit 2."""
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pf_trl.data.pretokenize import SOURCE_SUFFIXES, PretokenizeConfig, PretokenizeError
+from pf_trl.errors import PfTrlError
 
 SAMPLE_BY = ("examples", "tokens")
 STOPPING_STRATEGIES = ("all_exhausted", "first_exhausted")
@@ -46,7 +47,7 @@ _DATASET_KEYS = {"name", "sampling", "data_paths", "builder", "rename_columns", 
 _OPTION_KEYS = {f.name for f in dataclasses.fields(PretokenizeConfig)}
 
 
-class DataConfigError(ValueError):
+class DataConfigError(PfTrlError, ValueError):
     """A data config (or a list of sources) cannot be used; the message names the entry and the fix."""
 
 

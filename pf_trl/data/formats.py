@@ -30,10 +30,12 @@ keeps its label only where every mask present is 1 and ``labels`` (when given) i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from pf_trl.errors import PfTrlError
 
 IGNORE_INDEX = -100
 FORMATS = ("pretokenized", "text", "prompt_completion", "messages", "conversational_prompt_completion", "alpaca",
@@ -58,7 +60,7 @@ SHAREGPT_ROLES = {
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class FormatError(ValueError):
+class FormatError(PfTrlError, ValueError):
     """A row does not fit the declared input format. The message names the row and the fix; ``option`` names the
     data option to change, when one is the fix."""
 

@@ -20,11 +20,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pf_trl._compat import stream_ex_iterable
+from pf_trl.errors import PfTrlError
+
 IDENTITY_PREFIX = "pf-trl-shards "
 MANIFEST_FILE = "pf_manifest.json"
 
 
-class IdentityError(ValueError):
+class IdentityError(PfTrlError, ValueError):
     """A part of the data was made with another tokenizer than the model's; the message names the part."""
 
 
@@ -91,7 +94,7 @@ def identities(dataset) -> list[dict[str, Any]]:
 def _stream_shards(dataset) -> list:
     """The ``Dataset`` shards behind an ``IterableDataset`` made by ``to_iterable_dataset()`` (which drops the
     description): datasets keeps them in the examples iterable's ``kwargs["shards"]``, behind any map / split."""
-    found, ex = [], getattr(dataset, "_ex_iterable", None)
+    found, ex = [], stream_ex_iterable(dataset)
     for _ in range(64):  # a chain of wrapped iterables (map, filter, split...), never a cycle in practice
         if ex is None:
             break
@@ -105,7 +108,7 @@ def _stream_shards(dataset) -> list:
 def _cache_files(dataset) -> list[str]:
     try:
         files = dataset.cache_files or []
-    except Exception:  # noqa: BLE001 - an IterableDataset or a custom object: no files to look at
+    except Exception:  # an IterableDataset or a custom object: no files to look at
         return []
     return [f["filename"] for f in files if isinstance(f, dict) and f.get("filename")]
 

@@ -21,11 +21,13 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 DEFAULT_ALGORITHM = "xxh3_128"
 BLOCK_BYTES = 4 * 2**20
 
 
-class ChecksumMismatch(ValueError):
+class ChecksumMismatch(PfTrlError, ValueError):
     """A file of a shards directory differs from its manifest; ``file`` names it, the message says how."""
 
     def __init__(self, message: str, file: str):

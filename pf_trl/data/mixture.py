@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pf_trl._compat import dataset_indices
 from pf_trl.data.data_config import DataConfig, DataConfigError, MixtureSource, expand_data_path, source_config
 from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
 
@@ -176,7 +177,7 @@ def mixture_manifest(records: list[dict[str, Any]], config: DataConfig, tokenize
     from pf_trl.data.shards import FORMAT_VERSION, length_stats
     from pf_trl.data.tokenizer import tokenizer_fingerprint
 
-    lengths = np.asarray(combined.data.column("length")) if combined._indices is None else np.asarray(combined["length"])
+    lengths = np.asarray(combined.data.column("length")) if dataset_indices(combined) is None else np.asarray(combined["length"])
     start = 0
     weights = config.weights() if config.is_mixture else None
     for i, record in enumerate(records):
@@ -251,7 +252,7 @@ def mixture_of(dataset) -> dict[str, Any] | None:
         manifest = _manifest_beside(dataset)
     if not isinstance(manifest, dict) or not manifest.get("mixture") or not manifest.get("sources"):
         return None
-    if getattr(dataset, "_indices", None) is not None or getattr(dataset, "num_rows", None) != manifest["counts"]["examples"]:
+    if dataset_indices(dataset) is not None or getattr(dataset, "num_rows", None) != manifest["counts"]["examples"]:
         return None
     rule = manifest["mixture"]
     return {"bounds": [tuple(s["rows"]) for s in manifest["sources"]], "names": [s["name"] for s in manifest["sources"]],
@@ -263,7 +264,7 @@ def _manifest_beside(dataset) -> dict[str, Any] | None:
     """The manifest of a shards directory opened with ``datasets.load_from_disk`` (found next to its Arrow files)."""
     try:
         files = dataset.cache_files or []
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     dirs = {str(Path(f["filename"]).parent) for f in files if isinstance(f, dict) and f.get("filename")}
     if len(dirs) != 1:

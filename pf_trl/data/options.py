@@ -26,6 +26,7 @@ from typing import Any
 
 from pf_trl.data.formats import FORMATS, FieldNames
 from pf_trl.data.truncation import POLICY_HELP, TRUNCATION_MODES, TRUNCATION_POLICIES, normalize_policy
+from pf_trl.errors import PfTrlError
 
 # `error` is the older spelling of `refuse`, still accepted
 _TRUNCATION_CHOICES = (*TRUNCATION_POLICIES, "error")
@@ -33,7 +34,7 @@ SHARD_SIZE_PATTERN = r"^[1-9][0-9]{0,6}(MB|GB|MiB|GiB)$"
 CHAT_TEMPLATE_MAX_CHARS = 1 << 16
 
 
-class PretokenizeError(ValueError):
+class PretokenizeError(PfTrlError, ValueError):
     """Bad input to pretokenize. The message names the problem and the fix; nothing was written. ``option`` names
     the data option at fault, when one is."""
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from pf_trl._compat import dataset_fingerprint, dataset_indices
 from pf_trl._version import __version__
 from pf_trl.data import formats, identity
 from pf_trl.data.formats import FormatError
@@ -97,7 +98,7 @@ def _dataset_fingerprint(source: Any) -> str | None:
             f"source must be a path, a datasets.Dataset or a DatasetDict, got {type(source).__name__}"
         )
     # datasets derives _fingerprint from the data (in-memory tables are hashed) and every transform applied to it
-    return hashlib.sha256(f"datasets.Dataset:{source._fingerprint}".encode()).hexdigest()
+    return hashlib.sha256(f"datasets.Dataset:{dataset_fingerprint(source)}".encode()).hexdigest()
 
 
 def _train_split(ds, where: str):
@@ -111,7 +112,7 @@ def describe_source(source: Any) -> str:
     if isinstance(source, (str, os.PathLike)):
         return str(Path(source).resolve())
     rows = getattr(source, "num_rows", None)
-    return f"datasets.{type(source).__name__}({rows} rows, fingerprint {getattr(source, '_fingerprint', None)})"
+    return f"datasets.{type(source).__name__}({rows} rows, fingerprint {dataset_fingerprint(source)})"
 
 
 @contextlib.contextmanager
@@ -276,7 +277,7 @@ def _refuse_mixed_formats(ds, input_format: str, config: PretokenizeConfig) -> N
 
     table = getattr(ds, "data", None)
     needed = [c for c in formats.required_columns(input_format, config.fields) if c in ds.column_names]
-    if table is None or not needed or getattr(ds, "_indices", None) is not None:
+    if table is None or not needed or dataset_indices(ds) is not None:
         return
     for column in needed:
         nulls = pc.is_null(table.column(column))

@@ -11,10 +11,12 @@ import hashlib
 import json
 from pathlib import Path
 
+from pf_trl.errors import PfTrlError
+
 LINE_SUFFIXES = (".jsonl", ".json")
 
 
-class JsonLinesError(ValueError):
+class JsonLinesError(PfTrlError, ValueError):
     """A JSON Lines source has a malformed line; the message names the file, the line and the fix."""
 
 

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from pf_trl.data.shards import is_shards_dir
+from pf_trl.errors import PfTrlError
 
 _RETRYABLE = {502, 503, 504}
 
 
-class DatasetServiceError(RuntimeError):
+class DatasetServiceError(PfTrlError, RuntimeError):
     """The service refused, failed or timed out. ``status`` is the HTTP status (None: no answer)."""
 
     def __init__(self, message: str, *, status: int | None = None, problem: dict[str, Any] | None = None):

@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from pf_trl.errors import PfTrlError
+
 MANIFEST_FILE = "pf_manifest.json"
 FORMAT_VERSION = 1
 COLUMNS = ("input_ids", "labels", "length")
 
 
-class ShardsError(ValueError):
+class ShardsError(PfTrlError, ValueError):
     """A shards directory is missing, corrupt or incompatible. The message says which and what to do."""
 
 

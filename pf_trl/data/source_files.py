@@ -84,7 +84,7 @@ def check_parquet_file(path: str | Path) -> None:
 
     try:
         metadata = pq.ParquetFile(str(path)).metadata
-    except Exception as exc:  # noqa: BLE001 - any reader error: the file's own problem, named
+    except Exception as exc:
         raise SourceFileError(f"cannot read {Path(path).name} as Parquet ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     for g in range(metadata.num_row_groups):

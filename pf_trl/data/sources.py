@@ -24,11 +24,12 @@ from typing import Any
 
 from pf_trl.data.formats import IGNORE_INDEX, MASK_COLUMNS, labels_from_masks
 from pf_trl.data.pretokenize import SOURCE_SUFFIXES, PretokenizeConfig, PretokenizeError
+from pf_trl.errors import PfTrlError
 
 Say = Callable[[str], None]
 
 
-class DataSourceError(ValueError):
+class DataSourceError(PfTrlError, ValueError):
     """A data source cannot be used; the message names it and the fix."""
 
 

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pf_trl._compat import stream_shuffling
 from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
+from pf_trl.errors import PfTrlError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ PREFLIGHT_ROWS = 64
 _BOOKKEEPING = ("_drop", "_truncated", "_loss")
 
 
-class StreamError(ValueError):
+class StreamError(PfTrlError, ValueError):
     """A stream cannot be trained from; the message names the problem and the fix."""
 
 
@@ -142,7 +144,7 @@ def prepare_stream(stream, tokenizer, config: PretokenizeConfig | None = None, *
     config = config or PretokenizeConfig()
     first = _first_rows(stream, PREFLIGHT_ROWS, what)
     input_format = _resolve(stream, first, config, tokenizer, what)
-    if getattr(stream, "_shuffling", None) is not None:
+    if stream_shuffling(stream) is not None:
         logger.warning("pf-trl: the %s stream is shuffled with a buffer (IterableDataset.shuffle): datasets does not "
                        "keep a shuffle buffer across a resume, so a resumed run reads other rows than an uninterrupted "
                        "one (pf-trl's own look-ahead buffer is saved)", what)

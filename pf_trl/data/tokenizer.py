@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 DEFAULT_TOKENIZER = "pf-trl/mistral-7b-v0.1"
 _EMBEDDED_ALIASES = {DEFAULT_TOKENIZER, "default", "mistral-7b-v0.1"}
 
@@ -45,7 +47,7 @@ _TOKENIZER_FILES = (
 )
 
 
-class TokenizerLoadError(ValueError):
+class TokenizerLoadError(PfTrlError, ValueError):
     """The tokenizer could not be loaded from local files."""
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from pf_trl.errors import PfTrlError
+
 IGNORE_INDEX = -100
 TRUNCATION_POLICIES = ("truncate", "drop", "refuse")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -35,7 +37,7 @@ POLICY_HELP = (
 _POLICY_ALIASES = {"error": "refuse"}
 
 
-class TruncationRefused(ValueError):
+class TruncationRefused(PfTrlError, ValueError):
     """Examples are longer than the limit and the policy is ``refuse``; the message names them and the fix."""
 
 

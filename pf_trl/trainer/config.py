@@ -219,7 +219,7 @@ def _plain_value(value: Any) -> Any:
         return [_plain_value(v) for v in value]
     try:
         return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - an object that cannot be copied (e.g. a device mesh) is shared, not lost
+    except Exception:  # an object that cannot be copied (e.g. a device mesh) is shared, not lost
         return value
 
 

@@ -11,11 +11,13 @@ import re
 import shutil
 from pathlib import Path
 
+from pf_trl.errors import PfTrlError
+
 # transformers.trainer_utils: PREFIX_CHECKPOINT_DIR and the pattern get_last_checkpoint() reads
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-class OutputDirError(ValueError):
+class OutputDirError(PfTrlError, ValueError):
     """The output directory holds checkpoints and the run neither resumes nor overwrites; the message says how."""
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 logger = logging.getLogger("pf_trl.trainer")
 
 HONOURED, REFUSED, NOT_APPLICABLE = "honoured", "refused", "not applicable"
@@ -267,7 +269,7 @@ FIELDS: dict[str, FieldParity] = {
 }
 
 
-class ParityError(ValueError):
+class ParityError(PfTrlError, ValueError):
     """A configuration field pf-trl cannot reproduce; the message names it and what to do."""
 
 

@@ -26,9 +26,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+
+from pf_trl.errors import PfTrlError
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -47,11 +50,11 @@ JOB_COLUMNS = {  # name -> portable type; used by both schemas and by the SQLite
 events_log = logging.getLogger("preprocess_service.events")
 
 
-class QueueFull(Exception):
+class QueueFull(PfTrlError):
     """More than ``max_queued`` jobs are waiting."""
 
 
-class IdempotencyMismatch(Exception):
+class IdempotencyMismatch(PfTrlError):
     """An ``Idempotency-Key`` was reused with another request body."""
 
 
@@ -131,7 +134,7 @@ class JobStore:
             self._local.pending = []
             try:
                 conn.execute("ROLLBACK")
-            except Exception:  # noqa: BLE001 - a broken connection: the original error is the one to raise
+            except Exception:  # a broken connection: the original error is the one to raise
                 pass
             raise
         conn.execute("COMMIT")

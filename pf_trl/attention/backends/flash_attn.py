@@ -24,7 +24,7 @@ _HOPPER: dict[int | None, bool] = {}
 def _import(module: str, label: str) -> tuple:
     if module not in _IMPORTS:
         try:
-            fn = getattr(__import__(module, fromlist=["flash_attn_varlen_func"]), "flash_attn_varlen_func")
+            fn = __import__(module, fromlist=["flash_attn_varlen_func"]).flash_attn_varlen_func
             _IMPORTS[module] = (fn, frozenset(inspect.signature(fn).parameters))
         except Exception as exc:
             _IMPORTS[module] = (None, f"{label} is not importable ({type(exc).__name__}: {exc})")

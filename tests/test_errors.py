@@ -1,0 +1,98 @@
+"""One root exception: every exception class of pf_trl and preprocess_service is a PfTrlError.
+
+The walk reads the sources (ast) instead of importing every module (torch, transformers, fastapi: ~20 s), so it runs
+in the fast lane. A class counts as an exception when one of its bases is a builtin exception or, by name, another
+exception class of the two packages; warnings are not errors and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pf_trl", "preprocess_service")
+BUILTIN_EXCEPTIONS = {name for name, obj in vars(builtins).items()
+                      if isinstance(obj, type) and issubclass(obj, BaseException) and not issubclass(obj, Warning)}
+
+
+def _base_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def exception_classes(sources: dict[str, str]) -> dict[str, list[str]]:
+    """``{"module.Class": [base names]}`` for every exception class defined at module level in ``sources``
+    (``{module: source text}``)."""
+    classes: dict[str, tuple[str, list[str]]] = {}
+    for module, text in sources.items():
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (module, [_base_name(b) for b in node.bases])
+    exceptions: set[str] = set()
+    changed = True
+    while changed:  # a class is an exception when a base is one (builtin, or one of ours found so far)
+        changed = False
+        for name, (_, bases) in classes.items():
+            if name not in exceptions and any(b in BUILTIN_EXCEPTIONS or b in exceptions for b in bases):
+                exceptions.add(name)
+                changed = True
+    return {f"{classes[n][0]}.{n}": classes[n][1] for n in sorted(exceptions)}
+
+
+def outside_root(sources: dict[str, str]) -> list[str]:
+    """The exception classes of ``sources`` whose bases never reach ``PfTrlError`` (the root itself excepted)."""
+    found = exception_classes(sources)
+    by_name = {qual.rsplit(".", 1)[1]: bases for qual, bases in found.items()}
+
+    def under_root(name: str, seen: frozenset[str] = frozenset()) -> bool:
+        if name == "PfTrlError":
+            return True
+        return name not in seen and any(under_root(b, seen | {name}) for b in by_name.get(name, ()))
+
+    return [qual for qual in found if qual.rsplit(".", 1)[1] != "PfTrlError" and not under_root(qual.rsplit(".", 1)[1])]
+
+
+@functools.cache
+def package_sources() -> dict[str, str]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[module] = path.read_text(encoding="utf-8")
+    return out
+
+
+def test_every_exception_class_is_a_pf_trl_error():
+    sources = package_sources()
+    found = exception_classes(sources)
+    assert len(found) >= 30, sorted(found)  # the walk finds them (30 classes and the root when this was written)
+    assert outside_root(sources) == []
+
+
+@pytest.mark.parametrize("source", [
+    "class Stray(ValueError):\n    pass\n",
+    "class Base(RuntimeError):\n    pass\n\n\nclass Child(Base):\n    pass\n",
+], ids=["stray", "inherited"])
+def test_a_class_outside_the_root_is_reported(source):
+    sources = {**package_sources(), "pf_trl.fake": source}
+    assert outside_root(sources) and all(q.startswith("pf_trl.fake.") for q in outside_root(sources))
+
+
+def test_the_root_is_exported_and_keeps_builtin_bases():
+    import pf_trl
+    from pf_trl.data.service_client import DatasetServiceError
+    from pf_trl.data.shards import ShardsError
+    from pf_trl.errors import PfTrlError
+    from pf_trl.sampler import SamplerError, TokenBudgetBatchSampler
+
+    assert pf_trl.PfTrlError is PfTrlError and "PfTrlError" in pf_trl.__all__
+    assert issubclass(ShardsError, ValueError) and issubclass(DatasetServiceError, RuntimeError)
+    with pytest.raises(ValueError) as info:  # `except ValueError` written before the root keeps working
+        TokenBudgetBatchSampler([5, 3], max_tokens=0)
+    assert isinstance(info.value, (SamplerError, PfTrlError))
