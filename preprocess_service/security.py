@@ -216,12 +216,12 @@ def _confine(raw: str, roots: list[Path], *, field: str, what: str = "source") -
     if "\x00" in raw:
         raise ServiceError(422, "Unprocessable Content", f"{field}: path contains a NUL byte", kind="invalid-path",
                            field=field)
-    candidate = Path(raw).expanduser()
-    if not candidate.is_absolute():
-        candidate = roots[0] / candidate
     try:
+        candidate = Path(raw).expanduser()  # `~user` of no such user (or no HOME): RuntimeError
+        if not candidate.is_absolute():
+            candidate = roots[0] / candidate
         resolved = candidate.resolve(strict=False)
-    except (OSError, RuntimeError) as exc:  # symlink loops
+    except (OSError, RuntimeError) as exc:  # symlink loops, an unknown home directory
         raise ServiceError(422, "Unprocessable Content", f"{field}: cannot resolve {raw!r} ({exc})",
                            kind="invalid-path", field=field) from exc
     if not any(_is_within(resolved, r) for r in roots):

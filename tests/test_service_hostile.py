@@ -126,6 +126,18 @@ def test_hardlinks_are_refused(env, client):
     assert client.post("/v1/datasets", json={"source": {"path": "copied.jsonl"}}).status_code == 202
 
 
+def test_a_home_directory_that_does_not_exist_is_refused_not_a_server_error(env, client):
+    # `~user` of a user the service's machine does not have: pathlib raises RuntimeError while expanding it
+    ghost = "~pf-trl-no-such-user-0"
+    _refused(client.post("/v1/datasets", json={"source": {"path": f"{ghost}/a.jsonl"}}), 422, "cannot resolve")
+    write_rows(env["root"] / "home.jsonl", generated_rows(5, "home"))
+    _refused(client.post("/v1/datasets", json={"source": {"path": "home.jsonl"}, "tokenizer": f"{ghost}/tok"}),
+             422, "cannot resolve")
+    _refused(client.post("/v1/mixtures", json={"tokenizer": ghost, "sources": [{"source": {"path": "home.jsonl"}}]}),
+             422, "cannot resolve")
+    assert client.get("/readyz").status_code == 200  # the API answered each and is alive
+
+
 def test_compressed_sources_are_not_accepted(env, client):
     rows = "".join(json.dumps(r) + "\n" for r in generated_rows(10, "gz")).encode()
     (env["root"] / "rows.jsonl.gz").write_bytes(gzip.compress(rows))
