@@ -128,8 +128,6 @@ def hf_varlen_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function ``pf_varlen`` (see module docstring)."""
-    if s_aux is not None:
-        raise UnsupportedFeatureError("pf_varlen does not implement attention sinks (s_aux, e.g. gpt-oss)")
     if kwargs.get("output_attentions"):
         _warn_once("output_attentions", "pf_varlen does not return attention weights (output_attentions ignored)")
     backend = backend or getattr(module, "_pf_varlen_backend", "auto")
@@ -141,7 +139,7 @@ def hf_varlen_attention(
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
     common = dict(causal=causal, softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap)
-    common.update(dropout_p=float(dropout), backend=backend)
+    common.update(dropout_p=float(dropout), backend=backend, sinks=s_aux)  # s_aux: gpt-oss style attention sinks
 
     if attention_mask is not None:
         if attention_mask.dim() != 2:
