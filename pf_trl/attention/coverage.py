@@ -63,13 +63,13 @@ DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 # ------------------------------------------------------------------------------------------------- helpers
 
 
-def _examples(config, n_vocab: int, seed: int = 0) -> list[torch.Tensor]:
+def _examples(config, n_vocab: int, seed: int = 0, lengths=LENGTHS) -> list[torch.Tensor]:
     from pf_trl.attention.tiny import special_token_ids
 
     avoid = special_token_ids(config)
     allowed = torch.tensor([i for i in range(min(n_vocab, 256)) if i not in avoid and i >= 3])
     g = torch.Generator().manual_seed(seed)
-    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)] for n in LENGTHS]
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)] for n in lengths]
 
 
 def _vocab(config) -> int:
@@ -285,9 +285,16 @@ def sweep_type(sweep: _Sweep, model_type: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
+    return sweep_model(sweep, base, model_type)
+
+
+def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=LENGTHS) -> dict[str, Any]:
+    """Both modes of one built model (a type's defaults, or a variant a test builds): the sweep's entry for it."""
+    model_type = model_type or base.config.model_type
+    entry: dict[str, Any] = {"class": type(base).__name__}
     base.train()
     _no_dropout(base)
-    exs = _examples(base.config, _vocab(base.config))
+    exs = _examples(base.config, _vocab(base.config), lengths=lengths)
     pad_id = int(exs[0][0])  # any id: padded positions are masked and unlabelled
     try:
         ref = _reference(base, exs, pad_id)

@@ -113,6 +113,11 @@ def check_model_supported(
             f"{model_type} is multimodal; pf-trl supports text-only causal LMs. Load the text model alone "
             "(AutoModelForCausalLM on its text config) or train it padded."
         )
+    from pf_trl.attention.refusals import structural_refusal
+
+    refusal = structural_refusal(model)
+    if refusal is not None:
+        raise UnsupportedModelError(refusal + ".")
     if legacy:
         if model_type not in LEGACY_TYPES():
             raise UnsupportedModelError(
@@ -160,6 +165,28 @@ def _cache_has_tokens(cache) -> bool:
     return True
 
 
+def _check_row_limit(model: torch.nn.Module, kwargs: dict, packed: bool) -> None:
+    """Refuse a packed row longer than the model keeps exact (:mod:`pf_trl.attention.row_limits`); shapes only,
+    unless the row is over the limit and its packing is not known yet."""
+    limit = getattr(model, "_pf_row_limit", ())
+    if limit == ():
+        from pf_trl.attention.row_limits import packed_row_limit
+
+        limit = packed_row_limit(model)
+        model._pf_row_limit = limit
+    if limit is None:
+        return
+    x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] <= limit[0]:
+        return
+    cu = kwargs.get("cu_seq_lens_q")
+    several = cu.numel() - 1 > x.shape[0] if isinstance(cu, torch.Tensor) else (packed or _is_packed(kwargs))
+    if several:
+        from pf_trl.attention.row_limits import check_packed_rows
+
+        check_packed_rows(model, int(x.shape[1]))
+
+
 def _make_pre_hook(*, drop_flash_kwargs: bool):
     signatures: dict[type, inspect.Signature] = {}
 
@@ -180,6 +207,7 @@ def _make_pre_hook(*, drop_flash_kwargs: bool):
         idle = kwargs.get("use_cache") is False and kwargs.get("attention_mask") is None and all(
             kwargs.get(name) is None for name in ("cache", "past_key_values"))
         packed = not idle and _is_packed(kwargs)
+        _check_row_limit(module, kwargs, packed)
         if drop_flash_kwargs:  # transformers 4.43 forwards take no **kwargs: segments come from position_ids
             for name in FLASH_KWARGS:
                 kwargs.pop(name, None)
@@ -411,6 +439,12 @@ def enable_padding_free(
                     if hasattr(type(module), "_update_causal_mask"):
                         module._update_causal_mask = types.MethodType(_passthrough_causal_mask, module)
 
+    if mode == "huggingface":
+        from pf_trl.attention import packed_masks
+
+        fixed = packed_masks.install(model)  # models whose own mask builder is not given position_ids
+        if fixed:
+            logger.info("pf-trl: %s builds its masks without position_ids; pf-trl passes them", ", ".join(fixed))
     _install_hooks(model, drop_flash_kwargs=legacy)
     result = self_check(model) if (check or mode == "huggingface") else {}
     state = getattr(model, _STATE_ATTR)

@@ -297,8 +297,12 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         world = max(1, self.args.world_size)
         rank = self.args.process_index if world > 1 else 0
-        return TokenBudgetBatchSampler(lengths, int(budget), shuffle=shuffle, seed=int(seed), num_replicas=world,
-                                       rank=rank, drop_last=False)
+        sampler = TokenBudgetBatchSampler(lengths, int(budget), shuffle=shuffle, seed=int(seed), num_replicas=world,
+                                          rank=rank, drop_last=False)
+        from pf_trl.attention.row_limits import check_packed_rows
+
+        check_packed_rows(_transformers_model(self.model), sampler.max_tokens)  # before the first step (Llama 4)
+        return sampler
 
     def _pf_dataloader(self, dataset, sampler, *, training: bool):
         from functools import partial
