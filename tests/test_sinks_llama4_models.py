@@ -174,3 +174,23 @@ def test_llama4_budget_over_the_limit_is_refused_before_training(tmp_path):
                                         processing_class=load_tokenizer(), train_dataset=ds)
     with pytest.raises(UnsupportedModelError, match="max_tokens_per_batch <= 15"):
         trainer.train()
+
+
+# ------------------------------------------------------------------- mask builders not given the position_ids
+
+
+def test_opt_direct_mask_builder_and_its_negative_control(sweep, monkeypatch):
+    """OPT calls create_causal_mask without position_ids: pf-trl hands its decoder the mask built with them."""
+    from transformers.models.opt.modeling_opt import OPTDecoder
+
+    assert packed_masks.direct_builder_without_positions(OPTDecoder) == "create_causal_mask"
+    assert_exact(sweep(build("opt")))
+    monkeypatch.setattr(packed_masks, "install", lambda model: [])
+    entry = sweep(build("opt"))
+    assert entry["huggingface"]["status"] == "refused" and "self-check failed" in entry["huggingface"]["reason"]
+
+
+def test_sparse_attention_indexer_is_refused_in_internal_mode_only(sweep):
+    entry = sweep(build("deepseek_v32"))
+    assert entry["huggingface"]["status"] == "exact"
+    assert entry["internal"]["status"] == "refused" and "sparse attention indexer" in entry["internal"]["reason"]

@@ -87,10 +87,20 @@ def _uses_mrope(config) -> bool:
 def check_model_supported(
     model: torch.nn.Module, *, legacy: bool, allow_unverified: bool = False, mode: str = "huggingface"
 ) -> str:
-    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type.
+    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type
+    (see :func:`admit`)."""
+    return admit(model, legacy=legacy, allow_unverified=allow_unverified, mode=mode)[0]
 
-    Structural refusals first (custom code, multimodal, mrope), then the coverage sweep's evidence
-    (:func:`pf_trl.attention.support.decide`); the transformers < 4.48 patch keeps its own list.
+
+def admit(
+    model: torch.nn.Module, *, legacy: bool, allow_unverified: bool = False, mode: str = "huggingface"
+) -> tuple[str, str]:
+    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type
+    and the decision (``"exact"``, or ``"unverified"``: no sweep evidence, the runtime self-check decides).
+
+    Structural refusals first (custom code, multimodal, mrope, known layers: :mod:`pf_trl.attention.refusals`),
+    then the coverage sweep's evidence (:func:`pf_trl.attention.support.decide`); the transformers < 4.48 patch
+    keeps its own list.
     """
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None:
@@ -113,9 +123,9 @@ def check_model_supported(
             f"{model_type} is multimodal; pf-trl supports text-only causal LMs. Load the text model alone "
             "(AutoModelForCausalLM on its text config) or train it padded."
         )
-    from pf_trl.attention.refusals import structural_refusal
+    from pf_trl.attention.refusals import mode_refusal, structural_refusal
 
-    refusal = structural_refusal(model)
+    refusal = structural_refusal(model) or (None if legacy else mode_refusal(model, mode))
     if refusal is not None:
         raise UnsupportedModelError(refusal + ".")
     if legacy:
@@ -124,9 +134,8 @@ def check_model_supported(
                 f"model_type {model_type!r} ({type(model).__name__}) is not an architecture pf-trl knows how to make "
                 f"padding-free on this transformers; supported: {', '.join(LEGACY_TYPES())}."
             )
-        return model_type
-    support.decide(model_type, type(model).__name__, mode, allow_unverified=allow_unverified)
-    return model_type
+        return model_type, "exact"
+    return model_type, support.decide(model_type, type(model).__name__, mode, allow_unverified=allow_unverified)
 
 
 def LEGACY_TYPES() -> tuple[str, ...]:
@@ -404,7 +413,8 @@ def enable_padding_free(
             transformers.__version__,
         )
         mode = "internal"
-    check_model_supported(model, legacy=legacy and mode == "internal", allow_unverified=allow_unverified, mode=mode)
+    _, decision = admit(model, legacy=legacy and mode == "internal", allow_unverified=allow_unverified, mode=mode)
+    check = check or decision == "unverified"  # no sweep evidence: the self-check is the only evidence
 
     if mode == "internal":
         _check_backend(model, backend)

@@ -9,7 +9,10 @@ module that builds that mapping with the module's own builders and the same argu
 
 Which modules need it is read from their forward's source (``ast``): a ``mask_kwargs = {...}`` literal without a
 ``"position_ids"`` key, the builders called with ``**mask_kwargs`` in a dict literal, and an
-``isinstance(..., dict)`` test on ``attention_mask``. A model that passes ``position_ids`` itself is left alone.
+``isinstance(..., dict)`` test on ``attention_mask``. Forwards that call one builder directly without
+``position_ids`` (OPT, XGLM, BioGPT, the BART-style decoders) get the mask it builds, a 4-D tensor, which the
+builder hands back unchanged (as transformers' packed path would build it for eager / sdpa anyway). A model that
+passes ``position_ids`` itself is left alone. The self-check and the coverage sweep then measure each model.
 """
 
 from __future__ import annotations
@@ -60,6 +63,29 @@ def mask_builders_without_positions(cls: type) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(builders.items()))
 
 
+DIRECT_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+
+
+@functools.lru_cache(maxsize=None)
+def direct_builder_without_positions(cls: type) -> str | None:
+    """The one ``masking_utils`` builder ``cls.forward`` calls directly (keyword arguments, no ``**``) without
+    ``position_ids``, or ``None``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id.startswith("create_") and node.func.id.endswith("mask")]
+    if len(calls) != 1 or calls[0].func.id not in DIRECT_BUILDERS:
+        return None
+    keywords = {kw.arg for kw in calls[0].keywords}
+    if None in keywords or "position_ids" in keywords or "attention_mask" not in keywords:
+        return None
+    if "attention_mask" not in inspect.signature(cls.forward).parameters:
+        return None
+    return calls[0].func.id
+
+
 def _embeds_like(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.Tensor | None:
     """What the mask builders read of ``inputs_embeds`` (batch, length, dtype, device), without embedding."""
     embeds = kwargs.get("inputs_embeds")
@@ -85,10 +111,16 @@ def _hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         return None
     from transformers import masking_utils
 
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        return None  # a prepared 4-D mask: the builders hand it back as is
     common = dict(config=module.config, inputs_embeds=embeds, attention_mask=mask, cache=None,
                   position_ids=position_ids)
-    mapping = {key: getattr(masking_utils, fn)(**common) for key, fn in mask_builders_without_positions(type(module))}
-    return args, {**kwargs, "attention_mask": mapping}
+    builders = mask_builders_without_positions(type(module))
+    if builders:
+        prepared = {key: getattr(masking_utils, fn)(**common) for key, fn in builders}
+    else:
+        prepared = getattr(masking_utils, direct_builder_without_positions(type(module)))(**common)
+    return args, {**kwargs, "attention_mask": prepared}
 
 
 def install(model: torch.nn.Module) -> list[str]:
@@ -98,7 +130,7 @@ def install(model: torch.nn.Module) -> list[str]:
     for module in model.modules():
         if getattr(module, _HOOK_ATTR, None) is not None or not hasattr(module, "config"):
             continue
-        if mask_builders_without_positions(type(module)):
+        if mask_builders_without_positions(type(module)) or direct_builder_without_positions(type(module)):
             setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_hook, with_kwargs=True))
             fixed.append(type(module).__name__)
     return fixed
