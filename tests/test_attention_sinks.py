@@ -156,3 +156,20 @@ def test_sinks_shape_is_checked():
     q, k, v, sinks, cu_q, cu_k, mq, mk = make_inputs([3, 2])
     with pytest.raises(ValueError, match="one value per query head"):
         varlen_attention(q, k, v, cu_q, cu_k, mq, mk, sinks=sinks[:2])
+
+
+@pytest.mark.slow
+def test_gpu_sinks_check_dry_run(tmp_path):
+    """The GPU run book's sinks stage stays runnable between GPU sessions (CPU, tiny sizes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "sinks_check.py"
+    done = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "sinks_check.json").read_text())
+    assert [r for r in result["kernels"] if r["backend"] == "sdpa" and r["status"] == "ok"]
+    assert result["gpt_oss"][0]["loss_err"] < 1e-5

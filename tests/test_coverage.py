@@ -56,6 +56,7 @@ def test_sweep_targets(fresh_matrix):
     assert coverage.both_exact(models) >= MIN_BOTH_EXACT, coverage.both_exact(models)
     for model_type in SINK_AND_LLAMA4_TYPES:  # attention sinks and Llama 4: exact in both modes
         assert all(models[model_type][m]["status"] == "exact" for m in coverage.MODES), models[model_type]
+    assert models["deepseek_v4"]["huggingface"]["status"] == "exact"  # compressed layers per example
     for model_type, entry in models.items():
         for mode in coverage.MODES:
             res = entry[mode]

@@ -107,12 +107,32 @@ def test_mask_builders_without_positions_are_found_by_source():
     assert packed_masks.mask_builders_without_positions(LlamaModel) == ()  # passes position_ids itself
 
 
-def test_deepseek_v4_compressed_layers_are_refused_by_name_sliding_layers_exact(sweep):
-    entry = sweep(build("deepseek_v4"))  # defaults: compressed (CSA / HCA) layers only
-    for mode in coverage.MODES:
-        assert entry[mode]["status"] == "refused" and "compressed attention layers" in entry[mode]["reason"]
-    sliding = build("deepseek_v4", layer_types=["sliding_attention"] * 3)
-    assert_exact(sweep(sliding))
+DEEPSEEK_V4_VARIANTS = {
+    "defaults": {},  # CSA windows of 4, HCA windows of 128 (none complete in 14 tokens)
+    "hca_windows_complete": {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}},
+    "sliding_only": {"layer_types": ["sliding_attention"] * 3},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DEEPSEEK_V4_VARIANTS))
+def test_deepseek_v4_compressed_layers_per_example(sweep, variant):
+    """Sinks and compressed attention exact in huggingface mode; internal mode refuses compressed layers by name."""
+    overrides = DEEPSEEK_V4_VARIANTS[variant]
+    entry = sweep(build("deepseek_v4", **overrides))
+    if variant == "sliding_only":
+        assert_exact(entry)
+        return
+    assert_exact(entry, modes=("huggingface",))
+    assert entry["internal"]["status"] == "refused" and "compressed attention layers" in entry["internal"]["reason"]
+
+
+def test_deepseek_v4_negative_control_compressors_over_the_row(sweep, monkeypatch):
+    """Without the per-example compressors the windows straddle examples: the self-check sees the leak."""
+    from pf_trl.attention import compressed_kv
+
+    monkeypatch.setattr(compressed_kv, "install", lambda model: [])
+    entry = sweep(build("deepseek_v4", **DEEPSEEK_V4_VARIANTS["hca_windows_complete"]))
+    assert entry["huggingface"]["status"] == "refused" and "self-check failed" in entry["huggingface"]["reason"]
 
 
 # --------------------------------------------------------------------------------------------------- Llama 4

@@ -377,8 +377,8 @@ NOTES = [
     "them the masks transformers' own builders make with the packed positions.",
     "- Llama 4: chunked attention is exact in both modes; its attention temperature tuning reads the row position, so "
     "packed rows longer than `floor_scale - 1` tokens (8,191) are refused before training. DeepSeek-V4's compressed "
-    "layers (CSA / HCA) pool windows of the row and are refused (sliding-window-only configurations are exact); "
-    "DeepSeek sparse attention (V3.2, GLM-MoE-DSA, AXK2, HY-V4) needs transformers' dense mask: `huggingface` mode.",
+    "layers (CSA / HCA) pool windows of the sequence: pf-trl computes them per packed example, which needs "
+    "transformers' dense mask (`huggingface` mode); so does DeepSeek sparse attention (V3.2, GLM-MoE-DSA, AXK2, HY-V4).",
     "- modernbert-decoder and hy_v4 are swept with `initializer_range=0.1`: with the default initialisation at this "
     "width a cross-example leak would move the loss by less than the negative-control floor.",
 ]

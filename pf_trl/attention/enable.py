@@ -123,9 +123,9 @@ def admit(
             f"{model_type} is multimodal; pf-trl supports text-only causal LMs. Load the text model alone "
             "(AutoModelForCausalLM on its text config) or train it padded."
         )
-    from pf_trl.attention.refusals import mode_refusal, structural_refusal
+    from pf_trl.attention.refusals import mode_refusal
 
-    refusal = structural_refusal(model) or (None if legacy else mode_refusal(model, mode))
+    refusal = None if legacy else mode_refusal(model, mode)
     if refusal is not None:
         raise UnsupportedModelError(refusal + ".")
     if legacy:
@@ -455,6 +455,9 @@ def enable_padding_free(
         fixed = packed_masks.install(model)  # models whose own mask builder is not given position_ids
         if fixed:
             logger.info("pf-trl: %s builds its masks without position_ids; pf-trl passes them", ", ".join(fixed))
+        from pf_trl.attention import compressed_kv
+
+        compressed_kv.install(model)  # DeepSeek-V4: compressed key/value entries per packed example
     _install_hooks(model, drop_flash_kwargs=legacy)
     result = self_check(model) if (check or mode == "huggingface") else {}
     state = getattr(model, _STATE_ATTR)
