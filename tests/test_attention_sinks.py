@@ -14,36 +14,14 @@ from pf_trl.attention import varlen_attention
 from pf_trl.attention.backends import _sinks
 from pf_trl.attention.backends import sdpa as sdpa_backend
 from pf_trl.attention.dispatch import backend_status, flash_window
+from test_attention_kernels import naive_reference
 
 CPU_BACKENDS = [name for name, reason in backend_status("cpu", torch.float32).items() if reason is None]
 
 
 def eager_reference(q, k, v, cu_q, cu_k, sinks, *, causal=True, scale=None, sliding_window=None):
-    """transformers' gpt-oss eager attention, written densely in float64: scores, the sink as one more column,
-    softmax, the sink column dropped."""
-    q, k, v = q.double(), k.double(), v.double()
-    tq, hq, d = q.shape
-    tk, hkv, _ = k.shape
-    scale = d**-0.5 if scale is None else scale
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    allowed = torch.zeros(tq, tk, dtype=torch.bool)
-    for s in range(len(cu_q) - 1):
-        sq, eq, sk, ek = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-        lq, lk = eq - sq, ek - sk
-        for i in range(lq):
-            a = i + lk - lq
-            for j in range(lk):
-                ok = (not causal or j <= a) and (sliding_window is None or j > a - sliding_window)
-                allowed[sq + i, sk + j] = ok
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        sink_col = sinks.double().view(hq, 1, 1).expand(hq, tq, 1)
-        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    """transformers' gpt-oss eager attention, densely in float64: the sink as one more score column per query."""
+    return naive_reference(q, k, v, cu_q, cu_k, causal=causal, scale=scale, sliding_window=sliding_window, sinks=sinks)
 
 
 def make_inputs(lengths, hq=4, hkv=2, d=16, seed=0, kv_lengths=None):

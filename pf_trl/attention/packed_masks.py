@@ -29,12 +29,19 @@ _HOOK_ATTR = "_pf_packed_mask_hook"
 
 
 @functools.lru_cache(maxsize=None)
+def _forward_tree(cls: type) -> ast.AST | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
 def mask_builders_without_positions(cls: type) -> tuple[tuple[str, str], ...]:
     """``((mask key, masking_utils function), ...)`` when ``cls.forward`` builds its masks without ``position_ids``
     and accepts a prepared mask mapping; ``()`` otherwise."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
+    tree = _forward_tree(cls)
+    if tree is None:
         return ()
     kwarg_keys: set[str] | None = None
     builders: dict[str, str] = {}
@@ -70,9 +77,8 @@ DIRECT_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "c
 def direct_builder_without_positions(cls: type) -> str | None:
     """The one ``masking_utils`` builder ``cls.forward`` calls directly (keyword arguments, no ``**``) without
     ``position_ids``, or ``None``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
+    tree = _forward_tree(cls)
+    if tree is None:
         return None
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
              and node.func.id.startswith("create_") and node.func.id.endswith("mask")]
