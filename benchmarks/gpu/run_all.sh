@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU run book, one command on the lent GPU machine, from the repository root (< 8 min):
-#   run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=540)
+# The GPU run book, one command on the lent GPU machine, from the repository root (< 9 min):
+#   run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=590)
 # Before it, HERE: bash benchmarks/gpu/prepare_carry.sh (the wheels, listed by `prepare_carry.sh --list`), and
 # optionally bash benchmarks/gpu/stage_gemma.sh + the staging calls it prints (the real Gemma 3 270M).
 # Stages, each with its own timeout (seconds), results in $OUT (tables on stdout):
 #   1. attention kernel table: every varlen backend vs the exact reference in bf16, kernel times (150)
+#   1b. attention sinks (gpt-oss): every backend with sinks vs the exact reference, full and sliding window, forward
+#      and gradients; a tiny gpt-oss packed vs padded eager per backend (100)
 #   2. torch.compile on/off through PaddingFreeSFTTrainer, both padding-free modes: real Gemma 3 270M when staged,
 #      else the tiny Llama; compile time apart, 0-graph-break check of the forward on CUDA (200)
 #   3. pf-trl bench: ~1B Llama, padded vs TRL padding-free vs pf-trl, MFU (100)
@@ -34,6 +36,10 @@ if [[ $DRY == 1 ]]; then
 else
   CHECK_TIMEOUT_S=150 bash benchmarks/gpu/run_attention_check.sh 2>&1 | tail -40
 fi
+
+stage "1b. attention sinks (gpt-oss)"
+timeout 100 "$PY" benchmarks/gpu/sinks_check.py --out "$OUT" $([[ $DRY == 1 ]] && echo --dry-run) 2>&1 \
+  | grep -v "Warning\|warn(" | tee "$OUT/sinks_check.log" | tail -14
 
 stage "2. torch.compile on/off (PaddingFreeSFTTrainer, both modes)"
 "$PY" - <<'PY' 2>&1 | tee "$OUT/compile_explain.log"

@@ -87,10 +87,20 @@ def _uses_mrope(config) -> bool:
 def check_model_supported(
     model: torch.nn.Module, *, legacy: bool, allow_unverified: bool = False, mode: str = "huggingface"
 ) -> str:
-    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type.
+    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type
+    (see :func:`admit`)."""
+    return admit(model, legacy=legacy, allow_unverified=allow_unverified, mode=mode)[0]
 
-    Structural refusals first (custom code, multimodal, mrope), then the coverage sweep's evidence
-    (:func:`pf_trl.attention.support.decide`); the transformers < 4.48 patch keeps its own list.
+
+def admit(
+    model: torch.nn.Module, *, legacy: bool, allow_unverified: bool = False, mode: str = "huggingface"
+) -> tuple[str, str]:
+    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type
+    and the decision (``"exact"``, or ``"unverified"``: no sweep evidence, the runtime self-check decides).
+
+    Structural refusals first (custom code, multimodal, mrope, known layers: :mod:`pf_trl.attention.refusals`),
+    then the coverage sweep's evidence (:func:`pf_trl.attention.support.decide`); the transformers < 4.48 patch
+    keeps its own list.
     """
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None:
@@ -113,15 +123,19 @@ def check_model_supported(
             f"{model_type} is multimodal; pf-trl supports text-only causal LMs. Load the text model alone "
             "(AutoModelForCausalLM on its text config) or train it padded."
         )
+    from pf_trl.attention.refusals import mode_refusal
+
+    refusal = None if legacy else mode_refusal(model, mode)
+    if refusal is not None:
+        raise UnsupportedModelError(refusal + ".")
     if legacy:
         if model_type not in LEGACY_TYPES():
             raise UnsupportedModelError(
                 f"model_type {model_type!r} ({type(model).__name__}) is not an architecture pf-trl knows how to make "
                 f"padding-free on this transformers; supported: {', '.join(LEGACY_TYPES())}."
             )
-        return model_type
-    support.decide(model_type, type(model).__name__, mode, allow_unverified=allow_unverified)
-    return model_type
+        return model_type, "exact"
+    return model_type, support.decide(model_type, type(model).__name__, mode, allow_unverified=allow_unverified)
 
 
 def LEGACY_TYPES() -> tuple[str, ...]:
@@ -160,6 +174,28 @@ def _cache_has_tokens(cache) -> bool:
     return True
 
 
+def _check_row_limit(model: torch.nn.Module, kwargs: dict, packed: bool) -> None:
+    """Refuse a packed row longer than the model keeps exact (:mod:`pf_trl.attention.row_limits`); shapes only,
+    unless the row is over the limit and its packing is not known yet."""
+    limit = getattr(model, "_pf_row_limit", ())
+    if limit == ():
+        from pf_trl.attention.row_limits import packed_row_limit
+
+        limit = packed_row_limit(model)
+        model._pf_row_limit = limit
+    if limit is None:
+        return
+    x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] <= limit[0]:
+        return
+    cu = kwargs.get("cu_seq_lens_q")
+    several = cu.numel() - 1 > x.shape[0] if isinstance(cu, torch.Tensor) else (packed or _is_packed(kwargs))
+    if several:
+        from pf_trl.attention.row_limits import check_packed_rows
+
+        check_packed_rows(model, int(x.shape[1]))
+
+
 def _make_pre_hook(*, drop_flash_kwargs: bool):
     signatures: dict[type, inspect.Signature] = {}
 
@@ -180,6 +216,7 @@ def _make_pre_hook(*, drop_flash_kwargs: bool):
         idle = kwargs.get("use_cache") is False and kwargs.get("attention_mask") is None and all(
             kwargs.get(name) is None for name in ("cache", "past_key_values"))
         packed = not idle and _is_packed(kwargs)
+        _check_row_limit(module, kwargs, packed)
         if drop_flash_kwargs:  # transformers 4.43 forwards take no **kwargs: segments come from position_ids
             for name in FLASH_KWARGS:
                 kwargs.pop(name, None)
@@ -376,7 +413,8 @@ def enable_padding_free(
             transformers.__version__,
         )
         mode = "internal"
-    check_model_supported(model, legacy=legacy and mode == "internal", allow_unverified=allow_unverified, mode=mode)
+    _, decision = admit(model, legacy=legacy and mode == "internal", allow_unverified=allow_unverified, mode=mode)
+    check = check or decision == "unverified"  # no sweep evidence: the self-check is the only evidence
 
     if mode == "internal":
         _check_backend(model, backend)
@@ -411,6 +449,15 @@ def enable_padding_free(
                     if hasattr(type(module), "_update_causal_mask"):
                         module._update_causal_mask = types.MethodType(_passthrough_causal_mask, module)
 
+    if mode == "huggingface":
+        from pf_trl.attention import packed_masks
+
+        fixed = packed_masks.install(model)  # models whose own mask builder is not given position_ids
+        if fixed:
+            logger.info("pf-trl: %s builds its masks without position_ids; pf-trl passes them", ", ".join(fixed))
+        from pf_trl.attention import compressed_kv
+
+        compressed_kv.install(model)  # DeepSeek-V4: compressed key/value entries per packed example
     _install_hooks(model, drop_flash_kwargs=legacy)
     result = self_check(model) if (check or mode == "huggingface") else {}
     state = getattr(model, _STATE_ATTR)

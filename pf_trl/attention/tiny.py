@@ -90,6 +90,10 @@ _TYPE_FIXES: dict[str, dict[str, Any]] = {
     # the Lfm2Config default has attention layers only; LFM2 checkpoints interleave short-convolution layers
     "lfm2": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "num_dense_layers": 1},
+    # at width 64 the default initialisation leaves attention nearly uniform: a cross-example leak would move the
+    # loss by only 4e-4 (modernbert-decoder) / 6e-4 (hy_v4), below the sweep's negative-control floor
+    "modernbert-decoder": {"initializer_range": 0.1},
+    "hy_v4": {"initializer_range": 0.1},
 }
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 

@@ -361,17 +361,19 @@ def objective_sum(terms: LossTerms, *, loss_type: str = "nll", label_smoothing: 
 # ------------------------------------------------------------------------------------------- MoE aux loss
 
 
-def router_aux_loss(model, router_logits, real_tokens: int | None, total_tokens: int) -> torch.Tensor:
-    """The model's load-balancing loss over the real tokens of a packed row.
+def router_aux_loss(model, router_logits, real_tokens: int | None, total_tokens: int) -> torch.Tensor | None:
+    """The model's load-balancing loss over the real tokens of a packed row (``None`` if the model has none).
 
     A padded run passes its ``attention_mask`` so padding does not count; a packed row has no padding except
     pf-trl's optional ``pad_to_multiple_of`` tail, masked here the same way (``real_tokens`` first tokens are
-    real). The function is the model's own module's ``load_balancing_loss_func`` (Mixtral's where it has none).
+    real). The function is the model's own module's ``load_balancing_loss_func``. A model whose module has none
+    adds no load-balancing term to its loss even when it returns router logits (Llama 4: sigmoid routing, its
+    config's ``router_aux_loss_coef`` unused), so neither does pf-trl.
     """
     module = sys.modules.get(type(model).__module__)
     func = getattr(module, "load_balancing_loss_func", None)
     if func is None:
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as func
+        return None
     text = model.config.get_text_config()
     num_experts = getattr(model, "num_experts", None) or getattr(text, "num_local_experts", None) or text.num_experts
     top_k = getattr(model, "num_experts_per_tok", None) or text.num_experts_per_tok

@@ -309,6 +309,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         world = max(1, self.args.world_size)
         rank = self.args.process_index if world > 1 else 0
+        from pf_trl.attention.row_limits import check_packed_rows
+
+        check_packed_rows(_transformers_model(self.model), int(budget))  # before the first step (Llama 4)
         if shuffle:  # a mixture draws each epoch's rows by its weights
             from pf_trl.trainer import data_inputs
 
