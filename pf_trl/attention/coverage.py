@@ -276,12 +276,28 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
 
 
 def sweep_type(sweep: _Sweep, model_type: str) -> dict[str, Any]:
-    """Both modes of one ``model_type``: ``{"class", "leak", "huggingface": {...}, "internal": {...}}``."""
+    """Both modes of one ``model_type``: ``{"class", "leak", "huggingface": {...}, "internal": {...}}``.
+
+    The type's defaults, then each layer-kind variant its config can switch on (``tiny.TYPE_VARIANTS``: attention
+    layers in a Mamba hybrid, dense layers in a MoE...): a mode is exact only if it is exact on every variant; the
+    first variant that is not gives the mode's status, its reason prefixed with the variant's name."""
+    from pf_trl.attention.tiny import TYPE_VARIANTS
+
+    entry = _sweep_variant(sweep, model_type, None)
+    for variant in TYPE_VARIANTS.get(model_type, {}):
+        other = _sweep_variant(sweep, model_type, variant)
+        for mode in MODES:
+            if entry[mode]["status"] == "exact" and other[mode]["status"] != "exact":
+                entry[mode] = {**other[mode], "reason": f"variant {variant!r}: {other[mode].get('reason', '')}"}
+    return entry
+
+
+def _sweep_variant(sweep: _Sweep, model_type: str, variant: str | None) -> dict[str, Any]:
     from pf_trl.attention.tiny import causal_lm_class, tiny_model
 
     entry: dict[str, Any] = {"class": causal_lm_class(model_type).__name__}
     try:
-        base = tiny_model(model_type)
+        base = tiny_model(model_type, variant=variant)
     except Exception as exc:  # noqa: BLE001
         reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
