@@ -367,9 +367,12 @@ NOTES = [
     "reproduce this model's head\"): logit scaling / softcapping (Cohere, Cohere2, MiniCPM3, nanochat, VaultGemma), "
     "head transforms (BERT-style LM heads), auxiliary losses. They are refused until pf-trl's loss path reproduces "
     "them; regenerate this file then.",
-    "- Recurrent / linear-attention / convolutional hybrids (Mamba, Bamba, Jamba, Falcon-H1, Zamba, Qwen3-Next, "
-    "granitemoehybrid...) carry state along the packed row; pf-trl does not pass `seq_idx` / `cu_seq_lens` to those "
-    "layers, so they are refused (their self-check fails or transformers refuses the packed row).",
+    "- Recurrent / linear-attention / convolutional hybrids (Mamba, Mamba2, Jamba, Bamba, Falcon-H1, Nemotron-H, "
+    "Granite 4.0-H, Qwen3.5, Qwen3-Next, OLMo-Hybrid, Kimi Linear, LFM2, MiniMax, RecurrentGemma...) carry state along "
+    "the row: pf-trl restarts every layer it knows at each packed example (`pf_trl.attention.stateful`, see "
+    "[stateful layers](models_stateful.md)); the sweep also builds the layer kinds their configs can switch on "
+    "(attention layers in a Mamba hybrid, dense MLPs in a MoE) and a type is exact only if every variant is. Layers "
+    "it does not know (xLSTM, RWKV, Zamba...) stay refused.",
     "- Multimodal rotary positions (mrope: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are refused: their positions do not "
     "restart per packed example.",
     "- The sweep builds each type from its config class's defaults (shrunk). A checkpoint whose config enables "

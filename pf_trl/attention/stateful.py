@@ -18,7 +18,8 @@ ships for these families (:data:`MIXERS`) so that, on a packed row, it runs one 
   example boundaries in the form the kernels transformers calls expect: ``seq_idx`` (one segment id per token) for
   causal-conv1d and mamba-ssm, ``cu_seqlens`` for flash-linear-attention (the gated delta net layers map
   ``cu_seq_lens_q`` themselves). Families whose kernels take no boundaries (Mamba-1's selective scan, the RG-LRU,
-  lightning attention) always use ``segments``, with their CUDA kernels inside when installed.
+  lightning attention) always use ``segments``, with their CUDA kernels inside when installed. A kernel that rejects
+  the packed row (a layout or dtype it does not take) sends its layer to ``segments`` for good, with a warning.
 
 The boundaries reach each mixer as its own call arguments, never as state read from elsewhere, so a gradient
 checkpointing recompute replays exactly the forward it recomputes: most hybrid decoder layers already hand the
@@ -30,17 +31,19 @@ A mixer that is reached on a packed row without its boundaries raises :class:`Pa
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
+import logging
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from pf_trl.attention.errors import PaddingFreeError
+
+logger = logging.getLogger("pf_trl.attention")
 
 # transformers mixer class -> the kind of state it carries along the row
 MIXERS: dict[str, str] = {
@@ -186,9 +189,10 @@ class PackedLayout:
         return self._plans[key]
 
 
-def plan_groups(lengths: tuple[int, ...], slack: float = GROUP_SLACK) -> list[list[int]]:
+def plan_groups(lengths: tuple[int, ...], slack: float | None = None) -> list[list[int]]:
     """Segment indices grouped for padded mixer calls: longest first; a segment joins the current group while the
     group padded to its longest stays within ``(1 + slack)`` x its real tokens."""
+    slack = GROUP_SLACK if slack is None else slack
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
@@ -289,16 +293,6 @@ def current_layout() -> PackedLayout | None:
     """The packed layout of the model forward in progress on this thread (None outside one, or unpacked)."""
     stack = _stack()
     return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def packed_forward(layout: PackedLayout | None) -> Iterator[None]:
-    stack = _stack()
-    stack.append(layout)
-    try:
-        yield
-    finally:
-        stack.pop()
 
 
 def _rows_and_len(kwargs: dict) -> tuple[int, int] | None:
@@ -509,7 +503,16 @@ def stateful_forward(module: torch.nn.Module, *args, **kwargs):
             f"{rows} x {row_len}"
         )
     if choose_path(state.kind, state.path, hidden.device, rows) == "kernels":
-        return _run_kernels(state, arguments, layout)
+        if state.path == "kernels":
+            return _run_kernels(state, arguments, layout)
+        try:
+            return _run_kernels(state, arguments, layout)
+        except PaddingFreeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a kernel that rejects the boundaries (layout, dtype): stay exact
+            logger.warning("pf-trl: %s kernels refused the packed row (%s: %s); this layer uses pf-trl's segments "
+                           "path from now on", type(module).__name__, type(exc).__name__, str(exc).splitlines()[0][:200])
+            state.path = "segments"
     return _run_segments(state, arguments, layout)
 
 
