@@ -6,7 +6,9 @@
 # Brought current to what the CPU suite runs: transformers 5.24.0, accelerate 1.16.0, trl 1.16.0, datasets 5.2.0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
+mkdir -p "$(dirname "$EXCLUDE")"
+grep -qx '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 WHEELS=(
   transformers==5.24.0 accelerate==1.16.0 trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1
   mistral-common==1.13.1 gguf==0.19.0 'fsspec<=2026.9.0'

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import copy
 import json
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -30,10 +31,10 @@ import torch
 
 FAMILIES = [  # (model_type, tiny variant)
     ("qwen3_5_text", None), ("kimi_linear", None), ("granitemoehybrid", "attention"), ("bamba", "attention"),
-    ("mamba2", None), ("nemotron_h", None), ("falcon_h1", None), ("lfm2", None), ("jamba", None), ("mamba", None),
+    ("mamba2", None), ("nemotron_h", None), ("falcon_h1", None), ("lfm2_moe", None), ("jamba", None), ("mamba", None),
     ("minimax", None), ("recurrent_gemma", None),
 ]
-DRY_FAMILIES = [("qwen3_5_text", None), ("mamba2", None), ("lfm2", None)]
+DRY_FAMILIES = [("qwen3_5_text", None), ("mamba2", None), ("lfm2_moe", None)]
 LENGTHS = (9, 1, 14, 5, 11, 40, 70)
 TOL = 2e-4
 
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    logging.getLogger("pf_trl").setLevel(logging.ERROR)  # "no sweep evidence": judged here on its own
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 comparisons: no TF32 rounding in the reference
     rows = []
