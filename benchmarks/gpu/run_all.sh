@@ -10,6 +10,9 @@
 #   2. torch.compile on/off through PaddingFreeSFTTrainer, both padding-free modes: real Gemma 3 270M when staged,
 #      else the tiny Llama; compile time apart, 0-graph-break check of the forward on CUDA (200)
 #   3. pf-trl bench: ~1B Llama, padded vs TRL padding-free vs pf-trl, MFU (100)
+#   4. hybrid / state-space layers (Qwen3.5, Granite 4.0-H, Mamba2, LFM2...): the kernels transformers calls, given
+#      pf-trl's boundaries, vs each example alone vs pf-trl's segments path (builds causal-conv1d first: 150 + 120);
+#      alone: run(command="bash benchmarks/gpu/run_stateful_check.sh", carry=[".whl"], timeout_s=300)
 # `--dry-run`: the same stages on CPU with tiny sizes (checks the script, no GPU, no carried wheels needed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -79,6 +82,12 @@ if [[ $DRY == 1 ]]; then
 else
   timeout 100 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 200 --output-dir "$OUT" \
     --timeout 30 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+stage "4. hybrid / state-space layers: kernels path vs each example alone"
+if [[ $DRY == 1 ]]; then
+  bash benchmarks/gpu/run_stateful_check.sh --dry-run 2>&1 | tee "$OUT/stateful_check.log" | tail -8
+else
+  bash benchmarks/gpu/run_stateful_check.sh 2>&1 | tee "$OUT/stateful_check.log" | tail -20
 fi
 stage "done"
 ls -la "$OUT"

@@ -279,12 +279,28 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
 
 
 def sweep_type(sweep: _Sweep, model_type: str) -> dict[str, Any]:
-    """Both modes of one ``model_type``: ``{"class", "leak", "huggingface": {...}, "internal": {...}}``."""
+    """Both modes of one ``model_type``: ``{"class", "leak", "huggingface": {...}, "internal": {...}}``.
+
+    The type's defaults, then each layer-kind variant its config can switch on (``tiny.TYPE_VARIANTS``: attention
+    layers in a Mamba hybrid, dense layers in a MoE...): a mode is exact only if it is exact on every variant; the
+    first variant that is not gives the mode's status, its reason prefixed with the variant's name."""
+    from pf_trl.attention.tiny import TYPE_VARIANTS
+
+    entry = _sweep_variant(sweep, model_type, None)
+    for variant in TYPE_VARIANTS.get(model_type, {}):
+        other = _sweep_variant(sweep, model_type, variant)
+        for mode in MODES:
+            if entry[mode]["status"] == "exact" and other[mode]["status"] != "exact":
+                entry[mode] = {**other[mode], "reason": f"variant {variant!r}: {other[mode].get('reason', '')}"}
+    return entry
+
+
+def _sweep_variant(sweep: _Sweep, model_type: str, variant: str | None) -> dict[str, Any]:
     from pf_trl.attention.tiny import causal_lm_class, tiny_model
 
     entry: dict[str, Any] = {"class": causal_lm_class(model_type).__name__}
     try:
-        base = tiny_model(model_type)
+        base = tiny_model(model_type, variant=variant)
     except Exception as exc:  # noqa: BLE001
         reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
@@ -361,9 +377,12 @@ NOTES = [
     "reproduce this model's head\"): logit scaling / softcapping (Cohere, Cohere2, MiniCPM3, nanochat, VaultGemma), "
     "head transforms (BERT-style LM heads), auxiliary losses. They are refused until pf-trl's loss path reproduces "
     "them; regenerate this file then.",
-    "- Recurrent / linear-attention / convolutional hybrids (Mamba, Bamba, Jamba, Falcon-H1, Zamba, Qwen3-Next, "
-    "granitemoehybrid...) carry state along the packed row; pf-trl does not pass `seq_idx` / `cu_seq_lens` to those "
-    "layers, so they are refused (their self-check fails or transformers refuses the packed row).",
+    "- Recurrent / linear-attention / convolutional hybrids (Mamba, Mamba2, Jamba, Bamba, Falcon-H1, Nemotron-H, "
+    "Granite 4.0-H, Qwen3.5, Qwen3-Next, OLMo-Hybrid, Kimi Linear, LFM2, MiniMax, RecurrentGemma...) carry state along "
+    "the row: pf-trl restarts every layer it knows at each packed example (`pf_trl.attention.stateful`, see "
+    "[stateful layers](models_stateful.md)); the sweep also builds the layer kinds their configs can switch on "
+    "(attention layers in a Mamba hybrid, dense MLPs in a MoE) and a type is exact only if every variant is. Layers "
+    "it does not know (xLSTM, RWKV, Zamba...) stay refused.",
     "- Multimodal rotary positions (mrope: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are refused: their positions do not "
     "restart per packed example.",
     "- The sweep builds each type from its config class's defaults (shrunk). A checkpoint whose config enables "

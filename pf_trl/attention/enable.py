@@ -28,6 +28,7 @@ import torch
 from pf_trl.attention import hf as _hf
 from pf_trl.attention import support
 from pf_trl.attention.dispatch import BACKENDS, backend_status
+from pf_trl.attention.stateful import prepare_stateful_layers
 from pf_trl.attention.errors import (
     BackendUnavailableError,
     PackedAttentionMaskError,
@@ -354,6 +355,8 @@ def _install_hooks(model: torch.nn.Module, *, drop_flash_kwargs: bool) -> None:
         for t in targets
     ]
     setattr(model, _STATE_ATTR, {"handles": handles})
+    # recurrent / convolutional mixers (Mamba, gated delta nets, short convs...) restart their state per example
+    prepare_stateful_layers(model, hook_targets=targets)
 
 
 def _check_backend(model: torch.nn.Module, backend: str) -> None:

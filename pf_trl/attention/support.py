@@ -164,16 +164,31 @@ def _source(model) -> str:
         return ""
 
 
+def _mask_ignores_positions(source: str) -> bool:
+    """The modeling file builds a causal mask but never hands it position_ids (packed rows look like one sequence)."""
+    if "create_causal_mask(" not in source:
+        return False
+    return not re.search(r"mask_kwargs\s*=\s*\{[^}]*position_ids|create_causal_mask\([^)]*position_ids", source, re.S)
+
+
 def diagnose(model) -> str:
     """Likely causes of a packed/padded difference, from the model's structure ("" when none is recognised)."""
+    from pf_trl.attention.stateful import MIXERS
+
     causes = []
-    names = {type(m).__name__ for m in model.modules()}
-    recurrent = sorted(n for n in names if _RECURRENT.search(n))
+    # the mixers pf-trl restarts per example (stateful.MIXERS) and the blocks holding them are not a cause
+    names = {type(m).__name__ for m in model.modules()
+             if not getattr(m, "is_causal", False)  # an attention module (KimiLinearAttention is Kimi's MLA)
+             and not any(type(sub).__name__ in MIXERS for sub in m.modules())}
+    recurrent = sorted(n for n in names if _RECURRENT.search(n) and "Norm" not in n)
     if recurrent:
         causes.append(f"recurrent or convolutional state carried along the packed row ({', '.join(recurrent[:3])}); "
                       "pf-trl does not reset it per example")
     config = model.config
     source = _source(model)
+    if getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and _mask_ignores_positions(source):
+        causes.append("transformers builds this model's attention mask without position_ids, so its own sdpa/eager "
+                      "attention cannot see packed examples apart")
     if getattr(config, "alibi", False) or "build_alibi_tensor" in source:
         causes.append("ALiBi position biases built from the attention mask, not from per-example positions")
     if "create_position_ids_from_input_ids" in source or "padding_idx + 1" in source:
