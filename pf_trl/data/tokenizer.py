@@ -154,6 +154,8 @@ def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, **kwargs: Any):
     name, path = resolve_tokenizer_path(name_or_path)
     kwargs.setdefault("local_files_only", True)
     kwargs["trust_remote_code"] = False
+    if any((path / f).is_file() for f in PROCESSOR_FILES):
+        return _load_processor(name, path, **kwargs)
     try:
         tok = AutoTokenizer.from_pretrained(str(path), **kwargs)
     except Exception as exc:
@@ -168,12 +170,37 @@ def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, **kwargs: Any):
     return tok
 
 
+# a model folder with one of these holds a multimodal processor (image processor + tokenizer + template)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def _load_processor(name: str, path: Path, **kwargs: Any):
+    """The processor of a vision-language model folder (``AutoProcessor``, local files only, no remote code)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(path), **kwargs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TokenizerLoadError(f"could not load the processor of {path}: {first[:300]}") from exc
+    for obj in (processor, getattr(processor, "tokenizer", None)):
+        if obj is not None:
+            obj.pf_trl_name = name
+            obj.pf_trl_path = str(path)
+    return processor
+
+
 def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     """Identity of a tokenizer for manifests and cache keys: name, hash of its files, ids.
 
     The hash covers the tokenizer files on disk when known, else the serialized vocabulary, so two
-    tokenizers that would tokenize differently never share a fingerprint.
+    tokenizers that would tokenize differently never share a fingerprint. A multimodal processor's identity is its
+    tokenizer's with the image processor's settings folded in (:func:`pf_trl.data.vision.processor_fingerprint`).
     """
+    from pf_trl.data.vision import is_processor, processor_fingerprint
+
+    if is_processor(tokenizer):
+        return processor_fingerprint(tokenizer, tokenizer_fingerprint)
     digest = hashlib.sha256()
     path = getattr(tokenizer, "pf_trl_path", None) or getattr(tokenizer, "name_or_path", None)
     hashed_files: list[str] = []
@@ -258,6 +285,9 @@ def check_vocab_fits(tokenizer, vocab_size: int | None, *, model_name: str = "th
     train rows the tokenizer never meant)."""
     if vocab_size is None:
         return
+    from pf_trl.data.vision import text_tokenizer
+
+    tokenizer = text_tokenizer(tokenizer)  # a processor's vocabulary is its tokenizer's
     if len(tokenizer) > vocab_size:
         name = getattr(tokenizer, "pf_trl_name", None) or getattr(tokenizer, "name_or_path", None) or "the tokenizer"
         raise TokenizerLoadError(
