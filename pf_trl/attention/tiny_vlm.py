@@ -22,6 +22,8 @@ _GEMMA_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
 _GEMMA_TURN = ["<start_of_turn>", "<end_of_turn>"]
 # TRL's copy of each family's chat template (training variant: assistant turns inside {% generation %} blocks)
 _TEMPLATES = {"qwen2_vl": "qwen2_5_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "gemma3": "gemma3"}
+# weights large enough that a tiny random model depends visibly on its context (positions, images, neighbours)
+INIT_RANGE = 0.2
 # Gemma 3: a 28x28 image, 14-pixel patches -> 2x2 patches, pooled to 4 tokens per image
 GEMMA_IMAGE_SIZE = 28
 GEMMA_TOKENS_PER_IMAGE = 4
@@ -122,17 +124,17 @@ def tiny_vlm_config(model_type: str, processor):
     text: dict[str, Any] = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id)
+                                pad_token_id=tok.pad_token_id, initializer_range=INIT_RANGE)
     if model_type == "gemma3":
         text.update(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                     query_pre_attn_scalar=16)
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        vision = dict(initializer_range=INIT_RANGE, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       image_size=GEMMA_IMAGE_SIZE, patch_size=14)
         return transformers.Gemma3Config(
             text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE,
             boi_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["boi_token"]),
             eoi_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["eoi_token"]),
-            image_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["image_token"]),
+            image_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["image_token"]), initializer_range=INIT_RANGE,
         )
     ids = dict(
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
@@ -144,16 +146,16 @@ def tiny_vlm_config(model_type: str, processor):
     if model_type == "qwen3_vl":
         text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True})
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                       out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
-        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
     text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     if model_type == "qwen2_5_vl":
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       window_size=56, fullatt_block_indexes=[1])
-        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2)
-    return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
+    vision = dict(initializer_range=INIT_RANGE, depth=1, embed_dim=32, hidden_size=64, num_heads=2)
+    return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
 
 
 def tiny_vlm(model_type: str, processor=None, *, seed: int = 0):
@@ -172,7 +174,11 @@ def tiny_vlm(model_type: str, processor=None, *, seed: int = 0):
     }[model_type]
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"
-    return cls(config).float(), processor
+    model = cls(config).float()
+    if model_type == "gemma3":  # its projector starts at zero (images would not reach the text): give it weights
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, INIT_RANGE)
+    return model, processor
 
 
 def random_images(count: int, *, seed: int = 0, sizes: tuple[tuple[int, int], ...] = ((56, 84), (84, 56), (56, 56),

@@ -40,7 +40,10 @@ MAX_IMAGE_BYTES = 32 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
-class VisionDataError(ValueError):
+from pf_trl.data.formats import FormatError
+
+
+class VisionDataError(FormatError):
     """A vision-language row cannot be used; the message names the row and the fix."""
 
 
