@@ -443,3 +443,4 @@ def _refuse_other_multimodal():
                        "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
         image_token_id=100)
     enable_padding_free(transformers.LlavaForConditionalGeneration(config), allow_unverified=True)
+
