@@ -448,6 +448,7 @@ def test_image_dataset_pretokenized_and_trained(env, client, tmp_path, monkeypat
     assert main(["pretokenize", str(root / "vlm.jsonl"), str(tmp_path / "cli-shards"),
                  "--model_name_or_path", str(root / "model")]) == 0
     assert load_shards(tmp_path / "cli-shards")["input_ids"] == served["input_ids"]
+    assert main(["inspect", str(tmp_path / "cli-shards"), "--samples", "1"]) == 0  # decoded with the processor's tokenizer
     monkeypatch.setenv("PF_SERVICE_TOKEN", TOKEN)
     out = tmp_path / "train-out"
     assert main(["train", "--model_name_or_path", str(root / "model"), "--dataset_service_url", env["server"].url,

@@ -114,14 +114,16 @@ def tiny_processor(model_type: str):
                                              video_processor=None, chat_template=chat_template(model_type))
 
 
-def tiny_vlm_config(model_type: str, processor):
-    """A tiny config of ``model_type`` whose special token ids are those of ``processor``'s tokenizer."""
+def tiny_vlm_config(model_type: str, processor, *, hidden_size: int = 64, num_hidden_layers: int = 2):
+    """A tiny config of ``model_type`` whose special token ids are those of ``processor``'s tokenizer (the language
+    model's width and depth can be raised, e.g. for a benchmark)."""
     import transformers
 
     _check_type(model_type)
     tok = processor.tokenizer
     vocab = len(tok)
-    text: dict[str, Any] = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                                num_hidden_layers=num_hidden_layers,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id, initializer_range=INIT_RANGE)
@@ -142,30 +144,32 @@ def tiny_vlm_config(model_type: str, processor):
         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
     )
-    # head_dim 16: the three mRoPE sections (temporal, height, width) split its 8 rotary frequencies
+    # the three mRoPE sections (temporal, height, width) split the rotary frequencies of a head
     if model_type == "qwen3_vl":
         text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True})
         vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-                      out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
+                      out_hidden_size=hidden_size, num_position_embeddings=64, deepstack_visual_indexes=[0])
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
-    text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    half = hidden_size // 4 // 2  # rotary frequencies of one head (4 heads), split 1:1.5:1.5 as Qwen2-VL's 16/24/24
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
     if model_type == "qwen2_5_vl":
-        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
                       window_size=56, fullatt_block_indexes=[1])
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
-    vision = dict(initializer_range=INIT_RANGE, depth=1, embed_dim=32, hidden_size=64, num_heads=2)
+    vision = dict(initializer_range=INIT_RANGE, depth=1, embed_dim=32, hidden_size=hidden_size, num_heads=2)
     return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
 
 
-def tiny_vlm(model_type: str, processor=None, *, seed: int = 0):
+def tiny_vlm(model_type: str, processor=None, *, seed: int = 0, **sizes: int):
     """A tiny, randomly initialised ``<Family>ForConditionalGeneration`` in float32 (and its processor when none is
-    given): ``(model, processor)``."""
+    given): ``(model, processor)``. ``sizes``: ``hidden_size`` / ``num_hidden_layers`` of the language model."""
     import torch
     import transformers
 
     processor = processor if processor is not None else tiny_processor(model_type)
-    config = tiny_vlm_config(model_type, processor)
+    config = tiny_vlm_config(model_type, processor, **sizes)
     cls = {
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,

@@ -284,6 +284,10 @@ class VisionFeatures:
     """
 
     def __init__(self, processor, policy: ImagePolicy | None = None) -> None:
+        if not is_processor(processor):
+            raise VisionDataError(
+                f"the data has images, but processing_class is a {type(processor).__name__}: pass the model's "
+                "processor (AutoProcessor) so that its images become pixel values")
         self.processor = processor
         self.policy = policy or ImagePolicy()
 
