@@ -9,12 +9,14 @@ Modes, same examples, same seed, one epoch each:
 
 - ``padded``: TRL's ``SFTTrainer`` with its ``DataCollatorForVisionLanguageModeling`` (images processed on the fly,
   rows padded to the longest of the batch), ``per_device_train_batch_size`` = ``--batch-size``;
-- ``pf_trl``: ``PaddingFreeSFTTrainer`` (``padding_free="huggingface"``), the same rows pretokenized once (not
-  timed: a cache hit after the first run), token budget = batch size x mean length.
+- ``pf_trl``: ``PaddingFreeSFTTrainer`` in each of ``--modes`` (``huggingface``: transformers' packed sdpa path;
+  ``internal``: pf-trl's ``pf_varlen`` kernels), the same rows pretokenized once (not timed: a cache hit after the
+  first run), token budget = batch size x mean length.
 
 Both train every example once, so "real tokens" (non-padding tokens, images included) are the same in both and
-real tokens/s = those tokens / epoch seconds. The modes alternate (``--repeats`` pairs) and the ratio is taken
-within each pair, because the machine is shared and its speed drifts; the table shows each pair and the median.
+real tokens/s = those tokens / epoch seconds. The modes alternate (``--repeats`` rounds: padded, then each pf-trl
+mode) and each ratio is taken within its round, because the machine is shared and its speed drifts; the table shows
+each round and the median ratio.
 
     python benchmarks/vlm_padding_free.py [--rows 48] [--repeats 3] [--out benchmarks/results/vlm_qwen2vl_cpu.json]
 """
@@ -74,10 +76,10 @@ def run_padded(model, processor, dataset, batch_size: int, work: str) -> dict:
     return {"seconds": time.perf_counter() - start}
 
 
-def run_pf(model, processor, dataset, batch_size: int, work: str) -> dict:
+def run_pf(model, processor, dataset, batch_size: int, work: str, mode: str = "huggingface") -> dict:
     from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
 
-    args = PaddingFreeConfig(output_dir=work, report_to=[], use_cpu=True, padding_free="huggingface", max_length=None,
+    args = PaddingFreeConfig(output_dir=work, report_to=[], use_cpu=True, padding_free=mode, max_length=None,
                              per_device_train_batch_size=batch_size, num_train_epochs=1, save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0)
     trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=dataset, processing_class=processor)
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["huggingface", "internal"], choices=["huggingface", "internal"],
+                        help="pf-trl padding_free modes, each timed after the padded run of the same repeat")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vlm_qwen2vl_cpu.json")
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -123,29 +127,34 @@ def main(argv: list[str] | None = None) -> int:
     dataset = Dataset.from_list(rows)
     real, padded = real_and_padded_tokens(processor, rows, args.batch_size)
     images = sum(len(r["images"]) for r in rows)
+    modes = args.modes
     pairs = []
     with tempfile.TemporaryDirectory(prefix="pf-trl-vlm-bench-") as work:
         run_pf(copy.deepcopy(model), processor, dataset, args.batch_size, work)  # warm-up: pretokenize into the cache
         for i in range(args.repeats):
             pad = run_padded(copy.deepcopy(model), processor, dataset, args.batch_size, work)
-            pf = run_pf(copy.deepcopy(model), processor, dataset, args.batch_size, work)
-            pair = {"padded_real_tok_s": real / pad["seconds"], "pf_trl_real_tok_s": real / pf["seconds"],
-                    "padded_s": pad["seconds"], "pf_trl_s": pf["seconds"], "ratio": pad["seconds"] / pf["seconds"],
-                    "pf_trl_steps": pf["steps"], "token_budget": pf["token_budget"]}
+            pair = {"padded_s": pad["seconds"], "padded_real_tok_s": real / pad["seconds"]}
+            for mode in modes:
+                pf = run_pf(copy.deepcopy(model), processor, dataset, args.batch_size, work, mode)
+                pair.update({f"{mode}_s": pf["seconds"], f"{mode}_real_tok_s": real / pf["seconds"],
+                             f"{mode}_ratio": pad["seconds"] / pf["seconds"], "pf_trl_steps": pf["steps"],
+                             "token_budget": pf["token_budget"]})
             pairs.append(pair)
-            print(f"pair {i + 1}: padded {pair['padded_real_tok_s']:.0f} real tok/s, pf-trl "
-                  f"{pair['pf_trl_real_tok_s']:.0f} real tok/s, ratio {pair['ratio']:.2f}x", flush=True)
+            print(f"repeat {i + 1}: padded {pair['padded_real_tok_s']:.0f} real tok/s, " + ", ".join(
+                f"pf-trl {m} {pair[m + '_real_tok_s']:.0f} ({pair[m + '_ratio']:.2f}x)" for m in modes), flush=True)
     result = {
         "model": f"tiny qwen2_vl (language model {args.hidden} x {args.layers} layers, vision depth 1), float32, CPU",
         "rows": args.rows, "images": images, "batch_size": args.batch_size, "real_tokens": real,
         "padded_tokens_row_order": padded, "padding_share_row_order": round(1 - real / padded, 3),
-        "torch_threads": torch.get_num_threads(), "pairs": pairs,
-        "median_ratio": statistics.median(p["ratio"] for p in pairs),
+        "torch_threads": torch.get_num_threads(), "modes": modes, "repeats": pairs,
+        "median_ratio": {m: statistics.median(p[f"{m}_ratio"] for p in pairs) for m in modes},
     }
-    print("\n| pair | padded real tok/s | pf-trl real tok/s | ratio |\n|---|---|---|---|")
+    head = " | ".join(f"pf-trl {m} real tok/s (x padded)" for m in modes)
+    print(f"\n| repeat | padded real tok/s | {head} |\n|---|---|" + "---|" * len(modes))
     for i, p in enumerate(pairs, 1):
-        print(f"| {i} | {p['padded_real_tok_s']:.0f} | {p['pf_trl_real_tok_s']:.0f} | {p['ratio']:.2f}x |")
-    print(f"| median | | | {result['median_ratio']:.2f}x |")
+        cells = " | ".join(f"{p[m + '_real_tok_s']:.0f} ({p[m + '_ratio']:.2f}x)" for m in modes)
+        print(f"| {i} | {p['padded_real_tok_s']:.0f} | {cells} |")
+    print("| median ratio | | " + " | ".join(f"{result['median_ratio'][m]:.2f}x" for m in modes) + " |")
     print(f"\n{args.rows} rows, {images} images, {real} real tokens; batches of {args.batch_size} padded to their "
           f"longest in row order: {result['padding_share_row_order']:.0%} padding")
     args.out.parent.mkdir(parents=True, exist_ok=True)

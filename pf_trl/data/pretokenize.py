@@ -525,7 +525,7 @@ def pretokenize(
         }
         if vision_tokenizer is not None:
             manifest["vision"] = _vision_manifest(kept, vision_tokenizer)
-            manifest["columns"].update({c: t for c, t in (("images", "list<binary>"),
+            manifest["columns"].update({c: t for c, t in (("images", "list<large_binary>"),
                                                           (vision_tokenizer.token_type_key, "list<int8>")) if c})
         write_manifest(shards_tmp, manifest)
         _publish(shards_tmp, out, overwrite=overwrite)

@@ -103,7 +103,10 @@ class ImagePolicy:
             raise VisionDataError(f"row {index}: image {value!r} is a path, but this source has no data root to read "
                                   "it from; embed the image (bytes or a datasets Image column)")
         base = Path(self.roots[0])
-        path = (base / value).resolve() if not os.path.isabs(value) else Path(value).resolve()
+        try:
+            path = (base / value).resolve() if not os.path.isabs(value) else Path(value).resolve()
+        except (OSError, ValueError) as exc:  # a NUL byte, a symlink loop...
+            raise VisionDataError(f"row {index}: image path {value!r:.200} is not usable ({exc})") from exc
         if not any(path.is_relative_to(Path(root).resolve()) for root in self.roots):
             raise VisionDataError(f"row {index}: image {value!r} lies outside the data roots "
                                   f"({', '.join(self.roots)}); keep images under the data directory")
@@ -113,7 +116,10 @@ class ImagePolicy:
         if size > self.max_bytes:
             raise VisionDataError(f"row {index}: image {value!r} has {size} bytes, above the {self.max_bytes}-byte "
                                   "limit; downscale it")
-        return path.read_bytes()
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise VisionDataError(f"row {index}: image {value!r} cannot be read ({exc})") from exc
 
 
 def image_bytes(value: Any, index: int, policy: ImagePolicy) -> bytes:
@@ -174,7 +180,7 @@ def arrow_features(token_type_key: str | None):
     from pf_trl.data.shards import shard_features
 
     features = shard_features()
-    features["images"] = Seq(Value("binary"))
+    features["images"] = Seq(Value("large_binary"))  # 64-bit offsets: a chunk of large images passes 2 GiB
     if token_type_key is not None:
         features[token_type_key] = Seq(Value("int8"))
     return features
