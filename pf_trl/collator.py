@@ -151,7 +151,8 @@ def _pack_vision(features: Sequence[Mapping[str, Any]], ids_parts: list[torch.Te
         parts = []
         for i, n in enumerate(lengths):
             value = features[i].get(key) if i < len(features) else None
-            part = torch.zeros(n, dtype=torch.long) if value is None else torch.as_tensor(value, dtype=torch.long).reshape(-1)
+            part = (torch.zeros(n, dtype=torch.long) if value is None
+                    else torch.as_tensor(value, dtype=torch.long).reshape(-1))
             if part.numel() != n:
                 raise ValueError(f"feature {i}: {key} has {part.numel()} values but input_ids has {n} tokens")
             parts.append(part)

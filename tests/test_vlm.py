@@ -204,7 +204,8 @@ def test_prompt_completion_with_images_equals_trl(tmp_path):
 
     imgs = random_images(3, seed=4)
     rows = [
-        {"prompt": [{"role": "user", "content": "Describe."}], "completion": [{"role": "assistant", "content": "Noise."}],
+        {"prompt": [{"role": "user", "content": "Describe."}],
+         "completion": [{"role": "assistant", "content": "Noise."}],
          "images": [imgs[0]]},
         {"prompt": [{"role": "user", "content": "And these two?"}],
          "completion": [{"role": "assistant", "content": "More noise, twice."}], "images": [imgs[1], imgs[2]]},
@@ -404,7 +405,8 @@ def test_collator_packs_images_in_example_order_with_per_example_mrope():
     total = batch["input_ids"].shape[1]
     assert batch["position_ids"].shape == (4, 1, total) and total % 64 == 0
     assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in singles if "pixel_values" in s]))
-    assert torch.equal(batch["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in singles if "image_grid_thw" in s]))
+    grids = [s["image_grid_thw"] for s in singles if "image_grid_thw" in s]
+    assert torch.equal(batch["image_grid_thw"], torch.cat(grids))
     at = 0
     for s in singles:
         n = s["input_ids"].shape[1]

@@ -33,6 +33,8 @@ class RopeIndex:
 
     def __getattr__(self, name: str):
         # the class's other methods (get_vision_position_ids...) bound to this host; never the weights
+        if name in ("model_class", "config") or name.startswith("__"):
+            raise AttributeError(name)  # not set yet (unpickling) or a protocol probe: no recursion
         attr = getattr(self.model_class, name, None)
         if callable(attr):
             return attr.__get__(self)

@@ -130,13 +130,14 @@ def tiny_vlm_config(model_type: str, processor, *, hidden_size: int = 64, num_hi
     if model_type == "gemma3":
         text.update(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                     query_pre_attn_scalar=16)
-        vision = dict(initializer_range=INIT_RANGE, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      image_size=GEMMA_IMAGE_SIZE, patch_size=14)
+        vision = dict(initializer_range=INIT_RANGE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=GEMMA_IMAGE_SIZE, patch_size=14)
         return transformers.Gemma3Config(
             text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE,
             boi_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["boi_token"]),
             eoi_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["eoi_token"]),
-            image_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["image_token"]), initializer_range=INIT_RANGE,
+            image_token_index=tok.convert_tokens_to_ids(_GEMMA_TOKENS["image_token"]),
+            initializer_range=INIT_RANGE,
         )
     ids = dict(
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
@@ -148,16 +149,18 @@ def tiny_vlm_config(model_type: str, processor, *, hidden_size: int = 64, num_hi
     if model_type == "qwen3_vl":
         text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True})
-        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-                      out_hidden_size=hidden_size, num_position_embeddings=64, deepstack_visual_indexes=[0])
+        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      patch_size=16, out_hidden_size=hidden_size, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
     half = hidden_size // 4 // 2  # rotary frequencies of one head (4 heads), split 1:1.5:1.5 as Qwen2-VL's 16/24/24
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
     text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
     if model_type == "qwen2_5_vl":
-        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
-                      window_size=56, fullatt_block_indexes=[1])
-        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
+        vision = dict(initializer_range=INIT_RANGE, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=hidden_size, window_size=56, fullatt_block_indexes=[1])
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE,
+                                             **ids)
     vision = dict(initializer_range=INIT_RANGE, depth=1, embed_dim=32, hidden_size=hidden_size, num_heads=2)
     return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, initializer_range=INIT_RANGE, **ids)
 

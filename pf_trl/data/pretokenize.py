@@ -452,7 +452,9 @@ def pretokenize(
     try:
         ds = load_source(source, work)
         input_format = _resolve_format(ds, config)
-        vision_tokenizer = _vision_tokenizer(ds, source, tokenizer, config, image_roots) if input_format == "vision" else None
+        vision_tokenizer = None
+        if input_format == "vision":
+            vision_tokenizer = _vision_tokenizer(ds, source, tokenizer, config, image_roots)
         if vision_tokenizer is not None:
             from pf_trl.data.vision import undecoded
 
@@ -572,7 +574,8 @@ def _vision_tokenizer(ds, source, tokenizer, config: PretokenizeConfig, image_ro
         template = vision.training_chat_template(tokenizer) if "messages" in ds.column_names else None
     except vision.VisionDataError as exc:
         raise PretokenizeError(str(exc)) from exc
-    return vision.VisionTokenizer(processor=tokenizer, image_column=column, token_type_key=vision.token_type_key(tokenizer),
+    return vision.VisionTokenizer(processor=tokenizer, image_column=column,
+                                  token_type_key=vision.token_type_key(tokenizer),
                                   policy=vision.ImagePolicy(roots=tuple(image_roots or ())), chat_template=template,
                                   completion_only_loss=config.completion_only_loss, text_field=config.text_field)
 

@@ -257,7 +257,8 @@ class VisionTokenizer:
             raise
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise VisionDataError(f"row {index}: the processor rejects it ({type(exc).__name__}: {first[:200]})") from exc
+            raise VisionDataError(
+                f"row {index}: the processor rejects it ({type(exc).__name__}: {first[:200]})") from exc
         ids = out["input_ids"][0].tolist()
         labels = out["labels"][0].tolist()
         types = out[self.token_type_key][0].tolist() if self.token_type_key in out else None
