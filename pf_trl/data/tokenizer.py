@@ -194,12 +194,11 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     """Identity of a tokenizer for manifests and cache keys: name, hash of its files, ids.
 
     The hash covers the tokenizer files on disk when known, else the serialized vocabulary, so two
-    tokenizers that would tokenize differently never share a fingerprint. A multimodal processor's identity is its
-    tokenizer's with the image processor's settings folded in (:func:`pf_trl.data.vision.processor_fingerprint`).
+    tokenizers that would tokenize differently never share a fingerprint.
     """
     from pf_trl.data.vision import is_processor, processor_fingerprint
 
-    if is_processor(tokenizer):
+    if is_processor(tokenizer):  # its tokenizer's identity with the image processor's settings folded in
         return processor_fingerprint(tokenizer, tokenizer_fingerprint)
     digest = hashlib.sha256()
     path = getattr(tokenizer, "pf_trl_path", None) or getattr(tokenizer, "name_or_path", None)
