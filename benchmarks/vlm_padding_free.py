@@ -27,6 +27,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"tiny qwen2_vl (language model {args.hidden} x {args.layers} layers, vision depth 1), float32, CPU",
         "rows": args.rows, "images": images, "batch_size": args.batch_size, "real_tokens": real,
         "padded_tokens_row_order": padded, "padding_share_row_order": round(1 - real / padded, 3),
-        "torch_threads": torch.get_num_threads(), "modes": modes, "repeats": pairs,
+        "torch_threads": torch.get_num_threads(), "load_average_at_end": list(os.getloadavg()), "modes": modes,
+        "repeats": pairs,
         "median_ratio": {m: statistics.median(p[f"{m}_ratio"] for p in pairs) for m in modes},
     }
     head = " | ".join(f"pf-trl {m} real tok/s (x padded)" for m in modes)
