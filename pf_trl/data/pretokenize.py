@@ -526,7 +526,7 @@ def pretokenize(
             "columns": {"input_ids": "list<int32>", "labels": "list<int32>", "length": "int32"},
         }
         if vision_tokenizer is not None:
-            manifest["vision"] = _vision_manifest(kept, vision_tokenizer)
+            manifest["vision"] = _vision_manifest(full.data.column("images"), keep, vision_tokenizer)
             manifest["columns"].update({c: t for c, t in (("images", "list<large_binary>"),
                                                           (vision_tokenizer.token_type_key, "list<int8>")) if c})
         write_manifest(shards_tmp, manifest)
@@ -580,16 +580,19 @@ def _vision_tokenizer(ds, source, tokenizer, config: PretokenizeConfig, image_ro
                                   completion_only_loss=config.completion_only_loss, text_field=config.text_field)
 
 
-def _vision_manifest(kept, vision_tokenizer) -> dict[str, Any]:
-    """Image counts of the kept rows and what made their tokens (the manifest's ``vision`` section)."""
+def _vision_manifest(images: pa.ChunkedArray, keep: np.ndarray, vision_tokenizer) -> dict[str, Any]:
+    """Image counts of the kept rows and what made their tokens (the manifest's ``vision`` section). Read from the
+    memory-mapped column with the keep mask, never by materialising the kept rows' image bytes."""
     import pyarrow.compute as pc
 
-    images = kept.select_columns(["images"]).with_format("arrow")[:]["images"]
+    per_row = np.asarray(pc.list_value_length(images).fill_null(0))
     flat = pc.list_flatten(images)
+    owner = np.asarray(pc.list_parent_indices(images))
+    sizes = np.bincount(owner, weights=np.asarray(pc.binary_length(flat)), minlength=len(per_row))
     return {
-        "images": len(flat),
-        "image_bytes": int(pc.sum(pc.binary_length(flat)).as_py() or 0),
-        "rows_with_images": int(pc.sum(pc.greater(pc.list_value_length(images), 0)).as_py() or 0),
+        "images": int(per_row[keep].sum()),
+        "image_bytes": int(sizes[keep].sum()),
+        "rows_with_images": int((per_row[keep] > 0).sum()),
         "processor": type(vision_tokenizer.processor).__name__,
         "image_processor": type(vision_tokenizer.processor.image_processor).__name__,
         "token_type_key": vision_tokenizer.token_type_key,
