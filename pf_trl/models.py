@@ -87,4 +87,21 @@ def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementati
         return model
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
-    return AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False, **kwargs)
+    return _auto_class(name_or_path).from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False,
+                                                     **kwargs)
+
+
+def _auto_class(folder: str):
+    """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language type it does not map
+    (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    try:
+        model_type = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False).model_type
+    except Exception:  # noqa: BLE001 - from_pretrained below reports the folder's problem
+        return AutoModelForCausalLM
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

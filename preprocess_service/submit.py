@@ -197,7 +197,9 @@ class Submitter:
                 complete = self._jsonl_head(path, head, n)
                 if complete is None:
                     return  # a JSON array, not line-oriented: checked by the job
-            pretokenize(head, work / "out", config, tokenizer=tok, progress=False)
+            # image paths of vision rows resolve against the source's folder, not the copy's, within the data roots
+            pretokenize(head, work / "out", config, tokenizer=tok, progress=False,
+                        image_roots=(str(path.parent), *map(str, self.settings.data_roots)))
         except PretokenizeError as exc:
             message = for_service(str(exc).replace(str(head), shown))
             if message.startswith("no example left") and not complete:

@@ -120,7 +120,8 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
 
         manifest = pretokenize(source, work / "out", config, tokenizer=tok, num_proc=settings.num_proc,
                                progress=False, progress_callback=on_progress,
-                               source_fingerprint_value=request["source_sha256"])
+                               source_fingerprint_value=request["source_sha256"],
+                               image_roots=(str(source.parent), *map(str, settings.data_roots)))
 
         def publish() -> None:
             try:

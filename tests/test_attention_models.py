@@ -291,7 +291,9 @@ def test_unavailable_backend_raises_with_install_hint():
         enable_padding_free(make_model("llama"), mode="huggingface", backend="sdpa")
 
 
-def test_multimodal_mrope_model_raises():
+def test_multimodal_mrope_model_gets_per_example_positions():
+    """Qwen2-VL is made padding-free with its own get_rope_index per example (tests/test_vlm.py: images); a model
+    whose config asks for mrope but whose class has no get_rope_index is refused."""
     cfg = transformers.Qwen2VLConfig(
         text_config=dict(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -299,10 +301,14 @@ def test_multimodal_mrope_model_raises():
         ),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=1),
     )
-    model = transformers.Qwen2VLForConditionalGeneration(cfg)
     for mode in ("internal", "huggingface"):
-        with pytest.raises(UnsupportedModelError, match="mrope"):
-            enable_padding_free(model, mode=mode)
+        model = transformers.Qwen2VLForConditionalGeneration(cfg)
+        enable_padding_free(model, mode=mode)
+        assert model._pf_rope_index is not None
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **TINY, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}))
+    with pytest.raises(UnsupportedModelError, match="mrope"):
+        enable_padding_free(llama, mode="huggingface")
 
 
 def test_unknown_and_custom_models_raise():

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from pf_trl.attention import hf as _hf
-from pf_trl.attention import support
+from pf_trl.attention import mrope, multimodal, support
 from pf_trl.attention.dispatch import BACKENDS, backend_status
 from pf_trl.attention.stateful import prepare_stateful_layers
 from pf_trl.attention.errors import (
@@ -114,16 +114,9 @@ def admit(
             "ships the architecture."
         )
     model_type = getattr(config, "model_type", None)
-    if _uses_mrope(config):
-        raise UnsupportedModelError(
-            f"{model_type} uses multimodal rotary position ids (mrope: 3 position streams per token); its positions "
-            "do not restart per packed example, so pf-trl cannot make it padding-free. Train it padded."
-        )
-    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
-        raise UnsupportedModelError(
-            f"{model_type} is multimodal; pf-trl supports text-only causal LMs. Load the text model alone "
-            "(AutoModelForCausalLM on its text config) or train it padded."
-        )
+    refusal = multimodal.structural_refusal(model, _uses_mrope(config))  # mRoPE and vision-language families
+    if refusal is not None:
+        raise UnsupportedModelError(refusal)
     from pf_trl.attention.refusals import mode_refusal
 
     refusal = None if legacy else mode_refusal(model, mode)
@@ -155,6 +148,8 @@ def _is_packed(kwargs: dict) -> bool:
     if isinstance(cu, torch.Tensor):
         # flash kwargs come from a packing collator: decided without reading a value (a host sync, a graph break)
         return True
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        position_ids = position_ids[0]  # mRoPE: per-example text positions on top of the rotary streams
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
         return False
     valid = None
@@ -197,7 +192,7 @@ def _check_row_limit(model: torch.nn.Module, kwargs: dict, packed: bool) -> None
         check_packed_rows(model, int(x.shape[1]))
 
 
-def _make_pre_hook(*, drop_flash_kwargs: bool):
+def _make_pre_hook(*, drop_flash_kwargs: bool, mode: str = "huggingface"):
     signatures: dict[type, inspect.Signature] = {}
 
     def hook(module, args, kwargs):
@@ -214,8 +209,10 @@ def _make_pre_hook(*, drop_flash_kwargs: bool):
                     kwargs[name] = value
             args = ()
         # nothing to force or refuse (the common compiled call): skip the detection, which reads position_ids
+        # (a vision-language forward always goes on: its positions / image masks may need completing)
         idle = kwargs.get("use_cache") is False and kwargs.get("attention_mask") is None and all(
-            kwargs.get(name) is None for name in ("cache", "past_key_values"))
+            kwargs.get(name) is None for name in ("cache", "past_key_values")) and not multimodal.needs_preparing(
+            module, kwargs)
         packed = not idle and _is_packed(kwargs)
         _check_row_limit(module, kwargs, packed)
         if drop_flash_kwargs:  # transformers 4.43 forwards take no **kwargs: segments come from position_ids
@@ -238,6 +235,7 @@ def _make_pre_hook(*, drop_flash_kwargs: bool):
                     )
             if kwargs.get("use_cache") is not False:
                 kwargs["use_cache"] = False
+            multimodal.prepare_packed(module, kwargs, mode)  # mRoPE positions, Gemma 3 image masks (no-op for text)
         return args, kwargs
 
     return hook
@@ -341,7 +339,7 @@ def self_check(model: torch.nn.Module, *, lengths: tuple[int, int] = (6, 5), see
 # ------------------------------------------------------------------------------------------------ entry point
 
 
-def _install_hooks(model: torch.nn.Module, *, drop_flash_kwargs: bool) -> None:
+def _install_hooks(model: torch.nn.Module, *, drop_flash_kwargs: bool, mode: str = "huggingface") -> None:
     state = getattr(model, _STATE_ATTR, None)
     if state:
         for handle in state.get("handles", ()):
@@ -350,8 +348,11 @@ def _install_hooks(model: torch.nn.Module, *, drop_flash_kwargs: bool) -> None:
     base = getattr(model, "base_model", None)
     if isinstance(base, torch.nn.Module) and base is not model:
         targets.append(base)
+    rope_index = mrope.rope_index_function(model)
+    for t in targets:
+        t._pf_rope_index = rope_index  # read by the pre-hook (multimodal.prepare_packed); None without mRoPE
     handles = [
-        t.register_forward_pre_hook(_make_pre_hook(drop_flash_kwargs=drop_flash_kwargs), with_kwargs=True)
+        t.register_forward_pre_hook(_make_pre_hook(drop_flash_kwargs=drop_flash_kwargs, mode=mode), with_kwargs=True)
         for t in targets
     ]
     setattr(model, _STATE_ATTR, {"handles": handles})
@@ -433,14 +434,17 @@ def enable_padding_free(
                     f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
                 )
             _hf.register()
+            # a vision-language model: the language model only; the vision tower keeps its own per-image attention
+            vlm = multimodal.is_multimodal(model.config)
             try:
-                model.set_attn_implementation(_hf.PF_VARLEN)
+                model.set_attn_implementation({"text_config": _hf.PF_VARLEN} if vlm else _hf.PF_VARLEN)
             except (ValueError, NotImplementedError, AttributeError) as exc:
                 raise UnsupportedModelError(
                     f"{type(model).__name__} cannot switch to attn_implementation='pf_varlen' ({exc}); "
                     "try mode='huggingface' or train it padded"
                 ) from exc
-            if model.config._attn_implementation != _hf.PF_VARLEN:
+            switched = model.config.get_text_config() if vlm else model.config
+            if switched._attn_implementation != _hf.PF_VARLEN:
                 raise UnsupportedModelError(f"could not set attn_implementation='pf_varlen' on {type(model).__name__}")
             for module in model.modules():
                 module._pf_varlen_backend = backend
@@ -461,7 +465,7 @@ def enable_padding_free(
         from pf_trl.attention import compressed_kv
 
         compressed_kv.install(model)  # DeepSeek-V4: compressed key/value entries per packed example
-    _install_hooks(model, drop_flash_kwargs=legacy)
+    _install_hooks(model, drop_flash_kwargs=legacy, mode=mode)
     result = self_check(model) if (check or mode == "huggingface") else {}
     state = getattr(model, _STATE_ATTR)
     state.update(mode=mode, backend=backend, self_check=result)

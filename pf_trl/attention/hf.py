@@ -236,10 +236,11 @@ def hf_varlen_attention(
             max_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
     elif lq == lk:
         if position_ids is None:
-            _warn_once(
-                "no_position_ids",
-                "pf_varlen got neither position_ids nor cu_seq_lens: each row is treated as one sequence",
-            )
+            if b > 1:  # one row without positions is one sequence (an mRoPE model's plain forward passes none)
+                _warn_once(
+                    "no_position_ids",
+                    "pf_varlen got neither position_ids nor cu_seq_lens: each row is treated as one sequence",
+                )
             cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lq
             max_q = lq
         else:

@@ -97,6 +97,11 @@ _TYPE_FIXES: dict[str, dict[str, Any]] = {
     # layer kinds set by a period or a cycle, not by a per-layer list: keep one of each kind in the tiny model
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # default: attention every 8th layer (offset 4)
     "recurrent_gemma": {"num_hidden_layers": 3},  # default block cycle: recurrent, recurrent, attention
+    # mRoPE vision-language types (swept on text): the three rotary sections split the 8 frequencies of head_dim 16
+    **{t: {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
+                                               **({"mrope_interleaved": True} if t == "qwen3_vl" else {})}},
+           "vision_config": {"depth": 1, **({"deepstack_visual_indexes": [0]} if t == "qwen3_vl" else {})}}
+       for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
 }
 # Other layer kinds a type's config can switch on (its defaults leave them off): the coverage sweep builds each
 # variant too and a type is exact only if every variant is. name -> config overrides (applied after the fixes).
@@ -249,11 +254,14 @@ def special_token_ids(config) -> set[int]:
 
 
 def causal_lm_class(model_type: str):
-    """The class ``AutoModelForCausalLM`` maps ``model_type`` to."""
+    """The class ``AutoModelForCausalLM`` maps ``model_type`` to (for a vision-language type it does not map, the
+    ``AutoModelForImageTextToText`` class: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
+    return getattr(transformers, name)
 
 
 def tiny_model(model_type: str, *, seed: int = 0, variant: str | None = None):

@@ -49,6 +49,7 @@ import torch
 from trl import SFTTrainer
 
 from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
+from pf_trl.data.vision import VISION_COLUMNS, VisionFeatures, image_column, text_tokenizer
 from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
@@ -70,16 +71,20 @@ from pf_trl.trainer.metrics import REAL_TOKENS_KEY, TokenAccountingMixin
 logger = logging.getLogger("pf_trl.trainer")
 
 SAMPLER_STATE_NAME = "pf_trl_sampler_state.json"
-_MODEL_COLUMNS = ("input_ids", "labels")
+_MODEL_COLUMNS = ("input_ids", "labels", *VISION_COLUMNS)
 
 
 class _CountingCollator:
-    """Wraps the padding-free collator: records the real token count (without a pad_to_multiple_of segment)."""
+    """Wraps the padding-free collator: records the real token count (without a pad_to_multiple_of segment).
+    ``prepare`` turns each row into model features first (a vision-language row's images -> pixel values)."""
 
-    def __init__(self, inner: PaddingFreeCollator) -> None:
+    def __init__(self, inner: PaddingFreeCollator, prepare=None) -> None:
         self.inner = inner
+        self.prepare = prepare
 
     def __call__(self, features):
+        if self.prepare is not None:
+            features = [self.prepare(f) for f in features]
         batch = self.inner(features)
         batch[REAL_TOKENS_KEY] = sum(len(f["input_ids"]) for f in features)
         return batch
@@ -263,9 +268,15 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             # a PeftModel: make its transformers model padding-free (the adapters live inside its modules)
             enable_padding_free(_transformers_model(model), mode=self.pf_mode, backend=args.attention_backend,
                                 allow_unverified=args.allow_unverified)
-            pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else processing_class.eos_token_id
+            from pf_trl.attention import multimodal
+            from pf_trl.attention.mrope import rope_index_function
+
+            multimodal.check_training_data(_transformers_model(model), self.pf_mode, train_dataset, eval_dataset)
+            tokenizer = text_tokenizer(processing_class)
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             data_collator = data_collator or PaddingFreeCollator(
-                pad_to_multiple_of=args.pad_to_multiple_of, pad_token_id=int(pad_id or 0)
+                pad_to_multiple_of=args.pad_to_multiple_of, pad_token_id=int(pad_id or 0),
+                rope_index=rope_index_function(_transformers_model(model)),  # mRoPE: per-example positions
             )
             self._pf_collator = data_collator
             if _is_tokenized(train_dataset) and not (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
@@ -335,7 +346,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             dataset = dataset.select_columns(keep)
         params: dict[str, Any] = dict(
             batch_sampler=sampler,
-            collate_fn=_CountingCollator(self._pf_collator),
+            collate_fn=_CountingCollator(self._pf_collator, prepare=VisionFeatures(self.processing_class)
+                                         if names and "images" in names else None),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
@@ -639,6 +651,8 @@ def _pf_prepare_rows(dataset, *, tokenizer, model, args, config, what: str):
 
         if isinstance(dataset, datasets.IterableDataset):
             return dataset  # streamed rows: left to TRL
+        if args.padding_free == "none" and image_column(getattr(dataset, "column_names", None) or []):
+            return dataset  # padded vision-language rows: TRL's own collator processes them on the fly
         check_vocab_fits(tokenizer, vocab)
         try:
             return sources.load_training_data(dataset, tokenizer, config, progress=False,
