@@ -49,6 +49,7 @@ __all__ = [
     "probe_head",
     "resolve_fused_loss",
     "router_aux_loss",
+    "aligned_supervised_positions",
     "supervised_positions",
     "supervised_loss_terms",
 ]
@@ -73,11 +74,17 @@ def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     ``labels[b, t + 1]``; it is kept when that label is not -100. Kept outside the model's layers and small on
     purpose: it is the one data-dependent gather of the loss.
     """
-    shifted = labels[:, 1:]
-    keep = shifted != IGNORE_INDEX
+    return aligned_supervised_positions(labels[:, 1:], width=labels.shape[1])
+
+
+def aligned_supervised_positions(shift_labels: torch.Tensor, *, width: int | None = None):
+    """:func:`supervised_positions` for labels already aligned with the positions that predict them
+    (``shift_labels[b, t]`` is the target of hidden row ``b * width + t``; sequence parallelism shifts the whole row
+    before cutting it, so the targets across a rank border survive)."""
+    keep = shift_labels != IGNORE_INDEX
     b, t = keep.nonzero(as_tuple=True)
-    index = b * labels.shape[1] + t
-    return index, shifted[keep]
+    index = b * (shift_labels.shape[1] if width is None else width) + t
+    return index, shift_labels[keep]
 
 
 # ------------------------------------------------------------------------------------------- the head
@@ -214,16 +221,21 @@ def _accepts_logits_to_keep(model) -> bool:
 
 @dataclass
 class LossTerms:
-    """Per supervised token: ``nll`` (fp32, differentiable), ``smooth`` (``sum_v -log p_v``, when asked) and
-    ``top1`` (bool, the target is the first argmax)."""
+    """Per supervised token: ``nll`` (differentiable), ``smooth`` (``sum_v -log p_v``, when asked) and
+    ``top1`` (bool, the target is the first argmax). Float terms are in :func:`loss_dtype` of the logits."""
 
     nll: torch.Tensor
     top1: torch.Tensor
     smooth: torch.Tensor | None = None
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loss is accumulated in: float32, or the model's own dtype when it is wider (float64)."""
+    return dtype if dtype == torch.float64 else torch.float32
+
+
 def _terms_from_logits(logits: torch.Tensor, targets: torch.Tensor, with_smooth: bool):
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(loss_dtype(logits.dtype)), dim=-1)
     nll = -logp.gather(1, targets[:, None]).squeeze(1)
     top1 = logits.detach().argmax(-1) == targets
     smooth = -logp.sum(-1) if with_smooth else None
@@ -305,8 +317,9 @@ def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = 
     if hidden.shape[0] == 0:
         # an all-masked micro-batch: a differentiable zero that still reaches the backbone and every trainable head
         # parameter (DDP expects a gradient for each; the step's divisor counts the other micro-batches' tokens)
-        touch = hidden.sum().float() * 0 + sum(p.sum().float() * 0 for p in head.parameters() if p.requires_grad)
-        empty = hidden.new_zeros((0,), dtype=torch.float32) + touch
+        dtype = loss_dtype(hidden.dtype)
+        touch = hidden.sum().to(dtype) * 0 + sum(p.sum().to(dtype) * 0 for p in head.parameters() if p.requires_grad)
+        empty = hidden.new_zeros((0,), dtype=dtype) + touch
         return LossTerms(nll=empty, top1=torch.zeros(0, dtype=torch.bool, device=hidden.device),
                          smooth=empty if with_smooth else None)
     if impl == "liger":
@@ -408,7 +421,8 @@ def chunked_cross_entropy(hidden, weight, targets, bias=None, *, chunk_size: int
 def plain_cross_entropy(hidden, weight, targets, bias=None, *, logit_scale: float = 1.0,
                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference path: the full logits, fp32 cross-entropy (sum) and top-1 hits."""
-    logits = apply_head_transform(F.linear(hidden, weight, bias), logit_scale, softcap).float()
+    logits = apply_head_transform(F.linear(hidden, weight, bias), logit_scale, softcap)
+    logits = logits.to(loss_dtype(logits.dtype))
     loss = F.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.detach().argmax(-1) == targets).sum()
     return loss, correct
