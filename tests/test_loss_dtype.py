@@ -74,3 +74,41 @@ def test_loss_dtype_is_never_narrower_than_float32(dtype, expected):
     from pf_trl.trainer.loss import loss_dtype
 
     assert loss_dtype(dtype) == expected
+
+
+@pytest.mark.parametrize("transform", [(1.0, None), (0.5, 3.0)], ids=["plain", "scale-softcap"])
+@pytest.mark.parametrize("smooth", [False, True], ids=["nll", "smoothing"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_head_chunks_match_autograd_of_the_full_logits(transform, smooth, dtype):
+    """The CPU loss path of a plain linear head (token chunks, one weight-gradient buffer) against autograd through
+    the full logits: per-token terms and the gradients of hidden, weight and bias."""
+    from pf_trl.trainer.loss import HeadPlan, apply_head_transform, loss_dtype, supervised_loss_terms
+
+    scale, softcap = transform
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=dtype)
+    head = torch.nn.Linear(16, 50, bias=True).to(dtype)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    w_nll = torch.rand(37, generator=g, dtype=dtype)
+    w_smooth = torch.rand(37, generator=g, dtype=dtype)
+
+    def run(fn):
+        h = hidden.clone().requires_grad_(True)
+        head.zero_grad()
+        nll, sm = fn(h)
+        loss = (nll * w_nll.to(nll.dtype)).sum() + ((sm * w_smooth.to(sm.dtype)).sum() if smooth else 0)
+        loss.backward()
+        return nll.detach(), h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
+
+    def chunked(h):
+        terms = supervised_loss_terms(head, h, targets, HeadPlan("linear", scale, softcap), chunk_size=8,
+                                      with_smooth=smooth)
+        return terms.nll, terms.smooth
+
+    def full(h):
+        logp = torch.log_softmax(apply_head_transform(head(h), scale, softcap).to(loss_dtype(dtype)), -1)
+        return -logp.gather(1, targets[:, None]).squeeze(1), -logp.sum(-1)
+
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for a, b in zip(run(chunked), run(full)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
