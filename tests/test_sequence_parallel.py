@@ -4,7 +4,7 @@ Every run trains three tiny models for 3 steps (a Llama, a Mistral with a slidin
 a Qwen2 with grouped-query attention: 8 query heads over 2 key/value heads, so that 4 ranks repeat each key/value
 head) with activation checkpointing on. The reference is one process training on the same batches: with ``G``
 sequence-parallel groups, the ``G`` groups' batches of a step are its ``G`` gradient-accumulation micro-batches.
-Losses and parameters after 3 steps must agree to float32 rounding.
+Losses and parameters after 3 steps, and the evaluation loss after them, must agree to float32 rounding.
 
 Negative controls: a group whose ranks hold different rows (same length, other tokens) is refused by the group's
 row check; with that check switched off, the run finishes and its losses and parameters no longer match the
@@ -94,9 +94,10 @@ SCRIPT = textwrap.dedent(
             use_cpu=True, max_tokens_per_batch=200, dataloader_num_workers=0,
             gradient_accumulation_steps=groups if single else 1, sequence_parallel_size=1 if single else sp)
         model = build_model(name, attn_implementation="sdpa", seed=0, **BASE, **heads)
-        tr = T(model, args=args, train_dataset=ds)
+        tr = T(model, args=args, train_dataset=ds, eval_dataset=ds.select(range(12)))
         tr.train()
         res = {"losses": [h["loss"] for h in tr.state.log_history if "loss" in h], "steps": tr.state.global_step,
+               "eval_loss": tr.evaluate()["eval_loss"] if skew == "same" else None,
                "real_tokens": tr.state.log_history[-1].get("train_real_tokens"),
                "attn": model.config._attn_implementation}
         return res, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
@@ -164,6 +165,7 @@ def _assert_exact(got, want, case):
     assert res["steps"] == ref["steps"] == 3
     assert res["real_tokens"] == ref["real_tokens"]  # counted once per group
     np.testing.assert_allclose(res["losses"], ref["losses"], rtol=2e-6, atol=2e-6, err_msg=case)
+    assert res["eval_loss"] == pytest.approx(ref["eval_loss"], rel=2e-6, abs=2e-6), case  # token-weighted, all groups
     diff = _max_param_diff(weights, ref_weights)
     assert diff <= 4e-6, (case, diff)  # measured: at most 1.0e-6 (4 ranks: a different all-reduce order)
     return diff

@@ -8,6 +8,8 @@
 #   2. torch.compile on/off through PaddingFreeSFTTrainer, both padding-free modes: real Gemma 3 270M when staged,
 #      else the tiny Llama; compile time apart, 0-graph-break check of the forward on CUDA (200)
 #   3. pf-trl bench: ~1B Llama, padded vs TRL padding-free vs pf-trl, MFU (100)
+#   4. long row: one 131,072-token packed row of the ~1B Llama (segments 4k-64k), varlen backend auto (flash-attn
+#      when carried, else PyTorch's varlen / flex), peak memory and tokens/s of an optimizer step (100)
 # `--dry-run`: the same stages on CPU with tiny sizes (checks the script, no GPU, no carried wheels needed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -73,6 +75,12 @@ if [[ $DRY == 1 ]]; then
 else
   timeout 100 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 200 --output-dir "$OUT" \
     --timeout 30 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+stage "4. one 128k-token packed row, ~1B Llama"
+if [[ $DRY == 1 ]]; then
+  timeout 300 "$PY" benchmarks/gpu/long_row.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -5
+else
+  timeout 100 "$PY" benchmarks/gpu/long_row.py --out "$OUT" 2>&1 | grep -v "^{'" | tail -8
 fi
 stage "done"
 ls -la "$OUT"

@@ -83,6 +83,8 @@ def reroute_refusal(model: torch.nn.Module) -> str | None:
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if not callable(can_set) or not can_set():
         return f"{type(model).__name__} does not route its attention through AttentionInterface"
+    if any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config")):
+        return "a multimodal model: its encoders attend without the text's packed segments"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not getattr(text, "is_causal", True) or not getattr(config, "is_causal", True):
         return "the model is configured bidirectional (is_causal=False)"

@@ -433,7 +433,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             self._pf_eval_add(loss_sum.detach() + extra, int(n_tok))
         if return_outputs:
             with torch.no_grad():
-                logits_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+                logits_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
                 outputs = model(**logits_inputs, use_cache=False)
             return loss, outputs
         return loss
