@@ -200,11 +200,18 @@ def test_llama4_budget_over_the_limit_is_refused_before_training(tmp_path):
 
 
 def test_opt_direct_mask_builder_and_its_negative_control(sweep, monkeypatch):
-    """OPT calls create_causal_mask without position_ids: pf-trl hands its decoder the mask built with them."""
+    """OPT calls create_causal_mask without position_ids: pf-trl hands its decoder the mask built with them.
+
+    huggingface mode reroutes sdpa models to pf-trl's per-segment attention (hf_sdpa), which reads no mask; the mask
+    fix is what keeps transformers' own dense path exact, so it is checked with the reroute off."""
     from transformers.models.opt.modeling_opt import OPTDecoder
+
+    from pf_trl.attention import hf_sdpa
 
     assert packed_masks.direct_builder_without_positions(OPTDecoder) == "create_causal_mask"
     assert_exact(sweep(build("opt")))
+    monkeypatch.setattr(hf_sdpa, "reroute_refusal", lambda model: "the dense path under test")
+    assert_exact(sweep(build("opt")))  # transformers' dense sdpa mask, built with the packed positions
     monkeypatch.setattr(packed_masks, "install", lambda model: [])
     entry = sweep(build("opt"))
     assert entry["huggingface"]["status"] == "refused" and "self-check failed" in entry["huggingface"]["reason"]

@@ -149,15 +149,18 @@ def test_negative_control_boundaries_dropped_at_the_stateful_layers_leak(model_t
 
 def test_negative_control_granite_hybrid_masks_without_positions(tmp_path, tokenizer, monkeypatch):
     """Granite 4.0-H's own mask builder is not given position_ids: without pf-trl's mask mapping (packed_masks) its
-    sdpa attention lets the packed examples see each other, and huggingface mode is refused by the self-check."""
-    from pf_trl.attention import packed_masks
+    sdpa attention lets the packed examples see each other, and huggingface mode is refused by the self-check.
+
+    huggingface mode reroutes sdpa to pf-trl's per-segment attention (hf_sdpa), which reads no mask; the mask mapping
+    is what keeps transformers' own dense path exact, so it is checked with the reroute off."""
+    from pf_trl.attention import hf_sdpa, packed_masks
 
     base = _base("granitemoehybrid", "attention")
+    monkeypatch.setattr(hf_sdpa, "reroute_refusal", lambda model: "the dense path under test")
+    _trainer(copy.deepcopy(base), "huggingface", tmp_path, tokenizer)  # with the mask mapping: admitted
     monkeypatch.setattr(packed_masks, "install", lambda model: [])
     with pytest.raises(PaddingFreeError, match="self-check failed"):
         _trainer(copy.deepcopy(base), "huggingface", tmp_path, tokenizer)
-    monkeypatch.undo()
-    _trainer(copy.deepcopy(base), "huggingface", tmp_path, tokenizer)  # with the mask mapping: admitted
 
 
 @pytest.mark.slow

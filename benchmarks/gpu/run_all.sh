@@ -13,6 +13,8 @@
 #   4. hybrid / state-space layers (Qwen3.5, Granite 4.0-H, Mamba2, LFM2...): the kernels transformers calls, given
 #      pf-trl's boundaries, vs each example alone vs pf-trl's segments path (builds causal-conv1d first: 150 + 120);
 #      alone: run(command="bash benchmarks/gpu/run_stateful_check.sh", carry=[".whl"], timeout_s=300)
+#   5. long row: one 131,072-token packed row of the ~1B Llama (segments 4k-64k), varlen backend auto (flash-attn
+#      when carried, else PyTorch's varlen / flex), peak memory and tokens/s of an optimizer step (100)
 # `--dry-run`: the same stages on CPU with tiny sizes (checks the script, no GPU, no carried wheels needed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -88,6 +90,12 @@ if [[ $DRY == 1 ]]; then
   bash benchmarks/gpu/run_stateful_check.sh --dry-run 2>&1 | tee "$OUT/stateful_check.log" | tail -8
 else
   bash benchmarks/gpu/run_stateful_check.sh 2>&1 | tee "$OUT/stateful_check.log" | tail -20
+fi
+stage "5. one 128k-token packed row, ~1B Llama"
+if [[ $DRY == 1 ]]; then
+  timeout 300 "$PY" benchmarks/gpu/long_row.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -5
+else
+  timeout 100 "$PY" benchmarks/gpu/long_row.py --out "$OUT" 2>&1 | grep -v "^{'" | tail -8
 fi
 stage "done"
 ls -la "$OUT"

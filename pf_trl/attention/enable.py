@@ -5,7 +5,9 @@ Modes:
 - ``"huggingface"``: keep the model's attention implementation and rely on transformers' native packed-sequence
   path (``position_ids`` restarting at 0, no ``attention_mask``; transformers >= 4.44). A self-check forward on a
   tiny packed input proves that the configured implementation really isolates the sequences, otherwise it raises.
-  On transformers < 4.44 it switches to ``"internal"`` with a one-line notice.
+  With ``sdpa``, where transformers would build a dense ``T x T`` mask, packed rows are attended per segment
+  instead (:mod:`pf_trl.attention.hf_sdpa`: memory linear in the row). On transformers < 4.44 it switches to
+  ``"internal"`` with a one-line notice.
 - ``"internal"``: our own attention. With ``AttentionInterface`` (transformers >= 4.48) the model is switched to
   the registered ``pf_varlen`` implementation; without it (4.43-4.47) the attention modules are patched
   (:mod:`pf_trl.attention.legacy`). Both call :func:`pf_trl.attention.varlen_attention` with ``backend``.
@@ -379,6 +381,27 @@ def _check_backend(model: torch.nn.Module, backend: str) -> None:
         )
 
 
+def _self_check_rerouted(model: torch.nn.Module) -> dict[str, float]:
+    """``huggingface`` mode: sdpa models attend packed rows per segment (:mod:`pf_trl.attention.hf_sdpa`) instead of
+    through transformers' dense ``T x T`` mask, when the self-check passes that way; else transformers' own path."""
+    from pf_trl.attention import hf_sdpa
+
+    reason = hf_sdpa.reroute_refusal(model)
+    if reason is None and hf_sdpa.reroute(model):
+        try:
+            return self_check(model)
+        except PaddingFreeError as exc:
+            hf_sdpa.restore(model)
+            reason = f"the per-segment path failed the self-check ({str(exc).splitlines()[0][:200]})"
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl in ("sdpa", "eager"):
+        # sdpa that could not be rerouted deserves a warning; eager is the user's (or the model's only) choice
+        (logger.warning if impl == "sdpa" else logger.info)(
+            "pf-trl: %s keeps transformers' dense packed mask in huggingface mode (%s): attention memory grows with "
+            "the square of the packed row; padding_free='internal' is memory-linear", type(model).__name__, reason)
+    return self_check(model)
+
+
 def enable_padding_free(
     model: torch.nn.Module,
     mode: str = "huggingface",
@@ -466,7 +489,10 @@ def enable_padding_free(
 
         compressed_kv.install(model)  # DeepSeek-V4: compressed key/value entries per packed example
     _install_hooks(model, drop_flash_kwargs=legacy, mode=mode)
-    result = self_check(model) if (check or mode == "huggingface") else {}
+    if mode == "huggingface":
+        result = _self_check_rerouted(model)
+    else:
+        result = self_check(model) if check else {}
     state = getattr(model, _STATE_ATTR)
     state.update(mode=mode, backend=backend, self_check=result)
     logger.info("pf-trl: padding-free enabled (mode=%s, backend=%s, self-check=%s)", mode, backend, result)

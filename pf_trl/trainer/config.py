@@ -109,6 +109,12 @@ class PaddingFreeConfig(SFTConfig):
         metadata={"help": "Streamed training data (an IterableDataset): examples read ahead and packed to the token "
                   "budget together. Memory is bounded by it; larger fills batches closer to the budget."},
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Ulysses sequence parallelism: ranks that share one packed row (consecutive ranks; each "
+                  "keeps 1/N of the tokens and attends the whole row for 1/N of the heads). Needs N processes per "
+                  "group (torchrun) and heads divisible by N; the token budget is per group. 1 = off."},
+    )
     allow_unverified: bool = field(
         default=False,
         metadata={"help": "Accept a model type that pf-trl's coverage sweep has no evidence for (docs/models.md), "
@@ -138,6 +144,8 @@ class PaddingFreeConfig(SFTConfig):
             raise ValueError(f"stream_buffer_size must be a positive integer, got {self.stream_buffer_size}")
         if self.fused_loss not in FUSED_LOSS_CHOICES:
             raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
+        if not isinstance(self.sequence_parallel_size, int) or self.sequence_parallel_size < 1:
+            raise ValueError(f"sequence_parallel_size must be a positive integer, got {self.sequence_parallel_size!r}")
         if self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.padding_free != "none" and self.packing:
