@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from pf_trl.trainer.loss import HeadPlan, supervised_loss_terms  # noqa: E402
 
-METHODS = ("plain", "trl_fused", "pf_trl", "pf_trl_before")
+METHODS = ("plain", "trl_fused", "pf_trl", "pf_trl_checkpointed", "pf_trl_before")
 
 
 class LiveBytes(TorchDispatchMode):
@@ -120,18 +120,27 @@ def loss_fn(method: str, hidden, weight, targets):
         return -logprobs.sum()
     if method == "pf_trl_before":
         return _previous_pf_trl(hidden, weight, targets)
+    if method == "pf_trl_checkpointed":
+        # pf-trl's CPU path before the token-chunk function: generic autograd on 1024-token chunks under activation
+        # checkpointing (each chunk's backward allocates [chunk, vocab] buffers and a fresh [vocab, hidden] gradient)
+        from pf_trl.trainer.loss import _module_terms
+
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        head.weight = weight
+        return _module_terms(head, hidden, targets, 1.0, None, 1024, False, True, linear=True).nll.sum()
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     head.weight = weight  # the benchmark's Parameter: nothing new is allocated
     return supervised_loss_terms(head, hidden, targets, HeadPlan("linear")).nll.sum()
 
 
-def measure(method: str, tokens: int, vocab: int, hidden_size: int, *, fake: bool = True) -> dict:
+def measure(method: str, tokens: int, vocab: int, hidden_size: int, *, fake: bool = True,
+            dtype: torch.dtype = torch.bfloat16) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ctx = FakeTensorMode() if fake else torch.autocast("cpu", enabled=False)
     with ctx:
-        hidden = torch.randn(tokens, hidden_size, dtype=torch.bfloat16).requires_grad_()
-        weight = torch.nn.Parameter(torch.randn(vocab, hidden_size, dtype=torch.bfloat16) * 0.02)
+        hidden = torch.randn(tokens, hidden_size, dtype=dtype).requires_grad_()
+        weight = torch.nn.Parameter(torch.randn(vocab, hidden_size, dtype=dtype) * 0.02)
         targets = torch.randint(0, vocab, (tokens,))
         tracker = LiveBytes((hidden, weight, targets))
         with tracker:
@@ -190,12 +199,15 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=131072)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "loss_memory.json"))
     parser.add_argument("--validate", action="store_true", help="also compare the tracker with real RSS growth")
     args = parser.parse_args(argv)
-    rows = [measure(m, n, args.vocab, args.hidden) for n in args.tokens for m in args.methods]
-    head_mib = args.vocab * args.hidden * 2 / 2**20
-    print(f"loss forward+backward, head {args.vocab} x {args.hidden} bf16 ({head_mib:,.0f} MiB), MiB beyond the inputs")
+    dtype = getattr(torch, args.dtype)
+    rows = [measure(m, n, args.vocab, args.hidden, dtype=dtype) for n in args.tokens for m in args.methods]
+    head_mib = args.vocab * args.hidden * dtype.itemsize / 2**20
+    print(f"loss forward+backward, head {args.vocab} x {args.hidden} {args.dtype} ({head_mib:,.0f} MiB), MiB beyond "
+          "the inputs")
     print(f"{'tokens':>7} {'method':<15} {'peak':>9} {'held fwd->bwd':>14} {'grads':>8} {'W.grad':>9}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['method']:<15} {_mib(r['peak_bytes']):>9} {_mib(r['held_after_forward_bytes']):>14} "

@@ -14,11 +14,18 @@ on. ``max_length_*`` are Python ints for the same reason.
 
 The first label of every example is -100: with the causal shift, the token before it belongs to the
 previous example, so no example learns to predict its own start from its neighbour.
+
+Vision-language features (what :class:`pf_trl.data.vision.VisionFeatures` makes of a shard row) are packed too:
+per-token keys (:data:`TOKEN_KEYS`: ``mm_token_type_ids``, ``token_type_ids``) are concatenated like ``input_ids``;
+per-image keys (:data:`IMAGE_KEYS`: ``pixel_values``, ``image_grid_thw``) are concatenated along their first axis in
+example order, exactly as a padded batch holds them. With ``rope_index`` (the model's multimodal rotary function,
+:func:`pf_trl.attention.mrope.rope_index_function`) ``position_ids`` is ``[4, 1, total]``: per-example text positions
+on top of each example's own three rotary streams.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +35,9 @@ IGNORE_INDEX = -100
 # Keys a packed batch carries besides the token tensors. The trainer keeps them through column removal.
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 PACKED_KEYS = ("input_ids", "labels", "position_ids", *FLASH_KWARGS)
+# vision-language features: one value per token / one row per image (video inputs are not packed)
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
 
 class PaddingFreeCollator:
@@ -40,6 +50,7 @@ class PaddingFreeCollator:
         pad_token_id: token id used for that dummy segment.
         return_flash_kwargs: emit ``cu_seq_lens_*`` / ``max_length_*`` (on by default).
         ignore_first_label: set the first label of every example to -100 (see module docstring).
+        rope_index: the model's per-example multimodal rotary positions (mRoPE models), see the module docstring.
     """
 
     def __init__(
@@ -49,6 +60,7 @@ class PaddingFreeCollator:
         pad_token_id: int = 0,
         return_flash_kwargs: bool = True,
         ignore_first_label: bool = True,
+        rope_index: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of}")
@@ -56,6 +68,7 @@ class PaddingFreeCollator:
         self.pad_token_id = pad_token_id
         self.return_flash_kwargs = return_flash_kwargs
         self.ignore_first_label = ignore_first_label
+        self.rope_index = rope_index
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if len(features) == 0:
@@ -96,6 +109,10 @@ class PaddingFreeCollator:
             "labels": torch.cat(label_parts).unsqueeze(0),
             "position_ids": position_ids.unsqueeze(0),
         }
+        if any(key in f for f in features for key in (*TOKEN_KEYS, *IMAGE_KEYS)):
+            batch.update(_pack_vision(features, ids_parts, lengths))
+        if self.rope_index is not None:
+            batch["position_ids"] = self._rope_positions(features, ids_parts, lengths, batch)
         if self.return_flash_kwargs:
             max_len = int(max(lengths))
             batch.update(
@@ -106,6 +123,45 @@ class PaddingFreeCollator:
             )
             check_packed_batch(batch)
         return batch
+
+
+    def _rope_positions(self, features, ids_parts, lengths, batch) -> torch.Tensor:
+        """``[4, 1, total]``: per-example text positions, then each example's rotary streams from its own images."""
+        from pf_trl.attention.mrope import packed_position_ids
+
+        types = batch.get("mm_token_type_ids")
+        rotary, at = [], 0
+        for i, n in enumerate(lengths):
+            feature = features[i] if i < len(features) else {}
+            grid = feature.get("image_grid_thw")
+            grid = torch.as_tensor(grid).reshape(-1, 3) if grid is not None and len(grid) else None
+            tokens = types[0, at:at + n] if types is not None else torch.zeros(n, dtype=torch.long)
+            rotary.append(self.rope_index(ids_parts[i], tokens, image_grid_thw=grid))
+            at += n
+        return packed_position_ids(batch["position_ids"].reshape(-1), rotary)
+
+
+def _pack_vision(features: Sequence[Mapping[str, Any]], ids_parts: list[torch.Tensor], lengths: list[int]):
+    """Per-token keys concatenated over the row (0 on a padding segment); per-image keys concatenated in example
+    order (examples without images add nothing)."""
+    out: dict[str, torch.Tensor] = {}
+    for key in TOKEN_KEYS:
+        if not any(key in f for f in features):
+            continue
+        parts = []
+        for i, n in enumerate(lengths):
+            value = features[i].get(key) if i < len(features) else None
+            part = (torch.zeros(n, dtype=torch.long) if value is None
+                    else torch.as_tensor(value, dtype=torch.long).reshape(-1))
+            if part.numel() != n:
+                raise ValueError(f"feature {i}: {key} has {part.numel()} values but input_ids has {n} tokens")
+            parts.append(part)
+        out[key] = torch.cat(parts).unsqueeze(0)
+    for key in IMAGE_KEYS:
+        parts = [torch.as_tensor(f[key]) for f in features if f.get(key) is not None and len(f[key])]
+        if parts:
+            out[key] = torch.cat(parts, dim=0)
+    return out
 
 
 def check_packed_batch(batch: Mapping[str, Any]) -> None:
@@ -138,6 +194,8 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
         if type(value) is not int or value != max(lengths):
             raise ValueError(f"{name} must be the Python int {max(lengths)} (the longest segment), got {value!r}")
     position_ids = batch.get("position_ids")
+    if position_ids is not None and position_ids.dim() == 3:
+        position_ids = position_ids[0]  # mRoPE: the per-example text positions are the first row
     if position_ids is not None:
         expected = torch.cat([torch.arange(n) for n in lengths])
         if position_ids.numel() != total or not torch.equal(position_ids.reshape(-1).cpu().long(), expected):
@@ -171,10 +229,10 @@ def mark_dynamic_lengths(batch: Mapping[str, Any]) -> None:
     """
     from pf_trl._compat import maybe_mark_dynamic
 
-    for name in ("input_ids", "labels", "position_ids"):
+    for name in ("input_ids", "labels", "position_ids", *TOKEN_KEYS):
         value = batch.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() == 2:
-            maybe_mark_dynamic(value, 1)
+        if isinstance(value, torch.Tensor) and value.dim() in (2, 3):
+            maybe_mark_dynamic(value, value.dim() - 1)
     for name in FLASH_KWARGS[:2]:
         value = batch.get(name)
         if isinstance(value, torch.Tensor):

@@ -25,6 +25,26 @@ EMBEDDED_MODELS: dict[str, dict[str, Any]] = {
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
+    # hybrids with layers that carry state along the row (pf_trl.attention.stateful), same width and vocabulary:
+    # Qwen3.5's pattern (three gated-delta-net layers, then full attention) ...
+    "pf-trl/tiny-qwen3.5": dict(
+        model_type="qwen3_5_text", vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    # ... and Granite 4.0-H's (Mamba2 layers, one attention layer without position embeddings, MoE + shared MLP).
+    # No load-balancing loss: TRL 1.16's padded path cannot compute it for this config (it reads `num_experts`,
+    # which GraniteMoeHybridConfig calls `num_local_experts`), and the benchmark compares against that path.
+    "pf-trl/tiny-granite-4.0-h": dict(
+        model_type="granitemoehybrid", vocab_size=32000, hidden_size=256, intermediate_size=256,
+        shared_intermediate_size=512, num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=8, num_key_value_heads=4, position_embedding_type="nope", num_local_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.0, mamba_n_heads=16, mamba_d_head=32, mamba_d_state=32,
+        mamba_n_groups=1, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
     # ~1.1B Llama (TinyLlama shape) for GPU benchmarks: random init in bf16.
     "pf-trl/llama-1b": dict(
         model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -67,4 +87,23 @@ def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementati
         return model
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
-    return AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False, **kwargs)
+    return _auto_class(name_or_path).from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False,
+                                                     **kwargs)
+
+
+def _auto_class(folder: str):
+    """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language type it does not map
+    (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    try:
+        model_type = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False).model_type
+    except Exception:
+        return AutoModelForCausalLM
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

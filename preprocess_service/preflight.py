@@ -127,7 +127,9 @@ class _Sandbox:
             complete = _parquet_head(path, head, n) if suffix == ".parquet" else _jsonl_head(path, head, n)
             if complete is None:
                 return {"rows_total": rows_total}  # a JSON array, not line-oriented: checked by the job
-            pretokenize(head, work / "out", config, tokenizer=tok, progress=False, limits=limits)
+            roots = req.get("image_roots")
+            pretokenize(head, work / "out", config, tokenizer=tok, progress=False, limits=limits,
+                        image_roots=tuple(roots) if roots else (str(path.parent),))
         except PretokenizeError as exc:
             message = for_service(str(exc).replace(str(head), shown))  # the request's field names, not CLI flags
             if message.startswith("no example left") and not complete:

@@ -173,6 +173,8 @@ class Submitter:
         answer = self._sandbox({"op": "preflight", "path": str(path), "shown": shown, "tokenizer": tokenizer,
                                 "options": config.to_dict(), "rows": self.settings.preflight_rows,
                                 "limits": self.settings.limits().to_dict(),
+                                # image paths of vision rows resolve against the source's folder, within the roots
+                                "image_roots": [str(path.parent), *map(str, self.settings.data_roots)],
                                 "count_s": self.settings.preflight_timeout_s / 3}, what=f"source {shown}")
         return answer.get("rows_total")
 

@@ -130,7 +130,8 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
 
         manifest = pretokenize(source, work / "out", config, tokenizer=tok, num_proc=settings.num_proc,
                                progress=False, progress_callback=on_progress,
-                               source_fingerprint_value=request["source_sha256"], limits=settings.limits())
+                               source_fingerprint_value=request["source_sha256"], limits=settings.limits(),
+                               image_roots=(str(source.parent), *map(str, settings.data_roots)))
         crash_point(settings, "written")
 
         def publish() -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of the README and of CI: set up (idempotent), run the main suite, then the
-# transformers<4.44 suite in its own venv (the `internal` attention patch).
+# transformers<4.44 suite in its own venv (the `internal` attention patch), then the coverage sweep on the newest
+# transformers release (scripts/test_newest.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
@@ -34,5 +35,9 @@ if [[ "${PF_TRL_REAL:-${CI:+1}}" == 1 ]]; then
 fi
 if [[ -f scripts/test_legacy.sh && -z "${PF_TRL_SKIP_LEGACY:-}" ]]; then
   bash scripts/test_legacy.sh || status=$?
+fi
+# The coverage sweep on the newest transformers release too (support.json holds both sweeps): ~4 min on 2 cores.
+if [[ -f scripts/test_newest.sh && -z "${PF_TRL_SKIP_NEWEST:-}" ]]; then
+  bash scripts/test_newest.sh || status=$?
 fi
 exit $status

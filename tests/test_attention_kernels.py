@@ -15,8 +15,9 @@ BACKEND_PARAMS = [pytest.param(name, marks=pytest.mark.skipif(reason is not None
                   for name, reason in backend_status("cpu", torch.float32).items()]
 
 
-def naive_reference(q, k, v, cu_q, cu_k, *, causal=True, scale=None, sliding_window=None, softcap=None):
-    """Dense (T_q, T_k) masked softmax written from the definition, float64."""
+def naive_reference(q, k, v, cu_q, cu_k, *, causal=True, scale=None, sliding_window=None, softcap=None, sinks=None):
+    """Dense (T_q, T_k) masked softmax written from the definition, float64. ``sinks`` (one logit per head): one more
+    score column per query, dropped after the softmax (transformers' gpt-oss eager attention)."""
     q, k, v = q.double(), k.double(), v.double()
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -43,7 +44,11 @@ def naive_reference(q, k, v, cu_q, cu_k, *, causal=True, scale=None, sliding_win
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        sink_column = sinks.double().view(hq, 1, 1).expand(hq, tq, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 

@@ -170,7 +170,8 @@ def test_internal_matches_padded(arch):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_huggingface_mode_matches_padded(arch, attn):
     model = compare(arch, "huggingface", attn=attn)
-    assert model.config._attn_implementation == attn
+    # sdpa attends packed rows per segment instead of through transformers' dense T x T mask (hf_sdpa)
+    assert model.config._attn_implementation == ("pf_packed_sdpa" if attn == "sdpa" else attn)
 
 
 @pytest.mark.parametrize("mode", ["internal", "huggingface"])
@@ -292,7 +293,9 @@ def test_unavailable_backend_raises_with_install_hint():
         enable_padding_free(make_model("llama"), mode="huggingface", backend="sdpa")
 
 
-def test_multimodal_mrope_model_raises():
+def test_multimodal_mrope_model_gets_per_example_positions():
+    """Qwen2-VL is made padding-free with its own get_rope_index per example (tests/test_vlm.py: images); a model
+    whose config asks for mrope but whose class has no get_rope_index is refused."""
     cfg = transformers.Qwen2VLConfig(
         text_config=dict(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -300,10 +303,14 @@ def test_multimodal_mrope_model_raises():
         ),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=1),
     )
-    model = transformers.Qwen2VLForConditionalGeneration(cfg)
     for mode in ("internal", "huggingface"):
-        with pytest.raises(UnsupportedModelError, match="mrope"):
-            enable_padding_free(model, mode=mode)
+        model = transformers.Qwen2VLForConditionalGeneration(cfg)
+        enable_padding_free(model, mode=mode)
+        assert model._pf_rope_index is not None
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **TINY, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}))
+    with pytest.raises(UnsupportedModelError, match="mrope"):
+        enable_padding_free(llama, mode="huggingface")
 
 
 def test_unknown_and_custom_models_raise():

@@ -415,3 +415,43 @@ def test_service_shards_match_the_trainers_tokenizer(env, client):
     theirs = status["manifest"]["tokenizer"]
     assert mine["sha256"] == theirs["sha256"], (mine, theirs)
     load_shards(status["shards_path"], expected_tokenizer=mine)
+
+
+def test_image_dataset_pretokenized_and_trained(env, client, tmp_path, monkeypatch):
+    """A vision-language source (Gemma 3 folder with its processor; JSONL rows naming image files under the data
+    root): the service stores the images in the shards, `pf-trl pretokenize` writes the same rows, and `pf-trl train`
+    trains on the service's dataset (docs/vlm.md)."""
+    from test_vlm import chat_rows
+
+    from pf_trl.attention.tiny_vlm import tiny_vlm
+    from pf_trl.cli.main import main
+    from pf_trl.data.shards import load_shards
+
+    root = env["root"] / "vlm"
+    (root / "img").mkdir(parents=True)
+    model, processor = tiny_vlm("gemma3")
+    model.save_pretrained(root / "model")
+    processor.save_pretrained(root / "model")
+    rows = []
+    for i, row in enumerate(chat_rows()):
+        for j, image in enumerate(row["images"]):
+            image.save(root / "img" / f"{i}-{j}.png")
+        rows.append({**row, "images": [f"img/{i}-{j}.png" for j in range(len(row["images"]))]})
+    write_rows(root / "vlm.jsonl", rows * 3)
+    r = post(client, {"source": {"path": str(root / "vlm.jsonl")}, "tokenizer": str(root / "model")})
+    assert r.status_code == 202, r.text
+    status = wait_state(client, r.json()["id"], timeout=300)
+    assert status["state"] == "succeeded", status
+    assert status["manifest"]["vision"]["images"] == 18
+    served = load_shards(env["server"].cache_dir / "datasets" / r.json()["id"])
+    assert [len(x) for x in served["images"]] == [len(row["images"]) for row in rows * 3]
+    assert main(["pretokenize", str(root / "vlm.jsonl"), str(tmp_path / "cli-shards"),
+                 "--model_name_or_path", str(root / "model")]) == 0
+    assert load_shards(tmp_path / "cli-shards")["input_ids"] == served["input_ids"]
+    assert main(["inspect", str(tmp_path / "cli-shards"), "--samples", "1"]) == 0  # decoded with the processor's tokenizer
+    monkeypatch.setenv("PF_SERVICE_TOKEN", TOKEN)
+    out = tmp_path / "train-out"
+    assert main(["train", "--model_name_or_path", str(root / "model"), "--dataset_service_url", env["server"].url,
+                 "--dataset_id", r.json()["id"], "--max_steps", "2", "--max_tokens_per_batch", "256",
+                 "--output_dir", str(out), "--report_to", "none"]) == 0
+    assert (out / "train_results.json").is_file()

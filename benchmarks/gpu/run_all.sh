@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# The GPU run book, one command on the lent GPU machine, from the repository root (< 8 min):
-#   run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=540)
+# The GPU run book, one command on the lent GPU machine, from the repository root (< 9 min):
+#   run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=590)
 # Before it, HERE: bash benchmarks/gpu/prepare_carry.sh (the wheels, listed by `prepare_carry.sh --list`), and
 # optionally bash benchmarks/gpu/stage_gemma.sh + the staging calls it prints (the real Gemma 3 270M).
 # Stages, each with its own timeout (seconds), results in $OUT (tables on stdout):
 #   1. attention kernel table: every varlen backend vs the exact reference in bf16, kernel times (150)
+#   1b. attention sinks (gpt-oss): every backend with sinks vs the exact reference, full and sliding window, forward
+#      and gradients; a tiny gpt-oss packed vs padded eager per backend (100)
 #   2. torch.compile on/off through PaddingFreeSFTTrainer, both padding-free modes: real Gemma 3 270M when staged,
 #      else the tiny Llama; compile time apart, 0-graph-break check of the forward on CUDA (200)
 #   3. pf-trl bench: ~1B Llama, padded vs TRL padding-free vs pf-trl, MFU (100)
+#   4. hybrid / state-space layers (Qwen3.5, Granite 4.0-H, Mamba2, LFM2...): the kernels transformers calls, given
+#      pf-trl's boundaries, vs each example alone vs pf-trl's segments path (builds causal-conv1d first: 150 + 120);
+#      alone: run(command="bash benchmarks/gpu/run_stateful_check.sh", carry=[".whl"], timeout_s=300)
+#   5. long row: one 131,072-token packed row of the ~1B Llama (segments 4k-64k), varlen backend auto (flash-attn
+#      when carried, else PyTorch's varlen / flex), peak memory and tokens/s of an optimizer step (100)
 # `--dry-run`: the same stages on CPU with tiny sizes (checks the script, no GPU, no carried wheels needed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,6 +41,10 @@ if [[ $DRY == 1 ]]; then
 else
   CHECK_TIMEOUT_S=150 bash benchmarks/gpu/run_attention_check.sh 2>&1 | tail -40
 fi
+
+stage "1b. attention sinks (gpt-oss)"
+timeout 100 "$PY" benchmarks/gpu/sinks_check.py --out "$OUT" $([[ $DRY == 1 ]] && echo --dry-run) 2>&1 \
+  | grep -v "Warning\|warn(" | tee "$OUT/sinks_check.log" | tail -14
 
 stage "2. torch.compile on/off (PaddingFreeSFTTrainer, both modes)"
 "$PY" - <<'PY' 2>&1 | tee "$OUT/compile_explain.log"
@@ -73,6 +84,18 @@ if [[ $DRY == 1 ]]; then
 else
   timeout 100 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 200 --output-dir "$OUT" \
     --timeout 30 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+stage "4. hybrid / state-space layers: kernels path vs each example alone"
+if [[ $DRY == 1 ]]; then
+  bash benchmarks/gpu/run_stateful_check.sh --dry-run 2>&1 | tee "$OUT/stateful_check.log" | tail -8
+else
+  bash benchmarks/gpu/run_stateful_check.sh 2>&1 | tee "$OUT/stateful_check.log" | tail -20
+fi
+stage "5. one 128k-token packed row, ~1B Llama"
+if [[ $DRY == 1 ]]; then
+  timeout 300 "$PY" benchmarks/gpu/long_row.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -5
+else
+  timeout 100 "$PY" benchmarks/gpu/long_row.py --out "$OUT" 2>&1 | grep -v "^{'" | tail -8
 fi
 stage "done"
 ls -la "$OUT"

@@ -19,9 +19,12 @@ Status per type and mode: ``exact``, ``refused`` (pf-trl refused it before train
 (admitted but not equal: the matrix then refuses it), ``crash`` (an error that is not a refusal), ``unbuilt`` (no
 tiny config could be built: no evidence), ``inconclusive``.
 
-``python -m pf_trl.attention.coverage --write`` regenerates ``pf_trl/attention/support.json`` (read at run time by
-:mod:`pf_trl.attention.support`) and ``docs/models.md``; ``--check`` exits 1 when the committed files are stale.
-Runs one type at a time in this process (a few minutes on 2 CPU cores); nothing is cached between runs.
+``python -m pf_trl.attention.coverage --write`` sweeps the installed transformers and puts its results into
+``pf_trl/attention/support.json`` (read at run time by :mod:`pf_trl.attention.support`), next to those of the other
+releases swept before (:mod:`pf_trl.attention.evidence`), and regenerates ``docs/models.md``; ``--check`` exits 1
+when the committed files are stale for the installed transformers. Run it once per release (CI sweeps the pinned
+one and the newest, ``scripts/test_newest.sh``). Runs one type at a time in this process (a few minutes on 2 CPU
+cores); nothing is cached between runs.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from pf_trl.attention import support
+from pf_trl.attention import evidence, support
 from pf_trl.attention.errors import PaddingFreeError
 
 MODES = ("huggingface", "internal")
@@ -63,13 +66,13 @@ DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 # ------------------------------------------------------------------------------------------------- helpers
 
 
-def _examples(config, n_vocab: int, seed: int = 0) -> list[torch.Tensor]:
+def _examples(config, n_vocab: int, seed: int = 0, lengths=LENGTHS) -> list[torch.Tensor]:
     from pf_trl.attention.tiny import special_token_ids
 
     avoid = special_token_ids(config)
     allowed = torch.tensor([i for i in range(min(n_vocab, 256)) if i not in avoid and i >= 3])
     g = torch.Generator().manual_seed(seed)
-    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)] for n in LENGTHS]
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)] for n in lengths]
 
 
 def _vocab(config) -> int:
@@ -276,18 +279,41 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
 
 
 def sweep_type(sweep: _Sweep, model_type: str) -> dict[str, Any]:
-    """Both modes of one ``model_type``: ``{"class", "leak", "huggingface": {...}, "internal": {...}}``."""
+    """Both modes of one ``model_type``: ``{"class", "leak", "huggingface": {...}, "internal": {...}}``.
+
+    The type's defaults, then each layer-kind variant its config can switch on (``tiny.TYPE_VARIANTS``: attention
+    layers in a Mamba hybrid, dense layers in a MoE...): a mode is exact only if it is exact on every variant; the
+    first variant that is not gives the mode's status, its reason prefixed with the variant's name."""
+    from pf_trl.attention.tiny import TYPE_VARIANTS
+
+    entry = _sweep_variant(sweep, model_type, None)
+    for variant in TYPE_VARIANTS.get(model_type, {}):
+        other = _sweep_variant(sweep, model_type, variant)
+        for mode in MODES:
+            if entry[mode]["status"] == "exact" and other[mode]["status"] != "exact":
+                entry[mode] = {**other[mode], "reason": f"variant {variant!r}: {other[mode].get('reason', '')}"}
+    return entry
+
+
+def _sweep_variant(sweep: _Sweep, model_type: str, variant: str | None) -> dict[str, Any]:
     from pf_trl.attention.tiny import causal_lm_class, tiny_model
 
     entry: dict[str, Any] = {"class": causal_lm_class(model_type).__name__}
     try:
-        base = tiny_model(model_type)
+        base = tiny_model(model_type, variant=variant)
     except Exception as exc:
         reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
+    return sweep_model(sweep, base, model_type)
+
+
+def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=LENGTHS) -> dict[str, Any]:
+    """Both modes of one built model (a type's defaults, or a variant a test builds): the sweep's entry for it."""
+    model_type = model_type or base.config.model_type
+    entry: dict[str, Any] = {"class": type(base).__name__}
     base.train()
     _no_dropout(base)
-    exs = _examples(base.config, _vocab(base.config))
+    exs = _examples(base.config, _vocab(base.config), lengths=lengths)
     pad_id = int(exs[0][0])  # any id: padded positions are masked and unlabelled
     try:
         ref = _reference(base, exs, pad_id)
@@ -309,7 +335,9 @@ def run_sweep(model_types: list[str] | None = None, *, progress: bool = True) ->
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    types = sorted(model_types or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    from pf_trl.attention.multimodal import VISION_TYPES
+
+    types = sorted(model_types or {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VISION_TYPES})  # + the mRoPE VLMs, on text
     entries: dict[str, Any] = {}
     started = time.time()
     threads = torch.get_num_threads()
@@ -351,60 +379,92 @@ NOTES = [
     "reproduce this model's head\"): logit scaling / softcapping (Cohere, Cohere2, MiniCPM3, nanochat, VaultGemma), "
     "head transforms (BERT-style LM heads), auxiliary losses. They are refused until pf-trl's loss path reproduces "
     "them; regenerate this file then.",
-    "- Recurrent / linear-attention / convolutional hybrids (Mamba, Bamba, Jamba, Falcon-H1, Zamba, Qwen3-Next, "
-    "granitemoehybrid...) carry state along the packed row; pf-trl does not pass `seq_idx` / `cu_seq_lens` to those "
-    "layers, so they are refused (their self-check fails or transformers refuses the packed row).",
-    "- Multimodal rotary positions (mrope: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are refused: their positions do not "
-    "restart per packed example.",
+    "- Recurrent / linear-attention / convolutional hybrids (Mamba, Mamba2, Jamba, Bamba, Falcon-H1, Nemotron-H, "
+    "Granite 4.0-H, Qwen3.5, Qwen3-Next, OLMo-Hybrid, Kimi Linear, LFM2, MiniMax, RecurrentGemma...) carry state along "
+    "the row: pf-trl restarts every layer it knows at each packed example (`pf_trl.attention.stateful`, see "
+    "[stateful layers](models_stateful.md)); the sweep also builds the layer kinds their configs can switch on "
+    "(attention layers in a Mamba hybrid, dense MLPs in a MoE) and a type is exact only if every variant is. Layers "
+    "it does not know (xLSTM, RWKV, Zamba...) stay refused.",
+    "- Vision-language types: `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` (not causal-LM types of transformers; swept "
+    "here too) get per-example multimodal rotary positions from their own `get_rope_index`; this table is their "
+    "text-only evidence. With images, these three and `gemma3` are checked by pf-trl's tests against TRL's padded "
+    "vision-language run (see vlm.md); `gemma3` with images is refused in `internal` mode (bidirectional "
+    "attention inside an image).",
     "- The sweep builds each type from its config class's defaults (shrunk). A checkpoint whose config enables "
     "something the defaults leave off (ALiBi in Falcon, other layer types) is still guarded by the runtime "
     "self-check, which runs on the user's own model.",
     "- Phi-3 LongRoPE picks its short or long rotary factor from the largest position in the batch. A long neighbour "
     "(beyond `original_max_position_embeddings`) switches a short example to the long factor in a padded batch and in "
     "a packed row alike: padding-free equals padded exactly (checked), and neither equals the example run alone.",
+    "- Attention sinks (gpt-oss, Flint, Granite SWA, MiMo-V2, DeepSeek-V4 `s_aux`) are exact on every pf_varlen "
+    "backend. gpt-oss, AFMoE and OPT build their masks without `position_ids`; in `huggingface` mode pf-trl hands "
+    "them the masks transformers' own builders make with the packed positions.",
+    "- Llama 4: chunked attention is exact in both modes; its attention temperature tuning reads the row position, so "
+    "packed rows longer than `floor_scale - 1` tokens (8,191) are refused before training. DeepSeek-V4's compressed "
+    "layers (CSA / HCA) pool windows of the sequence: pf-trl computes them per packed example, which needs "
+    "transformers' dense mask (`huggingface` mode); so does DeepSeek sparse attention (V3.2, GLM-MoE-DSA, AXK2, HY-V4).",
+    "- modernbert-decoder and hy_v4 are swept with `initializer_range=0.1`: with the default initialisation at this "
+    "width a cross-example leak would move the loss by less than the negative-control floor.",
 ]
 
 
+def both_exact(models: dict[str, Any]) -> int:
+    """Types exact by default in both modes."""
+    return sum(all(e[m]["status"] == "exact" for m in MODES) for e in models.values())
+
+
 def render_markdown(matrix: dict[str, Any]) -> str:
-    """docs/models.md: the generated support table."""
+    """docs/models.md: the generated support table of a (merged, multi-release) matrix."""
+    swept = evidence.swept_versions(matrix)
+    per_version = {v: evidence.entries(matrix, v) for v in swept}
     lines = [
         "# Supported models",
         "",
         "<!-- generated by `python -m pf_trl.attention.coverage --write`; do not edit by hand -->",
         "",
-        f"Every causal-LM type of transformers {matrix['transformers']} (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), swept "
+        f"Every causal-LM type of transformers {', '.join(swept)} (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, and the "
+        "mRoPE vision-language types), swept "
         "with a tiny model built from the type's own config defaults: five examples padded vs one packed row, the "
         "model path (a direct `model(...)` call with the config's `use_cache`) and the trainer path "
         "(`PaddingFreeSFTTrainer.compute_loss`: loss and gradients), in both modes. A negative control (the same "
         "row without per-example positions) proves each comparison would see a leak.",
         "",
-        "`exact`: supported by default. Everything else is refused before training with the reason below "
-        "(`unbuilt` / `inconclusive` / unknown types: pass `allow_unverified=True` to rely on the runtime "
-        "self-check).",
+        f"The results hold for transformers `{matrix.get('valid') or evidence.declared_range(swept)}`: each for the "
+        "patch releases of the release it was measured on. `exact`: supported by default. Everything else is "
+        "refused before training with the reason below (`unbuilt` / `inconclusive`: pass `allow_unverified=True` to "
+        "rely on the runtime self-check). A type or a transformers release the sweep has not seen is admitted on "
+        "the runtime self-check alone, with a warning (a failure the nearest swept release measured is still "
+        "refused unless `allow_unverified=True`).",
         "",
         f"Tolerances: per-example loss {LOSS_ATOL:g} (float32), gradients {GRAD_RTOL:g} relative, negative control "
         f">= {LEAK_MIN:g}.",
         "",
-        "| mode | " + " | ".join(sorted({s for m in MODES for s in counts(matrix, m)})) + " |",
     ]
-    statuses = sorted({s for m in MODES for s in counts(matrix, m)})
-    lines.append("|---|" + "---|" * len(statuses))
-    for mode in MODES:
-        c = counts(matrix, mode)
-        lines.append(f"| {mode} | " + " | ".join(str(c.get(s, 0)) for s in statuses) + " |")
-    lines += ["", *NOTES]
-    lines += ["", "| model_type | class | huggingface | internal | reason (when not exact) |", "|---|---|---|---|---|"]
-    for model_type, entry in sorted(matrix["models"].items()):
-        reasons = []
+    statuses = sorted({e[m]["status"] for entries in per_version.values() for e in entries.values() for m in MODES})
+    lines.append("| transformers | mode | " + " | ".join(statuses) + " |")
+    lines.append("|---|---|" + "---|" * len(statuses))
+    for version, entries in per_version.items():
         for mode in MODES:
-            res = entry[mode]
-            if res["status"] != "exact":
-                reasons.append(f"{mode}: {res.get('reason', '')}")
-        reason = " / ".join(dict.fromkeys(reasons)).replace("|", "\\|").replace("\n", " ")
-        lines.append(
-            f"| `{model_type}` | `{entry['class']}` | {entry['huggingface']['status']} | "
-            f"{entry['internal']['status']} | {reason} |"
-        )
+            c = counts({"models": entries}, mode)
+            lines.append(f"| {version} | {mode} | " + " | ".join(str(c.get(s, 0)) for s in statuses) + " |")
+    lines += ["", "Exact in both modes: " + ", ".join(f"{both_exact(e)} of {len(e)} types on {v}"
+                                                     for v, e in per_version.items()) + "."]
+    lines += ["", *NOTES]
+    lines += ["", "| model_type | class | huggingface | internal | transformers | reason (when not exact) |",
+              "|---|---|---|---|---|---|"]
+    for model_type, records in sorted(matrix["models"].items()):
+        for rec in records:
+            reasons = []
+            for mode in MODES:
+                res = rec[mode]
+                if res["status"] != "exact":
+                    reasons.append(f"{mode}: {res.get('reason', '')}")
+            reason = " / ".join(dict.fromkeys(reasons)).replace("|", "\\|").replace("\n", " ")
+            versions = "all" if rec["transformers"] == swept else ", ".join(rec["transformers"])
+            lines.append(
+                f"| `{model_type}` | `{rec['class']}` | {rec['huggingface']['status']} | "
+                f"{rec['internal']['status']} | {versions} | {reason} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -428,9 +488,38 @@ def _stable(matrix: dict[str, Any]) -> dict[str, Any]:
 
 def comparable(text: str) -> str:
     """A generated file with its measured numbers masked: fresh vs committed must not hinge on float noise."""
-    import re
+    return evidence.comparable(text)
 
-    return re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
+
+HEADER = {
+    "generated_by": "python -m pf_trl.attention.coverage --write",
+    "tolerances": {"loss_atol": LOSS_ATOL, "grad_rtol": GRAD_RTOL, "leak_min": LEAK_MIN},
+}
+
+
+def committed_matrix() -> dict[str, Any] | None:
+    """The support matrix on disk (None if there is none)."""
+    import json
+
+    if not support.SUPPORT_PATH.is_file():
+        return None
+    return json.loads(support.SUPPORT_PATH.read_text())
+
+
+def merged_matrix(stable: dict[str, Any], committed: dict[str, Any] | None) -> dict[str, Any]:
+    """``committed`` with the fresh sweep ``stable`` (one transformers release) in place of that release's results."""
+    return evidence.merge(committed, stable["transformers"], stable["models"], HEADER)
+
+
+def fingerprint(matrix: dict[str, Any]) -> dict[str, Any]:
+    """Statuses and reasons per type, per swept release, numbers masked: what "fresh" compares."""
+    import json
+
+    return {
+        model_type: sorted((comparable(json.dumps({k: v for k, v in r.items() if k not in ("leak", "transformers")},
+                                                  sort_keys=True)), tuple(r["transformers"])) for r in records)
+        for model_type, records in matrix.get("models", {}).items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,26 +538,30 @@ def main(argv: list[str] | None = None) -> int:
     matrix = run_sweep(args.types)
     for mode in MODES:
         print(f"{mode}: {counts(matrix, mode)}", file=sys.stderr)
+    print(f"exact in both modes: {both_exact(matrix['models'])} of {len(matrix['models'])}", file=sys.stderr)
     stable = _stable(matrix)
-    text = json.dumps(stable, indent=1, sort_keys=True) + "\n"
-    docs = render_markdown(stable)
     if args.types:
-        print(text)
+        print(json.dumps(stable, indent=1, sort_keys=True))
         return 0
+    committed = committed_matrix()
+    merged = merged_matrix(stable, committed)
+    docs = render_markdown(merged)
     if args.write:
-        support.SUPPORT_PATH.write_text(text)
+        support.SUPPORT_PATH.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
         DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
         DOCS_PATH.write_text(docs)
-        print(f"wrote {support.SUPPORT_PATH} and {DOCS_PATH} ({matrix['seconds']} s)", file=sys.stderr)
+        print(f"wrote {support.SUPPORT_PATH} and {DOCS_PATH} (transformers {stable['transformers']} among "
+              f"{merged['swept']}; {matrix['seconds']} s)", file=sys.stderr)
         return 0
     if args.check:
         stale = []
-        if not support.SUPPORT_PATH.is_file() or comparable(support.SUPPORT_PATH.read_text()) != comparable(text):
+        if committed is None or fingerprint(committed) != fingerprint(merged):
             stale.append(str(support.SUPPORT_PATH))
         if not DOCS_PATH.is_file() or comparable(DOCS_PATH.read_text()) != comparable(docs):
             stale.append(str(DOCS_PATH))
         if stale:
-            print(f"stale: {', '.join(stale)}; run `python -m pf_trl.attention.coverage --write`", file=sys.stderr)
+            print(f"stale for transformers {stable['transformers']}: {', '.join(stale)}; run "
+                  "`python -m pf_trl.attention.coverage --write` with it", file=sys.stderr)
             return 1
     return 0
 

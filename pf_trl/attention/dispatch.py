@@ -103,6 +103,7 @@ def resolve_backend(
     head_dim: int = 64,
     gqa: bool = False,
     requires_grad: bool = False,
+    sinks: bool = False,
 ) -> str:
     """Name of the backend that will serve such a call; raises if an explicit one cannot.
 
@@ -120,6 +121,7 @@ def resolve_backend(
         gqa=gqa,
         device=device,
         requires_grad=requires_grad,
+        sinks=sinks,
     )
     if backend != "auto":
         mod = _module(backend)
@@ -174,6 +176,7 @@ def varlen_attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of packed segments: no token attends outside its own segment.
 
@@ -191,6 +194,9 @@ def varlen_attention(
         softcap: ``softcap * tanh(score / softcap)`` on the scaled scores (Gemma-2 style); ``None``/0 = off.
         dropout_p: attention dropout probability (pass 0.0 in eval).
         backend: ``"auto"`` or one of ``flash_attn``, ``torch_varlen``, ``flex``, ``sdpa``.
+        sinks: attention sinks, one logit per query head ``(heads,)`` (gpt-oss ``s_aux``): each query's softmax
+            gets one more term ``exp(sinks[h])`` in its denominator, whose value is zero
+            (:mod:`pf_trl.attention.backends._sinks`). ``None`` = no sinks.
 
     Returns:
         ``(total_q, heads, head_dim)`` in q's dtype.
@@ -209,6 +215,8 @@ def varlen_attention(
         )
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
+        raise ValueError(f"sinks must be 1-D with one value per query head ({q.shape[1]}), got {tuple(sinks.shape)}")
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     window = flash_window(causal, sliding_window)
     cap = float(softcap or 0.0)
@@ -223,7 +231,9 @@ def varlen_attention(
         head_dim=q.shape[-1],
         gqa=q.shape[1] != k.shape[1],
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        sinks=sinks is not None,
     )
+    extra = {} if sinks is None else {"sinks": sinks}  # a backend's forward need not know sinks to serve calls without
     return _module(name).forward(
         q,
         k,
@@ -237,4 +247,5 @@ def varlen_attention(
         window=window,
         softcap=cap,
         dropout_p=float(dropout_p),
+        **extra,
     )

@@ -5,7 +5,9 @@ Modes:
 - ``"huggingface"``: keep the model's attention implementation and rely on transformers' native packed-sequence
   path (``position_ids`` restarting at 0, no ``attention_mask``; transformers >= 4.44). A self-check forward on a
   tiny packed input proves that the configured implementation really isolates the sequences, otherwise it raises.
-  On transformers < 4.44 it switches to ``"internal"`` with a one-line notice.
+  With ``sdpa``, where transformers would build a dense ``T x T`` mask, packed rows are attended per segment
+  instead (:mod:`pf_trl.attention.hf_sdpa`: memory linear in the row). On transformers < 4.44 it switches to
+  ``"internal"`` with a one-line notice.
 - ``"internal"``: our own attention. With ``AttentionInterface`` (transformers >= 4.48) the model is switched to
   the registered ``pf_varlen`` implementation; without it (4.43-4.47) the attention modules are patched
   (:mod:`pf_trl.attention.legacy`). Both call :func:`pf_trl.attention.varlen_attention` with ``backend``.
@@ -26,8 +28,9 @@ from typing import Any
 import torch
 
 from pf_trl.attention import hf as _hf
-from pf_trl.attention import support
+from pf_trl.attention import mrope, multimodal, support
 from pf_trl.attention.dispatch import BACKENDS, backend_status
+from pf_trl.attention.stateful import prepare_stateful_layers
 from pf_trl.attention.errors import (
     BackendUnavailableError,
     PackedAttentionMaskError,
@@ -88,10 +91,20 @@ def _uses_mrope(config) -> bool:
 def check_model_supported(
     model: torch.nn.Module, *, legacy: bool, allow_unverified: bool = False, mode: str = "huggingface"
 ) -> str:
-    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type.
+    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type
+    (see :func:`admit`)."""
+    return admit(model, legacy=legacy, allow_unverified=allow_unverified, mode=mode)[0]
 
-    Structural refusals first (custom code, multimodal, mrope), then the coverage sweep's evidence
-    (:func:`pf_trl.attention.support.decide`); the transformers < 4.48 patch keeps its own list.
+
+def admit(
+    model: torch.nn.Module, *, legacy: bool, allow_unverified: bool = False, mode: str = "huggingface"
+) -> tuple[str, str]:
+    """Raise :class:`UnsupportedModelError` unless pf-trl can make ``model`` padding-free; returns its model_type
+    and the decision (``"exact"``, or ``"unverified"``: no sweep evidence, the runtime self-check decides).
+
+    Structural refusals first (custom code, multimodal, mrope, known layers: :mod:`pf_trl.attention.refusals`),
+    then the coverage sweep's evidence (:func:`pf_trl.attention.support.decide`); the transformers < 4.48 patch
+    keeps its own list.
     """
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or config is None:
@@ -104,25 +117,22 @@ def check_model_supported(
             "ships the architecture."
         )
     model_type = getattr(config, "model_type", None)
-    if _uses_mrope(config):
-        raise UnsupportedModelError(
-            f"{model_type} uses multimodal rotary position ids (mrope: 3 position streams per token); its positions "
-            "do not restart per packed example, so pf-trl cannot make it padding-free. Train it padded."
-        )
-    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
-        raise UnsupportedModelError(
-            f"{model_type} is multimodal; pf-trl supports text-only causal LMs. Load the text model alone "
-            "(AutoModelForCausalLM on its text config) or train it padded."
-        )
+    refusal = multimodal.structural_refusal(model, _uses_mrope(config))  # mRoPE and vision-language families
+    if refusal is not None:
+        raise UnsupportedModelError(refusal)
+    from pf_trl.attention.refusals import mode_refusal
+
+    refusal = None if legacy else mode_refusal(model, mode)
+    if refusal is not None:
+        raise UnsupportedModelError(refusal + ".")
     if legacy:
         if model_type not in LEGACY_TYPES():
             raise UnsupportedModelError(
                 f"model_type {model_type!r} ({type(model).__name__}) is not an architecture pf-trl knows how to make "
                 f"padding-free on this transformers; supported: {', '.join(LEGACY_TYPES())}."
             )
-        return model_type
-    support.decide(model_type, type(model).__name__, mode, allow_unverified=allow_unverified)
-    return model_type
+        return model_type, "exact"
+    return model_type, support.decide(model_type, type(model).__name__, mode, allow_unverified=allow_unverified)
 
 
 def LEGACY_TYPES() -> tuple[str, ...]:
@@ -141,6 +151,8 @@ def _is_packed(kwargs: dict) -> bool:
     if isinstance(cu, torch.Tensor):
         # flash kwargs come from a packing collator: decided without reading a value (a host sync, a graph break)
         return True
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        position_ids = position_ids[0]  # mRoPE: per-example text positions on top of the rotary streams
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
         return False
     valid = None
@@ -161,7 +173,29 @@ def _cache_has_tokens(cache) -> bool:
     return True
 
 
-def _make_pre_hook(*, drop_flash_kwargs: bool):
+def _check_row_limit(model: torch.nn.Module, kwargs: dict, packed: bool) -> None:
+    """Refuse a packed row longer than the model keeps exact (:mod:`pf_trl.attention.row_limits`); shapes only,
+    unless the row is over the limit and its packing is not known yet."""
+    limit = getattr(model, "_pf_row_limit", ())
+    if limit == ():
+        from pf_trl.attention.row_limits import packed_row_limit
+
+        limit = packed_row_limit(model)
+        model._pf_row_limit = limit
+    if limit is None:
+        return
+    x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] <= limit[0]:
+        return
+    cu = kwargs.get("cu_seq_lens_q")
+    several = cu.numel() - 1 > x.shape[0] if isinstance(cu, torch.Tensor) else (packed or _is_packed(kwargs))
+    if several:
+        from pf_trl.attention.row_limits import check_packed_rows
+
+        check_packed_rows(model, int(x.shape[1]))
+
+
+def _make_pre_hook(*, drop_flash_kwargs: bool, mode: str = "huggingface"):
     signatures: dict[type, inspect.Signature] = {}
 
     def hook(module, args, kwargs):
@@ -178,9 +212,12 @@ def _make_pre_hook(*, drop_flash_kwargs: bool):
                     kwargs[name] = value
             args = ()
         # nothing to force or refuse (the common compiled call): skip the detection, which reads position_ids
+        # (a vision-language forward always goes on: its positions / image masks may need completing)
         idle = kwargs.get("use_cache") is False and kwargs.get("attention_mask") is None and all(
-            kwargs.get(name) is None for name in ("cache", "past_key_values"))
+            kwargs.get(name) is None for name in ("cache", "past_key_values")) and not multimodal.needs_preparing(
+            module, kwargs)
         packed = not idle and _is_packed(kwargs)
+        _check_row_limit(module, kwargs, packed)
         if drop_flash_kwargs:  # transformers 4.43 forwards take no **kwargs: segments come from position_ids
             for name in FLASH_KWARGS:
                 kwargs.pop(name, None)
@@ -201,6 +238,7 @@ def _make_pre_hook(*, drop_flash_kwargs: bool):
                     )
             if kwargs.get("use_cache") is not False:
                 kwargs["use_cache"] = False
+            multimodal.prepare_packed(module, kwargs, mode)  # mRoPE positions, Gemma 3 image masks (no-op for text)
         return args, kwargs
 
     return hook
@@ -305,7 +343,7 @@ def self_check(model: torch.nn.Module, *, lengths: tuple[int, int] = (6, 5), see
 # ------------------------------------------------------------------------------------------------ entry point
 
 
-def _install_hooks(model: torch.nn.Module, *, drop_flash_kwargs: bool) -> None:
+def _install_hooks(model: torch.nn.Module, *, drop_flash_kwargs: bool, mode: str = "huggingface") -> None:
     state = getattr(model, _STATE_ATTR, None)
     if state:
         for handle in state.get("handles", ()):
@@ -314,11 +352,16 @@ def _install_hooks(model: torch.nn.Module, *, drop_flash_kwargs: bool) -> None:
     base = getattr(model, "base_model", None)
     if isinstance(base, torch.nn.Module) and base is not model:
         targets.append(base)
+    rope_index = mrope.rope_index_function(model)
+    for t in targets:
+        t._pf_rope_index = rope_index  # read by the pre-hook (multimodal.prepare_packed); None without mRoPE
     handles = [
-        t.register_forward_pre_hook(_make_pre_hook(drop_flash_kwargs=drop_flash_kwargs), with_kwargs=True)
+        t.register_forward_pre_hook(_make_pre_hook(drop_flash_kwargs=drop_flash_kwargs, mode=mode), with_kwargs=True)
         for t in targets
     ]
     setattr(model, _STATE_ATTR, {"handles": handles})
+    # recurrent / convolutional mixers (Mamba, gated delta nets, short convs...) restart their state per example
+    prepare_stateful_layers(model, hook_targets=targets)
 
 
 def _check_backend(model: torch.nn.Module, backend: str) -> None:
@@ -338,6 +381,27 @@ def _check_backend(model: torch.nn.Module, backend: str) -> None:
             f"varlen attention backend {backend!r} is not available for this model ({device.type}/{dtype}): "
             f"{reason}. Install: {_module(backend).INSTALL_HINT}"
         )
+
+
+def _self_check_rerouted(model: torch.nn.Module) -> dict[str, float]:
+    """``huggingface`` mode: sdpa models attend packed rows per segment (:mod:`pf_trl.attention.hf_sdpa`) instead of
+    through transformers' dense ``T x T`` mask, when the self-check passes that way; else transformers' own path."""
+    from pf_trl.attention import hf_sdpa
+
+    reason = hf_sdpa.reroute_refusal(model)
+    if reason is None and hf_sdpa.reroute(model):
+        try:
+            return self_check(model)
+        except PaddingFreeError as exc:
+            hf_sdpa.restore(model)
+            reason = f"the per-segment path failed the self-check ({str(exc).splitlines()[0][:200]})"
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl in ("sdpa", "eager"):
+        # sdpa that could not be rerouted deserves a warning; eager is the user's (or the model's only) choice
+        (logger.warning if impl == "sdpa" else logger.info)(
+            "pf-trl: %s keeps transformers' dense packed mask in huggingface mode (%s): attention memory grows with "
+            "the square of the packed row; padding_free='internal' is memory-linear", type(model).__name__, reason)
+    return self_check(model)
 
 
 def enable_padding_free(
@@ -378,7 +442,8 @@ def enable_padding_free(
             transformers.__version__,
         )
         mode = "internal"
-    check_model_supported(model, legacy=legacy and mode == "internal", allow_unverified=allow_unverified, mode=mode)
+    _, decision = admit(model, legacy=legacy and mode == "internal", allow_unverified=allow_unverified, mode=mode)
+    check = check or decision == "unverified"  # no sweep evidence: the self-check is the only evidence
 
     if mode == "internal":
         _check_backend(model, backend)
@@ -394,14 +459,17 @@ def enable_padding_free(
                     f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
                 )
             _hf.register()
+            # a vision-language model: the language model only; the vision tower keeps its own per-image attention
+            vlm = multimodal.is_multimodal(model.config)
             try:
-                model.set_attn_implementation(_hf.PF_VARLEN)
+                model.set_attn_implementation({"text_config": _hf.PF_VARLEN} if vlm else _hf.PF_VARLEN)
             except (ValueError, NotImplementedError, AttributeError) as exc:
                 raise UnsupportedModelError(
                     f"{type(model).__name__} cannot switch to attn_implementation='pf_varlen' ({exc}); "
                     "try mode='huggingface' or train it padded"
                 ) from exc
-            if model.config._attn_implementation != _hf.PF_VARLEN:
+            switched = model.config.get_text_config() if vlm else model.config
+            if switched._attn_implementation != _hf.PF_VARLEN:
                 raise UnsupportedModelError(f"could not set attn_implementation='pf_varlen' on {type(model).__name__}")
             for module in model.modules():
                 module._pf_varlen_backend = backend
@@ -413,8 +481,20 @@ def enable_padding_free(
                     if hasattr(type(module), "_update_causal_mask"):
                         module._update_causal_mask = types.MethodType(_passthrough_causal_mask, module)
 
-    _install_hooks(model, drop_flash_kwargs=legacy)
-    result = self_check(model) if (check or mode == "huggingface") else {}
+    if mode == "huggingface":
+        from pf_trl.attention import packed_masks
+
+        fixed = packed_masks.install(model)  # models whose own mask builder is not given position_ids
+        if fixed:
+            logger.info("pf-trl: %s builds its masks without position_ids; pf-trl passes them", ", ".join(fixed))
+        from pf_trl.attention import compressed_kv
+
+        compressed_kv.install(model)  # DeepSeek-V4: compressed key/value entries per packed example
+    _install_hooks(model, drop_flash_kwargs=legacy, mode=mode)
+    if mode == "huggingface":
+        result = _self_check_rerouted(model)
+    else:
+        result = self_check(model) if check else {}
     state = getattr(model, _STATE_ATTR)
     state.update(mode=mode, backend=backend, self_check=result)
     logger.info("pf-trl: padding-free enabled (mode=%s, backend=%s, self-check=%s)", mode, backend, result)

@@ -98,6 +98,33 @@ def rows_hold_several_segments(position_ids: torch.Tensor | None, valid: torch.T
     return bool(bad.any())
 
 
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """Chunk size of a chunked-attention layer (Llama 4: ``layer_types[i] == "chunked_attention"``), else None.
+
+    transformers expresses chunked attention only in the mask it builds (each query sees the keys of its own chunk
+    of ``attention_chunk_size`` positions); pf_varlen gets no mask, so it reads the layer's type itself.
+    """
+    config = getattr(module, "config", None)
+    idx = getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if idx is None or not isinstance(types, (list, tuple)) or not 0 <= idx < len(types):
+        return None
+    if types[idx] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
+def split_into_chunks(cu: torch.Tensor, total: int, max_len, chunk: int) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` with every segment cut at multiples of ``chunk`` of its own positions (chunked attention is
+    attention within those pieces); reads the layout on the host (``nonzero``), once per chunked layer."""
+    from pf_trl.attention.backends._masks import token_segments
+
+    _, pos = token_segments(cu, total)
+    starts = (pos % chunk == 0).nonzero().reshape(-1)
+    out = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
+    return out, min(max_len, chunk)
+
+
 def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
     cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
     cu[1:] = counts.cumsum(0)
@@ -128,8 +155,6 @@ def hf_varlen_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function ``pf_varlen`` (see module docstring)."""
-    if s_aux is not None:
-        raise UnsupportedFeatureError("pf_varlen does not implement attention sinks (s_aux, e.g. gpt-oss)")
     if kwargs.get("output_attentions"):
         _warn_once("output_attentions", "pf_varlen does not return attention weights (output_attentions ignored)")
     backend = backend or getattr(module, "_pf_varlen_backend", "auto")
@@ -141,7 +166,8 @@ def hf_varlen_attention(
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
     common = dict(causal=causal, softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap)
-    common.update(dropout_p=float(dropout), backend=backend)
+    common.update(dropout_p=float(dropout), backend=backend, sinks=s_aux)  # s_aux: gpt-oss style attention sinks
+    chunk = attention_chunk(module)
 
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -167,14 +193,18 @@ def hf_varlen_attention(
         idx_k = kmask.reshape(-1).nonzero().reshape(-1)
         cu_q = _cu_from_counts(qmask.sum(-1))
         cu_k = _cu_from_counts(kmask.sum(-1))
+        max_q, max_k = int(qmask.sum(-1).max()), int(kmask.sum(-1).max())
+        if chunk is not None and _chunks_apply(lq, lk, chunk):
+            cu_q, max_q = split_into_chunks(cu_q, idx_q.numel(), max_q, chunk)
+            cu_k, max_k = cu_q, max_q
         out = varlen_attention(
             q.reshape(b * lq, hq, d).index_select(0, idx_q),
             k.reshape(b * lk, hkv, d).index_select(0, idx_k),
             v.reshape(b * lk, hkv, dv).index_select(0, idx_k),
             cu_q,
             cu_k,
-            int(qmask.sum(-1).max()),
-            int(kmask.sum(-1).max()),
+            max_q,
+            max_k,
             **common,
         )
         full = out.new_zeros(b * lq, hq, dv).index_copy(0, idx_q, out)
@@ -206,10 +236,11 @@ def hf_varlen_attention(
             max_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
     elif lq == lk:
         if position_ids is None:
-            _warn_once(
-                "no_position_ids",
-                "pf_varlen got neither position_ids nor cu_seq_lens: each row is treated as one sequence",
-            )
+            if b > 1:  # one row without positions is one sequence (an mRoPE model's plain forward passes none)
+                _warn_once(
+                    "no_position_ids",
+                    "pf_varlen got neither position_ids nor cu_seq_lens: each row is treated as one sequence",
+                )
             cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lq
             max_q = lq
         else:
@@ -225,6 +256,9 @@ def hf_varlen_attention(
         cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lq
         cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lk
         max_q, max_k = lq, lk
+    if chunk is not None and _chunks_apply(lq, lk, chunk):
+        cu_q, max_q = split_into_chunks(cu_q, b * lq, max_q, chunk)
+        cu_k, max_k = cu_q, max_q
     out = varlen_attention(
         q.reshape(b * lq, hq, d),
         k.reshape(b * lk, hkv, d),
@@ -236,6 +270,19 @@ def hf_varlen_attention(
         **common,
     )
     return out.reshape(b, lq, hq, dv), None
+
+
+def _chunks_apply(lq: int, lk: int, chunk: int) -> bool:
+    """Self-attention: cut the segments into chunks. With a KV cache (fewer queries than keys) all keys must lie
+    in the first chunk, where chunked attention is plain causal attention."""
+    if lq == lk:
+        return True
+    if lk > chunk:
+        raise UnsupportedFeatureError(
+            f"pf_varlen: a chunked-attention layer (chunk {chunk}) with a KV cache longer than one chunk ({lk} keys) "
+            "is not supported; generate with attn_implementation='sdpa'"
+        )
+    return False
 
 
 def pf_varlen_mask(

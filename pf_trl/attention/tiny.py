@@ -90,6 +90,29 @@ _TYPE_FIXES: dict[str, dict[str, Any]] = {
     # the Lfm2Config default has attention layers only; LFM2 checkpoints interleave short-convolution layers
     "lfm2": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3, "num_dense_layers": 1},
+    # at width 64 the default initialisation leaves attention nearly uniform: a cross-example leak would move the
+    # loss by only 4e-4 (modernbert-decoder) / 6e-4 (hy_v4), below the sweep's negative-control floor
+    "modernbert-decoder": {"initializer_range": 0.1},
+    "hy_v4": {"initializer_range": 0.1},
+    # layer kinds set by a period or a cycle, not by a per-layer list: keep one of each kind in the tiny model
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # default: attention every 8th layer (offset 4)
+    "recurrent_gemma": {"num_hidden_layers": 3},  # default block cycle: recurrent, recurrent, attention
+    # mRoPE vision-language types (swept on text): the three rotary sections split the 8 frequencies of head_dim 16
+    **{t: {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
+                                               **({"mrope_interleaved": True} if t == "qwen3_vl" else {})}},
+           "vision_config": {"depth": 1, **({"deepstack_visual_indexes": [0]} if t == "qwen3_vl" else {})}}
+       for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+}
+# Other layer kinds a type's config can switch on (its defaults leave them off): the coverage sweep builds each
+# variant too and a type is exact only if every variant is. name -> config overrides (applied after the fixes).
+TYPE_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    "granitemoehybrid": {
+        "attention": {"layer_types": ["linear_attention", "attention"]},  # Granite 4.0-H: Mamba2 + attention
+        # Granite 4.0-H-Micro: dense MLPs, no router (and no load-balancing loss to train)
+        "dense": {"layer_types": ["linear_attention", "attention"], "num_local_experts": 0, "router_aux_loss_coef": 0.0},
+    },
+    "bamba": {"attention": {"attn_layer_indices": [1]}},
+    "qwen3_5_text": {"all_linear": {"layer_types": ["linear_attention", "linear_attention"], "num_hidden_layers": 2}},
 }
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 
@@ -181,13 +204,17 @@ def shrink_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tiny_config(model_type: str):
-    """A tiny ``PreTrainedConfig`` of ``model_type`` (its defaults, shrunk); raises if the class rejects it."""
+def tiny_config(model_type: str, variant: str | None = None):
+    """A tiny ``PreTrainedConfig`` of ``model_type`` (its defaults, shrunk; with the overrides of
+    ``TYPE_VARIANTS[model_type][variant]`` when given); raises if the class rejects it."""
     from transformers import CONFIG_MAPPING
 
     config_cls = CONFIG_MAPPING[model_type]
     base = config_cls()
-    return _shrink_config(config_cls, base, _TYPE_FIXES.get(model_type, {}))
+    fixes = dict(_TYPE_FIXES.get(model_type, {}))
+    if variant is not None:
+        fixes.update(TYPE_VARIANTS[model_type][variant])
+    return _shrink_config(config_cls, base, fixes)
 
 
 def _shrink_config(config_cls, base, fixes: dict[str, Any]):
@@ -227,14 +254,19 @@ def special_token_ids(config) -> set[int]:
 
 
 def causal_lm_class(model_type: str):
-    """The class ``AutoModelForCausalLM`` maps ``model_type`` to."""
+    """The class ``AutoModelForCausalLM`` maps ``model_type`` to (for a vision-language type it does not map, the
+    ``AutoModelForImageTextToText`` class: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
+    return getattr(transformers, name)
 
 
-def tiny_model(model_type: str, *, seed: int = 0):
+def tiny_model(model_type: str, *, seed: int = 0, variant: str | None = None):
     """A tiny, randomly initialised causal LM of ``model_type`` in float32 (``AutoModelForCausalLM``'s class).
 
     When that class takes another config class than the type's own (a multimodal wrapper type mapped to its text
@@ -244,7 +276,7 @@ def tiny_model(model_type: str, *, seed: int = 0):
     import torch
 
     model_cls = causal_lm_class(model_type)
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, variant)
     wanted = getattr(model_cls, "config_class", None)
     if wanted is not None and not isinstance(config, wanted) and hasattr(config, "get_text_config"):
         text = config.get_text_config()

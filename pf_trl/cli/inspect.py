@@ -81,7 +81,9 @@ def _manifest_tokenizer(manifest: dict, override: str | None):
 
 
 def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:
-    tokenizer = _manifest_tokenizer(manifest, override)
+    from pf_trl.data.vision import text_tokenizer
+
+    tokenizer = text_tokenizer(_manifest_tokenizer(manifest, override))  # a processor decodes with its tokenizer
     source = manifest.get("source", {})
     print(f"format {source.get('input_format')}; chat mask: {source.get('chat_mask') or 'n/a'}; "
           f"decoded with {getattr(tokenizer, 'pf_trl_name', tokenizer.name_or_path)}")
@@ -93,7 +95,8 @@ def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:
     for i in range(min(count, ds.num_rows)):
         row = ds[i]
         n = sum(1 for label in row["labels"] if label != -100)
-        print(f"--- example {i}: {row['length']} tokens, {n} supervised")
+        images = f", {len(row['images'])} images" if "images" in row else ""
+        print(f"--- example {i}: {row['length']} tokens, {n} supervised{images}")
         print(marked_text(tokenizer, row["input_ids"], row["labels"]))
 
 

@@ -695,8 +695,11 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     except TokenizerLoadError as exc:
         raise TrainCLIError(str(exc)) from exc
     if not quiet:
-        print(f"pf-trl: tokenizer {getattr(tokenizer, 'pf_trl_name', None) or tokenizer.name_or_path} "
-              f"(vocab {len(tokenizer)})", flush=True)
+        from pf_trl.data.vision import text_tokenizer
+
+        text = text_tokenizer(tokenizer)  # a vision-language model folder gives its processor
+        print(f"pf-trl: tokenizer {getattr(tokenizer, 'pf_trl_name', None) or text.name_or_path} "
+              f"(vocab {len(text)})", flush=True)
     train, evalset = load_data(data_args, config, tokenizer, quiet=quiet, given=given)
     check_budget(train, config.max_tokens_per_batch, "--max_tokens_per_batch")
     check_budget(evalset, config.max_eval_tokens_per_batch, "--max_eval_tokens_per_batch")

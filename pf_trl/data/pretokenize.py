@@ -252,9 +252,18 @@ def _tokenize_batch(
 
 
 def resolve_format(ds, config: PretokenizeConfig) -> str:
-    """The input format of ``ds``: ``config.input_format``, or detected from its columns when ``auto``."""
+    """The input format of ``ds``: ``config.input_format``, or detected from its columns when ``auto``
+    (``vision`` for TRL's vision-language format: an ``images`` / ``image`` column, see :mod:`pf_trl.data.vision`)."""
+    from pf_trl.data.vision import image_column
+
     fields = config.fields
     input_format = config.input_format
+    column = image_column(ds.column_names)
+    if column is not None:
+        if input_format != "auto":
+            raise PretokenizeError(f"the source has an {column!r} column (vision-language rows); input_format "
+                                   f"{input_format!r} would drop its images: use input_format 'auto'")
+        return "vision"
     if input_format == "auto":
         first = ds[0] if ds.num_rows else None
         input_format = formats.detect_format(ds.column_names, fields, config.response_template, first)
@@ -312,20 +321,29 @@ class _ChunkJob:
     input_format: str
     config: PretokenizeConfig
     work: Path
+    vision: Any = None  # a pf_trl.data.vision.VisionTokenizer for a source with images
 
     def __call__(self, bounds: tuple[int, int]) -> tuple[int, int, str, int]:
         start, stop = bounds
         chunk = self.dataset.select(range(start, stop))
         path = str(self.work / f"chunk-{start:012d}.arrow")
+        if self.vision is not None:
+            from pf_trl.data import vision
+
+            function, features = vision.tokenize_batch, vision.processing_features(self.vision.token_type_key)
+            fn_kwargs = {"vision": self.vision, "config": self.config, "index_offset": start}
+        else:
+            function, features = _tokenize_batch, _processing_features()
+            fn_kwargs = {"tokenizer": _text_tokenizer(self.tokenizer), "input_format": self.input_format,
+                         "config": self.config, "index_offset": start}
         mapped = chunk.map(
-            _tokenize_batch,
+            function,
             with_indices=True,
             batched=True,
             batch_size=256,
             remove_columns=chunk.column_names,
-            fn_kwargs={"tokenizer": self.tokenizer, "input_format": self.input_format, "config": self.config,
-                       "index_offset": start},
-            features=_processing_features(),
+            fn_kwargs=fn_kwargs,
+            features=features,
             load_from_cache_file=False,
             cache_file_name=path,
             new_fingerprint=f"pf-{start}",
@@ -375,6 +393,7 @@ def pretokenize(
     progress_callback: ProgressCallback | None = None,
     source_fingerprint_value: str | None = None,
     limits: SourceLimits | None = None,
+    image_roots: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
 
@@ -392,6 +411,8 @@ def pretokenize(
         source_fingerprint_value: precomputed sha256 of the source (avoids hashing it twice).
         limits: a :class:`pf_trl.data.source_limits.SourceLimits`: a source file is scanned against it before it
             is parsed, the loaded rows after (the service passes its limits; None: no limits).
+        image_roots: directories image paths of a vision-language source may be read from (default: the source
+            file's directory); relative paths are resolved against the first.
 
     Raises:
         PretokenizeError: bad source, format, options or rows; the message names the row and the fix.
@@ -424,11 +445,18 @@ def pretokenize(
 
             check_table_limits(ds, limits)
         input_format = _resolve_format(ds, config)
+        vision_tokenizer = None
+        if input_format == "vision":
+            vision_tokenizer = _vision_tokenizer(ds, source, tokenizer, config, image_roots)
+        if vision_tokenizer is not None:
+            from pf_trl.data.vision import undecoded
+
+            ds = undecoded(ds, vision_tokenizer.image_column)
         rows_total = ds.num_rows
         # Contiguous chunks: progress reports after each, and the unit of work of the process pool.
         chunk_rows = max(500, min(20000, -(-rows_total // (8 * num_proc))))
         bounds = [(a, min(a + chunk_rows, rows_total)) for a in range(0, rows_total, chunk_rows)]
-        job = _ChunkJob(ds, tokenizer, input_format, config, work)
+        job = _ChunkJob(ds, tokenizer, input_format, config, work, vision_tokenizer)
         arrow_files: dict[int, str] = {}
         tokens_done = rows_done = 0
         bar = tqdm(total=rows_total, desc="pretokenize", unit="rows", disable=not progress)
@@ -511,6 +539,10 @@ def pretokenize(
             "lengths": length_stats(lengths, config.max_seq_len),
             "columns": {"input_ids": "list<int32>", "labels": "list<int32>", "length": "int32"},
         }
+        if vision_tokenizer is not None:
+            manifest["vision"] = _vision_manifest(full.data.column("images"), keep, vision_tokenizer)
+            manifest["columns"].update({c: t for c, t in (("images", "list<large_binary>"),
+                                                          (vision_tokenizer.token_type_key, "list<int8>")) if c})
         write_manifest(shards_tmp, manifest)
         _publish(shards_tmp, out, overwrite=overwrite)
         logger.info("pretokenize: %d examples, %d tokens -> %s", kept.num_rows, int(lengths.sum()), out)
@@ -521,6 +553,64 @@ def pretokenize(
         shutil.rmtree(work, ignore_errors=True)
         if bars_were_on:
             datasets.enable_progress_bars()
+
+
+def _text_tokenizer(processing_class):
+    """The tokenizer that renders text rows: a processor's own (with the processor's chat template if it has none)."""
+    from pf_trl.data.vision import is_processor
+
+    if not is_processor(processing_class):
+        return processing_class
+    tokenizer = processing_class.tokenizer
+    template = getattr(processing_class, "chat_template", None)
+    if template and not getattr(tokenizer, "chat_template", None):
+        import copy
+
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _vision_tokenizer(ds, source, tokenizer, config: PretokenizeConfig, image_roots):
+    """The row function of a vision-language source, or a PretokenizeError naming what is missing."""
+    from pf_trl.data import vision
+
+    column = vision.image_column(ds.column_names)
+    if not vision.is_processor(tokenizer):
+        raise PretokenizeError(
+            f"the source has an {column!r} column (vision-language rows), but {type(tokenizer).__name__} is a "
+            "tokenizer: tokenize it with the model's processor (a model folder holding preprocessor_config.json / "
+            "processor_config.json, or processing_class=AutoProcessor...)")
+    if image_roots is None and isinstance(source, (str, os.PathLike)):
+        path = Path(source).resolve()
+        image_roots = (str(path if path.is_dir() else path.parent),)
+    try:  # once, before any row: a template that cannot mark the assistant turns fails here
+        template = vision.training_chat_template(tokenizer) if "messages" in ds.column_names else None
+    except vision.VisionDataError as exc:
+        raise PretokenizeError(str(exc)) from exc
+    return vision.VisionTokenizer(processor=tokenizer, image_column=column,
+                                  token_type_key=vision.token_type_key(tokenizer),
+                                  policy=vision.ImagePolicy(roots=tuple(image_roots or ())), chat_template=template,
+                                  completion_only_loss=config.completion_only_loss, text_field=config.text_field)
+
+
+def _vision_manifest(images: pa.ChunkedArray, keep: np.ndarray, vision_tokenizer) -> dict[str, Any]:
+    """Image counts of the kept rows and what made their tokens (the manifest's ``vision`` section). Read from the
+    memory-mapped column with the keep mask, never by materialising the kept rows' image bytes."""
+    import pyarrow.compute as pc
+
+    per_row = np.asarray(pc.list_value_length(images).fill_null(0))
+    flat = pc.list_flatten(images)
+    owner = np.asarray(pc.list_parent_indices(images))
+    sizes = np.bincount(owner, weights=np.asarray(pc.binary_length(flat)), minlength=len(per_row))
+    return {
+        "images": int(per_row[keep].sum()),
+        "image_bytes": int(sizes[keep].sum()),
+        "rows_with_images": int((per_row[keep] > 0).sum()),
+        "processor": type(vision_tokenizer.processor).__name__,
+        "image_processor": type(vision_tokenizer.processor.image_processor).__name__,
+        "token_type_key": vision_tokenizer.token_type_key,
+    }
 
 
 @functools.lru_cache(maxsize=1)

@@ -157,6 +157,8 @@ def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, **kwargs: Any):
     name, path = resolve_tokenizer_path(name_or_path)
     kwargs.setdefault("local_files_only", True)
     kwargs["trust_remote_code"] = False
+    if any((path / f).is_file() for f in PROCESSOR_FILES):
+        return _load_processor(name, path, **kwargs)
     try:
         tok = AutoTokenizer.from_pretrained(str(path), **kwargs)
     except Exception as exc:
@@ -171,6 +173,26 @@ def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, **kwargs: Any):
     return tok
 
 
+# a model folder with one of these holds a multimodal processor (image processor + tokenizer + template)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def _load_processor(name: str, path: Path, **kwargs: Any):
+    """The processor of a vision-language model folder (``AutoProcessor``, local files only, no remote code)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(path), **kwargs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TokenizerLoadError(f"could not load the processor of {path}: {first[:300]}") from exc
+    for obj in (processor, getattr(processor, "tokenizer", None)):
+        if obj is not None:
+            obj.pf_trl_name = name
+            obj.pf_trl_path = str(path)
+    return processor
+
+
 def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     """Identity of a tokenizer for manifests and cache keys: name, absolute path, hash of its files, chat template,
     ids.
@@ -180,6 +202,10 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     file) and ``chat_template_sha256`` say which part differs when two fingerprints do
     (:func:`tokenizer_differences`).
     """
+    from pf_trl.data.vision import is_processor, processor_fingerprint
+
+    if is_processor(tokenizer):  # its tokenizer's identity with the image processor's settings folded in
+        return processor_fingerprint(tokenizer, tokenizer_fingerprint)
     digest = hashlib.sha256()
     path = getattr(tokenizer, "pf_trl_path", None) or getattr(tokenizer, "name_or_path", None)
     files: dict[str, str] = {}
@@ -321,6 +347,9 @@ def check_vocab_fits(tokenizer, vocab_size: int | None, *, model_name: str = "th
     train rows the tokenizer never meant)."""
     if vocab_size is None:
         return
+    from pf_trl.data.vision import text_tokenizer
+
+    tokenizer = text_tokenizer(tokenizer)  # a processor's vocabulary is its tokenizer's
     if len(tokenizer) > vocab_size:
         name = getattr(tokenizer, "pf_trl_name", None) or getattr(tokenizer, "name_or_path", None) or "the tokenizer"
         raise TokenizerLoadError(

@@ -140,6 +140,12 @@ class PaddingFreeConfig(SFTConfig):
         default="truncate",
         metadata={"help": POLICY_HELP},
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Ulysses sequence parallelism: ranks that share one packed row (consecutive ranks; each "
+                  "keeps 1/N of the tokens and attends the whole row for 1/N of the heads). Needs N processes per "
+                  "group (torchrun) and heads divisible by N; the token budget is per group. 1 = off."},
+    )
     allow_unverified: bool = field(
         default=False,
         metadata={"help": "Accept a model type that pf-trl's coverage sweep has no evidence for (docs/models.md), "
@@ -175,6 +181,8 @@ class PaddingFreeConfig(SFTConfig):
             raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
         self.truncation = normalize_policy(self.truncation)
         check_mode(self.truncation_mode)
+        if not isinstance(self.sequence_parallel_size, int) or self.sequence_parallel_size < 1:
+            raise ValueError(f"sequence_parallel_size must be a positive integer, got {self.sequence_parallel_size!r}")
         if self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.padding_free_mode != "none" and self.packing:

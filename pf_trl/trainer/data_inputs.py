@@ -137,8 +137,12 @@ def eval_subset(dataset, n: int):
 # ---------------------------------------------------------------------------------------------- mixtures
 
 
-def mixture_sampler(dataset, lengths: np.ndarray, budget: int, *, seed: int, args):
-    """A :class:`~pf_trl.mixture_sampler.MixtureBatchSampler` when ``dataset`` is a loaded mixture, else None."""
+def mixture_sampler(dataset, lengths: np.ndarray, budget: int, *, seed: int, args,
+                    topology: tuple[int, int] | None = None):
+    """A :class:`~pf_trl.mixture_sampler.MixtureBatchSampler` when ``dataset`` is a loaded mixture, else None.
+
+    ``topology``: ``(num_replicas, rank)`` of the sampler (sequence parallelism: groups of ranks share a batch);
+    default: the ranks of ``args``."""
     from pf_trl.data.mixture import mixture_of
     from pf_trl.mixture_sampler import MixtureBatchSampler, MixtureSchedule
 
@@ -148,6 +152,8 @@ def mixture_sampler(dataset, lengths: np.ndarray, budget: int, *, seed: int, arg
     schedule = MixtureSchedule(lengths, rule["bounds"], rule["weights"], seed=rule["seed"],
                                sample_by=rule["sample_by"], stopping_strategy=rule["stopping_strategy"])
     rank, world = _rank_world(args)
+    if topology is not None:
+        world, rank = topology
     common = dict(seed=seed, num_replicas=world, rank=rank)
     if args.max_steps and args.max_steps > 0:
         sampler = MixtureBatchSampler.for_max_steps(schedule, budget, max_steps=args.max_steps,

@@ -52,6 +52,7 @@ __all__ = [
     "probe_head",
     "resolve_fused_loss",
     "router_aux_loss",
+    "aligned_supervised_positions",
     "supervised_positions",
     "supervised_loss_terms",
 ]
@@ -76,11 +77,17 @@ def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     ``labels[b, t + 1]``; it is kept when that label is not -100. Kept outside the model's layers and small on
     purpose: it is the one data-dependent gather of the loss.
     """
-    shifted = labels[:, 1:]
-    keep = shifted != IGNORE_INDEX
+    return aligned_supervised_positions(labels[:, 1:], width=labels.shape[1])
+
+
+def aligned_supervised_positions(shift_labels: torch.Tensor, *, width: int | None = None):
+    """:func:`supervised_positions` for labels already aligned with the positions that predict them
+    (``shift_labels[b, t]`` is the target of hidden row ``b * width + t``; sequence parallelism shifts the whole row
+    before cutting it, so the targets across a rank border survive)."""
+    keep = shift_labels != IGNORE_INDEX
     b, t = keep.nonzero(as_tuple=True)
-    index = b * labels.shape[1] + t
-    return index, shifted[keep]
+    index = b * (shift_labels.shape[1] if width is None else width) + t
+    return index, shift_labels[keep]
 
 
 # ------------------------------------------------------------------------------------------- the head
@@ -227,16 +234,21 @@ def _accepts_logits_to_keep(model) -> bool:
 
 @dataclass
 class LossTerms:
-    """Per supervised token: ``nll`` (fp32, differentiable), ``smooth`` (``sum_v -log p_v``, when asked) and
-    ``top1`` (bool, the target is the first argmax)."""
+    """Per supervised token: ``nll`` (differentiable), ``smooth`` (``sum_v -log p_v``, when asked) and
+    ``top1`` (bool, the target is the first argmax). Float terms are in :func:`loss_dtype` of the logits."""
 
     nll: torch.Tensor
     top1: torch.Tensor
     smooth: torch.Tensor | None = None
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loss is accumulated in: float32, or the model's own dtype when it is wider (float64)."""
+    return dtype if dtype == torch.float64 else torch.float32
+
+
 def _terms_from_logits(logits: torch.Tensor, targets: torch.Tensor, with_smooth: bool):
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(loss_dtype(logits.dtype)), dim=-1)
     nll = -logp.gather(1, targets[:, None]).squeeze(1)
     top1 = logits.detach().argmax(-1) == targets
     smooth = -logp.sum(-1) if with_smooth else None
@@ -299,6 +311,96 @@ def _module_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth
     return LossTerms(nll=nll, top1=top1, smooth=smooth)
 
 
+# logits of one token chunk on the CPU path: at most this many elements (128 MB in float32), whatever the vocabulary
+LOGITS_CHUNK_ELEMENTS = 1 << 25
+
+
+def chunk_tokens(chunk_size: int, vocab: int) -> int:
+    """Supervised tokens per chunk: at most ``chunk_size``, and at most :data:`LOGITS_CHUNK_ELEMENTS` logits."""
+    return max(1, min(int(chunk_size), LOGITS_CHUNK_ELEMENTS // max(1, int(vocab))))
+
+
+class _LinearTokenChunks(torch.autograd.Function):
+    """Per-token terms of ``transform(hidden @ W.T + b)`` for a plain linear head, one token chunk at a time.
+
+    Nothing of size ``[chunk, vocab]`` is kept between forward and backward (the backward recomputes each chunk's
+    logits), and the weight gradient of all chunks accumulates into one ``[vocab, hidden]`` buffer, in place: the
+    generic autograd of a chunk (``F.linear`` + ``log_softmax`` + ``gather``) allocated a new ``[vocab, hidden]``
+    gradient per chunk plus three ``[chunk, vocab]`` buffers in its backward (the extra ~0.8 GB peak on a tied
+    262k-vocabulary head). Float math in :func:`loss_dtype` of the weight.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk, with_smooth):
+        ct = loss_dtype(weight.dtype)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        nll = torch.empty(n, dtype=ct, device=hidden.device)
+        smooth = torch.empty(n, dtype=ct, device=hidden.device) if with_smooth else None
+        top1 = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        for s in range(0, n, chunk):
+            t = targets[s:s + chunk]
+            y = apply_head_transform(F.linear(hidden[s:s + chunk], weight, bias).to(ct), scale, softcap)
+            lse = torch.logsumexp(y, dim=-1)
+            nll[s:s + chunk] = lse - y.gather(1, t[:, None]).squeeze(1)
+            if with_smooth:
+                smooth[s:s + chunk] = vocab * lse - y.sum(-1)
+            top1[s:s + chunk] = y.argmax(-1) == t
+            del y
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.params = (scale, softcap, chunk, with_smooth)
+        ctx.mark_non_differentiable(top1)
+        return nll, smooth, top1
+
+    @staticmethod
+    def backward(ctx, g_nll, g_smooth, _g_top1):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        scale, softcap, chunk, with_smooth = ctx.params
+        ct = loss_dtype(weight.dtype)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # fp32 accumulation for half-precision weights (as TRL's kernel); one buffer for every chunk
+        grad_w = torch.zeros(weight.shape, dtype=ct, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=ct, device=bias.device) if (need_b and bias is not None) else None
+        for s in range(0, n, chunk):
+            h, t = hidden[s:s + chunk], targets[s:s + chunk]
+            rows = torch.arange(t.shape[0], device=t.device)
+            z = F.linear(h, weight, bias).to(ct)
+            y = apply_head_transform(z, scale, softcap)
+            # d/dy of nll = softmax - onehot(target); of smooth (sum_v -log p_v) = vocab * softmax - 1
+            gy = torch.softmax(y, dim=-1)
+            coef = g_nll[s:s + chunk] if g_nll is not None else torch.zeros(t.shape[0], dtype=ct, device=y.device)
+            if with_smooth and g_smooth is not None:
+                gs = g_smooth[s:s + chunk]
+                gy.mul_((coef + vocab * gs)[:, None]).sub_(gs[:, None])
+            else:
+                gy.mul_(coef[:, None])
+            gy[rows, t] -= coef
+            if softcap is not None:  # y = softcap * tanh(scale * z / softcap): dy/dz = scale * (1 - (y / softcap)^2)
+                gy.mul_(1.0 - (y / softcap) ** 2).mul_(scale)
+            elif scale != 1.0:
+                gy.mul_(scale)
+            del y, z
+            if need_h:
+                grad_h[s:s + chunk] = (gy.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(gy.t(), h.to(ct))
+            if grad_b is not None:
+                grad_b += gy.sum(0)
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None and grad_b.dtype != bias.dtype:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _linear_chunk_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth) -> LossTerms:
+    weight, bias = _full_weight(head)
+    chunk = chunk_tokens(chunk_size, weight.shape[0])
+    nll, smooth, top1 = _LinearTokenChunks.apply(hidden, weight, bias, targets, scale, softcap, chunk, with_smooth)
+    return LossTerms(nll=nll, top1=top1, smooth=smooth)
+
+
 def _triton_device(device: torch.device) -> bool:
     try:
         from trl.kernels.chunked_logprob import _use_triton
@@ -319,8 +421,9 @@ def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = 
         # an all-masked micro-batch: a differentiable zero that still reaches the backbone and every trainable head
         # parameter (DDP expects a gradient for each; the step's divisor counts the other micro-batches' tokens).
         # The head is called on the zero rows, not read: a ZeRO-3 head exists only inside its own forward.
-        touch = hidden.sum().float() * 0 + head(hidden).float().sum() * 0
-        empty = hidden.new_zeros((0,), dtype=torch.float32) + touch
+        dtype = loss_dtype(hidden.dtype)
+        touch = hidden.sum().to(dtype) * 0 + head(hidden).to(dtype).sum() * 0
+        empty = hidden.new_zeros((0,), dtype=dtype) + touch
         return LossTerms(nll=empty, top1=torch.zeros(0, dtype=torch.bool, device=hidden.device),
                          smooth=empty if with_smooth else None)
     if impl == "liger":
@@ -334,8 +437,13 @@ def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = 
     if linear and not with_smooth and _triton_device(hidden.device):
         return _fused_terms(head, hidden, targets, plan.scale, plan.softcap, VOCAB_CHUNK)
     # without Triton, TRL's kernel folds [4096, 32768] fp32 tiles in torch (5 GB peak for a 128k x 2048 head at 8k
-    # tokens, benchmarks/loss_memory.py); checkpointed token chunks cost the same FLOPs with 2 GB
-    return _module_terms(head, hidden, targets, plan.scale, plan.softcap, chunk_size, with_smooth, True, linear)
+    # tokens, benchmarks/loss_memory.py); recomputed token chunks cost the same FLOPs with less
+    if linear:
+        return _linear_chunk_terms(head, hidden, targets, plan.scale, plan.softcap, chunk_size, with_smooth)
+    weight = getattr(head, "weight", None)  # an adapter wrapper exposes its base layer's weight
+    vocab = weight.shape[0] if isinstance(weight, torch.Tensor) else int(getattr(head, "out_features", 0) or 0)
+    chunk = chunk_tokens(chunk_size, vocab)
+    return _module_terms(head, hidden, targets, plan.scale, plan.softcap, chunk, with_smooth, True, linear)
 
 
 def terms_from_model_logits(logits: torch.Tensor, targets: torch.Tensor, *, with_smooth: bool = False) -> LossTerms:
@@ -379,17 +487,19 @@ def objective_sum(terms: LossTerms, *, loss_type: str = "nll", label_smoothing: 
 # ------------------------------------------------------------------------------------------- MoE aux loss
 
 
-def router_aux_loss(model, router_logits, real_tokens: int | None, total_tokens: int) -> torch.Tensor:
-    """The model's load-balancing loss over the real tokens of a packed row.
+def router_aux_loss(model, router_logits, real_tokens: int | None, total_tokens: int) -> torch.Tensor | None:
+    """The model's load-balancing loss over the real tokens of a packed row (``None`` if the model has none).
 
     A padded run passes its ``attention_mask`` so padding does not count; a packed row has no padding except
     pf-trl's optional ``pad_to_multiple_of`` tail, masked here the same way (``real_tokens`` first tokens are
-    real). The function is the model's own module's ``load_balancing_loss_func`` (Mixtral's where it has none).
+    real). The function is the model's own module's ``load_balancing_loss_func``. A model whose module has none
+    adds no load-balancing term to its loss even when it returns router logits (Llama 4: sigmoid routing, its
+    config's ``router_aux_loss_coef`` unused), so neither does pf-trl.
     """
     module = sys.modules.get(type(model).__module__)
     func = getattr(module, "load_balancing_loss_func", None)
     if func is None:
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as func
+        return None
     text = model.config.get_text_config()
     num_experts = getattr(model, "num_experts", None) or getattr(text, "num_local_experts", None) or text.num_experts
     top_k = getattr(model, "num_experts_per_tok", None) or text.num_experts_per_tok
@@ -426,7 +536,8 @@ def chunked_cross_entropy(hidden, weight, targets, bias=None, *, chunk_size: int
 def plain_cross_entropy(hidden, weight, targets, bias=None, *, logit_scale: float = 1.0,
                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference path: the full logits, fp32 cross-entropy (sum) and top-1 hits."""
-    logits = apply_head_transform(F.linear(hidden, weight, bias), logit_scale, softcap).float()
+    logits = apply_head_transform(F.linear(hidden, weight, bias), logit_scale, softcap)
+    logits = logits.to(loss_dtype(logits.dtype))
     loss = F.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.detach().argmax(-1) == targets).sum()
     return loss, correct

@@ -49,8 +49,11 @@ import torch
 from trl import SFTTrainer
 
 from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
+from pf_trl.data.vision import VISION_COLUMNS, VisionFeatures, image_column, text_tokenizer
 from pf_trl.sampler import TokenBudgetBatchSampler
+from pf_trl.parallel import check_parallelism
 from pf_trl.sharding import full_shape
+from pf_trl.trainer import sequence_parallel
 from pf_trl.trainer.callbacks import SamplerStateCallback
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
 from pf_trl.trainer.data_identity import data_identity, describe_change
@@ -63,6 +66,7 @@ from pf_trl.trainer.fields import (
     shuffle_once,
 )
 from pf_trl.trainer.loss import (
+    aligned_supervised_positions,
     backbone_of,
     DEFAULT_CHUNK_SIZE,
     LOSS_TYPES,
@@ -80,16 +84,20 @@ from pf_trl.trainer.metrics import REAL_TOKENS_KEY, TokenAccountingMixin
 logger = logging.getLogger("pf_trl.trainer")
 
 SAMPLER_STATE_NAME = "pf_trl_sampler_state.json"
-_MODEL_COLUMNS = ("input_ids", "labels")
+_MODEL_COLUMNS = ("input_ids", "labels", *VISION_COLUMNS)
 
 
 class _CountingCollator:
-    """Wraps the padding-free collator: records the real token count (without a pad_to_multiple_of segment)."""
+    """Wraps the padding-free collator: records the real token count (without a pad_to_multiple_of segment).
+    ``prepare`` turns each row into model features first (a vision-language row's images -> pixel values)."""
 
-    def __init__(self, inner: PaddingFreeCollator) -> None:
+    def __init__(self, inner: PaddingFreeCollator, prepare=None) -> None:
         self.inner = inner
+        self.prepare = prepare
 
     def __call__(self, features):
+        if self.prepare is not None:
+            features = [self.prepare(f) for f in features]
         batch = self.inner(features)
         batch[REAL_TOKENS_KEY] = sum(len(f["input_ids"]) for f in features)
         return batch
@@ -148,20 +156,27 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
     def forward(self, *args, pf_loss: bool = False, pf_real_tokens: int | None = None, **kwargs):
         if not pf_loss:
             return previous(*args, **kwargs)
-        labels = kwargs.pop("labels")
+        labels = kwargs.pop("labels", None)
+        shift_labels = kwargs.pop("shift_labels", None)  # sequence parallel: targets already aligned (no shift)
+        if (labels is None) == (shift_labels is None):
+            raise ValueError("the pf_loss forward needs exactly one of labels / shift_labels")
         kwargs.pop("num_items_in_batch", None)
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         if plan.path == "model":
             # the model's own head and post-processing, only at the supervised positions
-            keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-            keep[:, :-1] = labels[:, 1:] != -100
+            if shift_labels is not None:
+                keep = shift_labels != -100
+            else:
+                keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+                keep[:, :-1] = labels[:, 1:] != -100
             out = previous(*args, logits_to_keep=keep, **kwargs)
         else:
             out = backbone(*args, **kwargs)
         return _objective(self, out, labels, plan, options, with_smooth=with_smooth, vocab_size=vocab_size,
-                          with_router=bool(kwargs.get("output_router_logits")), pf_real_tokens=pf_real_tokens)
+                          with_router=bool(kwargs.get("output_router_logits")), pf_real_tokens=pf_real_tokens,
+                          shift_labels=shift_labels)
 
     model.forward = types.MethodType(forward, model)
     return plan
@@ -188,11 +203,15 @@ def check_loss_options(args) -> None:
 
 @torch.compiler.disable(reason="data-dependent gather of supervised positions and a chunk loop over them")
 def _objective(model, out, labels, plan: HeadPlan, options: PFLossOptions, *, with_smooth: bool, vocab_size: int,
-               with_router: bool, pf_real_tokens: int | None) -> dict[str, Any]:
+               with_router: bool, pf_real_tokens: int | None, shift_labels=None) -> dict[str, Any]:
     """The objective after the backbone (or the model's own head): runs eagerly under torch.compile (one intended
     graph break after the backbone), since the number of supervised tokens changes every step and a traced gather +
     chunk loop would recompile each step."""
-    index, targets = supervised_positions(labels)
+    if shift_labels is not None:
+        index, targets = aligned_supervised_positions(shift_labels)
+        labels = shift_labels
+    else:
+        index, targets = supervised_positions(labels)
     if plan.path == "model":
         terms = terms_from_model_logits(out.logits, targets.to(out.logits.device), with_smooth=with_smooth)
     else:
@@ -248,6 +267,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             from pf_trl.models import build_model
 
             model = build_model(model, seed=args.seed, **model_build_kwargs(args))
+        # every parallelism setting pf-trl cannot keep exact, refused before any data is prepared (every mode)
+        check_parallelism(args, _transformers_model(model), compute_loss_func=kwargs.get("compute_loss_func"))
         if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes
             prepare = functools.partial(_pf_prepare_dataset, tokenizer=processing_class, model=model, args=args,
                                         pretokenize_config=pretokenize_config)
@@ -279,9 +300,17 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             # a PeftModel: make its transformers model padding-free (the adapters live inside its modules)
             enable_padding_free(_transformers_model(model), mode=self.pf_mode, backend=args.attention_backend,
                                 allow_unverified=args.allow_unverified)
-            pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else processing_class.eos_token_id
+            from pf_trl.attention import multimodal
+            from pf_trl.attention.mrope import rope_index_function
+
+            multimodal.check_training_data(_transformers_model(model), self.pf_mode, train_dataset, eval_dataset)
+            tokenizer = text_tokenizer(processing_class)
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             data_collator = data_collator or PaddingFreeCollator(
-                pad_to_multiple_of=args.pad_to_multiple_of, pad_token_id=int(pad_id or 0)
+                pad_to_multiple_of=sequence_parallel.collator_multiple(args.pad_to_multiple_of,
+                                                                       args.sequence_parallel_size),
+                pad_token_id=int(pad_id or 0),
+                rope_index=rope_index_function(_transformers_model(model)),  # mRoPE: per-example positions
             )
             self._pf_collator = data_collator
         # TRL would act on padding_free=True (its own collator, its max_length check), checks assistant_only_loss
@@ -303,6 +332,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         self._pf_resume_dir: str | None = None
         self._pf_stream, self._pf_packer = pf_stream, None  # a streamed train set and its packer (data_inputs)
         self.pf_token_budget: int | None = args.max_tokens_per_batch
+        self._pf_sp = None  # this rank's sequence-parallel group (sequence_parallel_size > 1)
         if self.pf_mode != "none":
             self.pf_loss_impl = resolve_fused_loss(args.fused_loss, self.args.device,
                                                    use_liger_kernel=bool(args.use_liger_kernel))
@@ -310,6 +340,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             options = PFLossOptions(impl=self.pf_loss_impl, chunk_size=args.loss_chunk_size, loss_type=args.loss_type,
                                     label_smoothing=smoothing)
             self.pf_head_plan = install_pf_loss_forward(_transformers_model(self.model), options=options)
+            self._pf_sp = sequence_parallel.setup(_transformers_model(self.model), args.sequence_parallel_size)
             # our loss is always divided by num_items_in_batch over the accumulation window
             self.loss_is_scaled_for_ga = True
 
@@ -323,10 +354,15 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         world = max(1, self.args.world_size)
         rank = self.args.process_index if world > 1 else 0
+        world, rank = sequence_parallel.sampler_topology(self._pf_sp, world, rank)
+        from pf_trl.attention.row_limits import check_packed_rows
+
+        check_packed_rows(_transformers_model(self.model), int(budget))  # before the first step (Llama 4)
         if shuffle:  # a mixture draws each epoch's rows by its weights
             from pf_trl.trainer import data_inputs
 
-            mixed = data_inputs.mixture_sampler(dataset, lengths, int(budget), seed=int(seed), args=self.args)
+            mixed = data_inputs.mixture_sampler(dataset, lengths, int(budget), seed=int(seed), args=self.args,
+                                                 topology=(world, rank))
             if mixed is not None:
                 return mixed
         return TokenBudgetBatchSampler(lengths, int(budget), shuffle=shuffle, seed=int(seed), num_replicas=world,
@@ -346,7 +382,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             dataset = dataset.select_columns(keep)
         params: dict[str, Any] = dict(
             batch_sampler=sampler,
-            collate_fn=_CountingCollator(self._pf_collator),
+            collate_fn=_CountingCollator(self._pf_collator, prepare=VisionFeatures(self.processing_class)
+                                         if names and "images" in names else None),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
@@ -432,15 +469,22 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         count = torch.as_tensor(count, device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
-        return count
+        return sequence_parallel.global_token_count(count, self._pf_sp)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.pf_mode == "none":
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         real = inputs.get(REAL_TOKENS_KEY)
-        self._pf_observe(inputs)
+        if self._pf_sp is not None and self._pf_sp.rank:
+            inputs = dict(inputs)  # the group's first rank counts the row's tokens, once per group
+            inputs.pop(REAL_TOKENS_KEY, None)
+            self._pf_meter.last_real = 0
+        else:
+            self._pf_observe(inputs)
         inputs = dict(inputs)
         inputs.pop("use_cache", None)
+        if self._pf_sp is not None:
+            inputs = sequence_parallel.shard_inputs(inputs, self._pf_sp, self.args.device)
         if self.compute_loss_func is not None:
             return self._pf_custom_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.args.torch_compile:
@@ -465,7 +509,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             self._pf_eval_add(loss_sum.detach() + extra, int(n_tok))
         if return_outputs:
             with torch.no_grad():
-                logits_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+                logits_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
                 outputs = model(**logits_inputs, use_cache=False)
             return loss, outputs
         return loss
@@ -691,6 +735,8 @@ def _pf_prepare_rows(dataset, *, tokenizer, model, args, config, what: str):
 
         if isinstance(dataset, datasets.IterableDataset):
             return dataset  # streamed rows: left to TRL
+        if args.padding_free == "none" and image_column(getattr(dataset, "column_names", None) or []):
+            return dataset  # padded vision-language rows: TRL's own collator processes them on the fly
         check_vocab_fits(tokenizer, vocab)
         try:
             dataset = sources.load_training_data(dataset, tokenizer, config, num_proc=args.dataset_num_proc or 1,

@@ -2,7 +2,8 @@
 
 ``flash_attn_varlen_func`` takes q/k/v as ``(total_tokens, heads, head_dim)`` with int32 ``cu_seqlens``,
 supports GQA natively, ``window_size=(left, right)`` and (FA2 >= 2.6, FA3) ``softcap``. FA3 has no dropout:
-a call with dropout falls back to FA2 when that is installed.
+a call with dropout falls back to FA2 when that is installed. Attention sinks: the kernel's log-sum-exp
+(``return_attn_probs=True``) rescales its output (:mod:`~pf_trl.attention.backends._sinks`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+
+from pf_trl.attention.backends import _sinks
 
 NAME = "flash_attn"
 INSTALL_HINT = "pip install flash-attn --no-build-isolation (FA2; FA3 for Hopper: build hopper/ from the flash-attention repo)"
@@ -75,10 +78,14 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, **_) -> str | None:
+def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, sinks=False, **_) -> str | None:
     name, fn, params = kernel_for(device or torch.device("cuda"), dropout_p)
     if name is None:
         return fn
+    if sinks and softcap:
+        return "attention sinks together with softcap (the sink rescale's gradient assumes uncapped scores)"
+    if sinks and "return_attn_probs" not in params:
+        return "this flash-attn cannot return its log-sum-exp (return_attn_probs), which attention sinks need"
     if window != (-1, -1) and "window_size" not in params:
         return "this flash-attn has no window_size (needs >= 2.3)"
     if softcap and "softcap" not in params:
@@ -88,7 +95,24 @@ def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=Non
     return None
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p, sinks=None):
+    if sinks is not None:
+        def attend_lse(q, k, v):
+            out, lse = _call(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window,
+                             softcap=softcap, dropout_p=dropout_p, with_lse=True)
+            # flash-attn's varlen lse is (heads, total_q), natural log, without gradient
+            return out, lse.transpose(0, 1) if lse.shape[0] == q.shape[1] else lse
+
+        def attend(q, k, v):
+            return _call(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window,
+                         softcap=softcap, dropout_p=0.0)
+
+        return _sinks.attend_with_sinks(attend_lse, attend, q, k, v, sinks, scale=scale)
+    return _call(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window, softcap=softcap,
+                 dropout_p=dropout_p)
+
+
+def _call(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p, with_lse=False):
     name, fn, params = kernel_for(q.device, dropout_p)
     if name is None:
         raise RuntimeError(fn)
@@ -99,7 +123,11 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap
         kwargs["softcap"] = float(softcap)
     if name == "fa2":
         kwargs["dropout_p"] = dropout_p
+    if with_lse:
+        kwargs["return_attn_probs"] = True  # (out, softmax_lse, ...); FA2 allocates the probabilities only with dropout
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
     out = fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)  # ints (or symbolic ints under compile)
+    if with_lse:
+        return out[0], out[1]
     return out[0] if isinstance(out, tuple) else out

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from pf_trl.attention.backends import _sinks
 from pf_trl.attention.backends._masks import token_segments
 
 NAME = "flex"
@@ -24,9 +25,10 @@ _FLEX: dict[str, object] = {}
 def _import():
     # module globals, not lru_cache: filled by the availability check, read as constants under torch.compile
     if "flex" not in _FLEX:
+        from torch.nn.attention import flex_attention as flex_module
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        _FLEX.update(flex=flex_attention, block_mask=create_block_mask)
+        _FLEX.update(flex=flex_attention, block_mask=create_block_mask, aux_request=getattr(flex_module, "AuxRequest", None))
     return _FLEX["flex"], _FLEX["block_mask"]
 
 
@@ -65,7 +67,7 @@ def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=Non
     return None
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p, sinks=None):
     flex_attention, create_block_mask = _import()
     tq, tk = q.shape[0], k.shape[0]
     cu_q = cu_q.to(q.device)
@@ -102,19 +104,34 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap
     compiled = q.device.type == "cuda" and not inner
     block_mask = create_block_mask(mask_mod, 1, None, tq, tk, device=q.device, _compile=compiled)
     fn = _compiled_flex() if compiled else flex_attention
+
+    def attend_lse(q, k, v):
+        # flex's lse is differentiable (its backward takes grad_logsumexp) and includes the softcap score_mod
+        out, lse = _run(fn, inner, q, k, v, score_mod, block_mask, scale, with_lse=True)
+        return out.squeeze(0).transpose(0, 1), lse.squeeze(0).transpose(0, 1)
+
+    if sinks is not None:
+        return _sinks.attend_with_sinks(attend_lse, None, q, k, v, sinks, scale=scale)
+    return _run(fn, inner, q, k, v, score_mod, block_mask, scale).squeeze(0).transpose(0, 1)
+
+
+def _run(fn, inner, q, k, v, score_mod, block_mask, scale, *, with_lse=False):
     if inner:
-        out = _call(fn, q, k, v, score_mod, block_mask, scale)
-    else:
-        with warnings.catch_warnings():
-            # CPU: the unfused reference is what we want here; do not tell the user to compile it
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out = _call(fn, q, k, v, score_mod, block_mask, scale)
-    return out.squeeze(0).transpose(0, 1)
+        return _call(fn, q, k, v, score_mod, block_mask, scale, with_lse=with_lse)
+    with warnings.catch_warnings():
+        # CPU: the unfused reference is what we want here; do not tell the user to compile it
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return _call(fn, q, k, v, score_mod, block_mask, scale, with_lse=with_lse)
 
 
-def _call(fn, q, k, v, score_mod, block_mask, scale):
+def _call(fn, q, k, v, score_mod, block_mask, scale, *, with_lse=False):
     gqa = q.shape[1] != k.shape[1]
-    return fn(
+    extra = {}
+    if with_lse:
+        # torch >= 2.9: return_aux=AuxRequest(lse=True) -> (out, AuxOutput); before: return_lse=True -> (out, lse)
+        aux_request = _FLEX.get("aux_request")
+        extra = {"return_aux": aux_request(lse=True)} if aux_request is not None else {"return_lse": True}
+    out = fn(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
@@ -122,4 +139,9 @@ def _call(fn, q, k, v, score_mod, block_mask, scale):
         block_mask=block_mask,
         scale=scale,
         enable_gqa=gqa,
+        **extra,
     )
+    if not with_lse:
+        return out
+    out, aux = out
+    return out, getattr(aux, "lse", aux)

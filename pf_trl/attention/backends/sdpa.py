@@ -1,30 +1,34 @@
-"""Exact varlen attention from one batched ``scaled_dot_product_attention``: the CPU path and the reference.
+"""Exact varlen attention segment by segment, memory linear in the packed row: the CPU path and the reference.
 
-The packed segments are scattered into a padded batch, attended with a mask that keeps every segment to itself
-(causal, window, padding) and gathered back. Everything is tensor arithmetic on ``cu_seqlens`` plus the two Python
-ints ``max_q``/``max_k`` carried from the collator: no ``.tolist()``, no ``.item()``, so there is no host sync and
-``torch.compile`` traces it into one graph. Memory is that of a padded batch (``segments x max_len^2`` scores per
-head), never the dense ``T x T`` block mask.
+Each segment of the row is attended on its own, so nothing of size ``T x T`` (nor ``segments x max_len^2``) exists:
 
-Hot path (training, prefill): query and key layouts are the same tensor and attention is causal. Then the mask
-depends on positions only (see :func:`~pf_trl.attention.backends._masks.position_visibility`) and segments are
-folded into the head dimension, ``(segments * heads, max_len, head_dim)``, so no tensor has a dimension equal to
-the number of segments and a batch holding a single example compiles into the same graph. Otherwise (decode with
-fewer queries than keys, non-causal) a per-segment mask is built.
+- the common case (causal self-attention whose window, if any, spans the segment; or non-causal without window),
+  on CPU, is one call of PyTorch's fused flash kernel per segment
+  (``aten._scaled_dot_product_flash_attention_for_cpu`` on a ``(1, H, L, D)`` view, ``is_causal``, GQA native, no
+  mask), which keeps ``O(L)`` memory and returns the log-sum-exp its backward reuses;
+- everything else (a window shorter than the segment, softcap, attention dropout, fewer queries than keys, other
+  devices) goes through :mod:`pf_trl.attention.backends.blockwise`, a chunked online-softmax kernel with the same
+  ``O(L)`` memory.
 
-Scores with softcap go through an explicit fp32 softmax; a query that sees no key outputs zeros, as flash-attn
-does.
+The segments are read from ``cu_seqlens`` on the host inside one custom operator (``pf_trl::varlen_sdpa``, with its
+own backward operator), so ``torch.compile`` sees a single opaque node with shapes known from ``q``: no graph break,
+no recompilation when the number or lengths of segments change. :func:`forward_with_lse` also returns the per-query
+log-sum-exp ``(heads, total_q)`` (differentiable), for callers that rescale the output (attention sinks).
+
+Attention sinks (``sinks``) rescale this output by the same log-sum-exp
+(:mod:`~pf_trl.attention.backends._sinks`); its gradient flows through the custom operator's backward (``dlse``),
+so no second attention is needed.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from pf_trl.attention.backends._masks import padded_visibility, position_visibility, token_segments
+from pf_trl.attention.backends import _sinks, blockwise
 
 NAME = "sdpa"
 INSTALL_HINT = "built into PyTorch; nothing to install"
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -35,84 +39,134 @@ def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, **_) -> st
     return None
 
 
-def _attend(q, k, v, mask, *, scale, softcap, dropout_p, group):
-    """Attention over the last two dims; heads on dim -3 (``k``/``v`` have ``1/group`` of them, GQA)."""
-    if not softcap:
-        # fully masked rows (starved queries, padding rows) come out as zeros from PyTorch's sdpa (safe softmax)
-        kwargs = {"enable_gqa": True} if group > 1 else {}
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kwargs)
-    if group > 1:
-        k = k.repeat_interleave(group, dim=-3)
-        v = v.repeat_interleave(group, dim=-3)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    if mask is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        scores = scores.masked_fill(~mask, float("-inf"))
-        seen = mask.any(dim=-1, keepdim=True)  # rows with no visible key output zeros (flash-attn semantics)
-        probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1).masked_fill(~seen, 0.0)
-    if dropout_p:
-        probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, v.float()).to(q.dtype)
+def _fused(q: torch.Tensor, lq: int, lk: int, causal: bool, left: int, right: int, softcap: float,
+           dropout_p: float) -> bool:
+    """Whether PyTorch's fused CPU flash kernel computes this segment exactly (is_causal is top-left aligned)."""
+    if q.device.type != "cpu" or q.dtype not in _FUSED_DTYPES or softcap or dropout_p or lq == 0 or lk == 0:
+        return False
+    if causal:
+        return lq == lk and (left < 0 or left >= lq - 1)
+    return left < 0 and right < 0
 
 
-def _folded_index(cu: torch.Tensor, total: int, heads: int, max_len: int) -> torch.Tensor:
-    """Row of each (token, head) in the ``(segments * heads * max_len)`` padded layout, flattened ``(total * heads)``."""
-    seg, pos = token_segments(cu, total)
-    head = torch.arange(heads, device=cu.device)
-    return ((seg[:, None] * heads + head[None, :]) * max_len + pos[:, None]).reshape(-1)
+def _as_bhld(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).unsqueeze(0)  # (L, H, D) -> (1, H, L, D), a view
 
 
-def _fold(x: torch.Tensor, index: torch.Tensor, rows: int, max_len: int) -> torch.Tensor:
-    d = x.shape[-1]
-    padded = x.new_zeros(rows, d).index_copy(0, index, x.reshape(-1, d))
-    return padded.view(-1, max_len, d)
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    return list(zip(bq, bq[1:], bk, bk[1:]))
 
 
-def _forward_same_layout(q, k, v, cu, max_len, *, causal, scale, window, softcap, dropout_p):
-    total, hq, hkv, dv = q.shape[0], q.shape[1], k.shape[1], v.shape[-1]
-    rows = (cu.shape[0] - 1) * max_len
-    index_q = _folded_index(cu, total, hq, max_len)
-    index_k = index_q if hkv == hq else _folded_index(cu, total, hkv, max_len)
-    qp = _fold(q, index_q, rows * hq, max_len)  # (segments * hq, max_len, d)
-    kp = _fold(k, index_k, rows * hkv, max_len)
-    vp = _fold(v, index_k, rows * hkv, max_len)
-    mask = position_visibility(max_len, max_len, causal=causal, window=window, device=q.device)
-    out = _attend(qp, kp, vp, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, group=hq // hkv)
-    return out.reshape(-1, dv).index_select(0, index_q).view(total, hq, dv)
+def _seed_value(seed: torch.Tensor | None) -> int:
+    return int(seed.item()) if seed is not None else 0
 
 
-def _forward_general(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
-    hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    segments = cu_q.shape[0] - 1
-    seg_q, pos_q = token_segments(cu_q, q.shape[0])
-    seg_k, pos_k = token_segments(cu_k, k.shape[0])
-    index_q = seg_q * max_q + pos_q
-    index_k = seg_k * max_k + pos_k
-    qp = q.new_zeros(segments * max_q, hq, d).index_copy(0, index_q, q).view(segments, max_q, hq, d).transpose(1, 2)
-    kp = k.new_zeros(segments * max_k, hkv, d).index_copy(0, index_k, k).view(segments, max_k, hkv, d).transpose(1, 2)
-    vp = v.new_zeros(segments * max_k, hkv, dv).index_copy(0, index_k, v).view(segments, max_k, hkv, dv).transpose(1, 2)
-    mask = padded_visibility(cu_q, cu_k, max_q, max_k, causal=causal, window=window).unsqueeze(1)
-    out = _attend(qp, kp, vp, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, group=hq // hkv)
-    return out.transpose(1, 2).reshape(segments * max_q, hq, dv).index_select(0, index_q)
+@torch.library.custom_op("pf_trl::varlen_sdpa", mutates_args=())
+def varlen_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                causal: bool, scale: float, left: int, right: int, softcap: float, dropout_p: float,
+                seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (total_q, Hq, Dv), lse (Hq, total_q))`` of packed segments; see the module docstring."""
+    total_q, hq = q.shape[0], q.shape[1]
+    out = q.new_zeros(total_q, hq, v.shape[-1])
+    lse = torch.full((hq, total_q), float("-inf"), dtype=blockwise.compute_dtype(q.dtype), device=q.device)
+    rng = _seed_value(seed)
+    for s, (q0, q1, k0, k1) in enumerate(_segments(cu_q, cu_k)):
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        if _fused(q, lq, lk, causal, left, right, softcap, dropout_p):
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _as_bhld(q[q0:q1]), _as_bhld(k[k0:k1]), _as_bhld(v[k0:k1]), 0.0, causal, scale=scale)
+            out[q0:q1] = o[0].transpose(0, 1)
+            lse[:, q0:q1] = l[0]
+        else:
+            o, l = blockwise.forward(q[q0:q1], k[k0:k1], v[k0:k1], causal=causal, scale=scale, left=left, right=right,
+                                     softcap=softcap, dropout_p=dropout_p, seed=rng, segment=s)
+            out[q0:q1] = o
+            lse[:, q0:q1] = l
+    return out, lse
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+@varlen_sdpa.register_fake
+def _(q, k, v, cu_q, cu_k, causal, scale, left, right, softcap, dropout_p, seed):
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=blockwise.compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("pf_trl::varlen_sdpa_backward", mutates_args=())
+def varlen_sdpa_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, scale: float,
+                         left: int, right: int, softcap: float, dropout_p: float, seed: torch.Tensor | None,
+                         dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if dlse is not None and not bool(dlse.any()):
+        dlse = None  # a zero gradient on the log-sum-exp (no caller used it): the fused backward applies
+    rng = _seed_value(seed)
+    for s, (q0, q1, k0, k1) in enumerate(_segments(cu_q, cu_k)):
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0 or lk == 0:
+            continue
+        if dlse is None and _fused(q, lq, lk, causal, left, right, softcap, dropout_p):
+            g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _as_bhld(dout[q0:q1]), _as_bhld(q[q0:q1]), _as_bhld(k[k0:k1]), _as_bhld(v[k0:k1]),
+                _as_bhld(out[q0:q1]), lse[None, :, q0:q1].to(torch.float32) if q.dtype != torch.float64
+                else lse[None, :, q0:q1], 0.0, causal, scale=scale)
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = (x[0].transpose(0, 1) for x in g)
+        else:
+            g = blockwise.backward(dout[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], lse[:, q0:q1],
+                                   causal=causal, scale=scale, left=left, right=right, softcap=softcap,
+                                   dropout_p=dropout_p, seed=rng, segment=s,
+                                   dlse=None if dlse is None else dlse[:, q0:q1])
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g
+    return dq, dk, dv
+
+
+@varlen_sdpa_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, left, right, softcap, dropout_p, seed, dlse):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, causal, scale, left, right, softcap, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed)
+    ctx.params = (causal, scale, left, right, softcap, dropout_p)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
+    causal, scale, left, right, softcap, dropout_p = ctx.params
+    dq, dk, dv = varlen_sdpa_backward(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, causal, scale, left, right,
+                                      softcap, dropout_p, seed, dlse)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+varlen_sdpa.register_autograd(_backward, setup_context=_setup_context)
+
+
+def forward_with_lse(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+    """:func:`forward` plus the per-query log-sum-exp ``(Hq, total_q)`` (float32; float64 for float64 inputs)."""
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     if cu_q.shape != cu_k.shape:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same number of segments")
-    if q.shape[0] == 0:
-        return q.new_zeros(0, hq, v.shape[-1])
-    # one tensor for both layouts (pf_varlen passes it so for self-attention): decided by identity, no value read
-    if cu_k is cu_q and causal and q.shape[0] == k.shape[0] and max_q == max_k:
-        return _forward_same_layout(
-            q, k, v, cu_q.to(q.device), max_q,
-            causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-        )
-    return _forward_general(
-        q, k, v, cu_q.to(q.device), cu_k.to(q.device), max_q, max_k,
-        causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-    )
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p else None
+    return varlen_sdpa(q, k, v, cu_q, cu_k, bool(causal), float(scale), int(window[0]), int(window[1]),
+                       float(softcap or 0.0), float(dropout_p), seed)
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p, sinks=None,
+            with_lse=False):
+    """Packed attention ``(total_q, Hq, Dv)``; ``with_lse``: with the log-sum-exp ``(total_q, Hq)`` (float32);
+    ``sinks`` ``(Hq,)``: per-head attention sinks (the output rescaled by ``sigmoid(lse - sink)``)."""
+    if sinks is not None:
+        def attend_lse(q, k, v):  # the op's lse carries its gradient: no second attention needed (attend=None)
+            return forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window,
+                           softcap=softcap, dropout_p=dropout_p, with_lse=True)
+
+        return _sinks.attend_with_sinks(attend_lse, None, q, k, v, sinks, scale=scale)
+    out, lse = forward_with_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window,
+                                softcap=softcap, dropout_p=dropout_p)
+    return (out, lse.transpose(0, 1)) if with_lse else out

@@ -2,7 +2,8 @@
 
 Detected by import: older torch builds lack it. Its keyword arguments changed across releases (``is_causal``
 in the first release, ``window_size``/``enable_gqa`` later), so the call adapts to the signature it finds.
-It has no dropout and no softcap; ``auto`` skips it for calls that need them.
+It has no dropout and no softcap; ``auto`` skips it for calls that need them. Attention sinks: its log-sum-exp
+(``return_aux=AuxRequest(lse=True)``) rescales the output (:mod:`~pf_trl.attention.backends._sinks`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+
+from pf_trl.attention.backends import _sinks
 
 NAME = "torch_varlen"
 INSTALL_HINT = "needs a PyTorch build with torch.nn.attention.varlen.varlen_attn (torch >= 2.10, CUDA): pip install -U torch"
@@ -53,11 +56,13 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, **_) -> str | None:
+def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, sinks=False, **_) -> str | None:
     reason = _import_error()
     if reason:
         return reason
     _, params = _op()
+    if sinks and "return_aux" not in params:
+        return "this torch's varlen_attn cannot return its log-sum-exp (return_aux), which attention sinks need"
     if dropout_p:
         return "varlen_attn has no attention dropout"
     if softcap:
@@ -71,7 +76,19 @@ def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, **_) -> st
     return None
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p):
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout_p, sinks=None):
+    if sinks is not None:
+        def attend_lse(q, k, v):
+            return _call(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window, with_lse=True)
+
+        def attend(q, k, v):
+            return _call(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window)
+
+        return _sinks.attend_with_sinks(attend_lse, attend, q, k, v, sinks, scale=scale)
+    return _call(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale, window=window)
+
+
+def _call(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, with_lse=False):
     op, params = _op()
     kwargs = {}
     if "scale" in params:
@@ -92,7 +109,14 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
+    if with_lse:
+        from torch.nn.attention.varlen import AuxRequest
+
+        kwargs["return_aux"] = AuxRequest(lse=True)
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
     out = op(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)  # ints (or symbolic ints under compile)
+    if with_lse:
+        lse = out[1]  # (total_q, heads) as documented, natural log, without gradient
+        return out[0], lse if lse.shape[0] == q.shape[0] else lse.transpose(0, 1)
     return out[0] if isinstance(out, tuple) else out
