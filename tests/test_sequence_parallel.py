@@ -166,7 +166,9 @@ def _assert_exact(got, want, case):
     np.testing.assert_allclose(res["losses"], ref["losses"], rtol=2e-6, atol=2e-6, err_msg=case)
     assert res["eval_loss"] == pytest.approx(ref["eval_loss"], rel=2e-6, abs=2e-6), case  # token-weighted, all groups
     diff = _max_param_diff(weights, ref_weights)
-    assert diff <= 4e-6, (case, diff)  # measured: at most 1.0e-6 (4 ranks: a different all-reduce order)
+    # measured: at most 1.0e-6 with 2 ranks, 5.1e-6 with 4 (another all-reduce order, amplified by AdamW's
+    # normalisation over 3 steps); a wrong row or a dropped rank border moves parameters by 1e-3 and more
+    assert diff <= 1.5e-5, (case, diff)
     return diff
 
 

@@ -342,24 +342,31 @@ def undecoded(dataset, column: str):
 def tokenize_batch(batch: dict[str, list], indices: list[int], *, vision: VisionTokenizer, config,
                    index_offset: int):
     """``datasets.map`` function of a vision source: rows -> shard rows plus pretokenize's bookkeeping columns
-    (``_drop`` / ``_truncated`` / ``_loss``, as :func:`pf_trl.data.pretokenize._tokenize_batch` writes them)."""
+    (``_drop`` / ``_truncated`` / ``_loss`` / ``_lost`` / ``_cut``, as :func:`pf_trl.data.pretokenize._tokenize_batch` writes them)."""
     import pyarrow as pa
 
     from pf_trl.data.pretokenize import _KEEP, _NO_LOSS, _TOO_LONG, PretokenizeError
 
     keys = list(batch)
     out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "images": [], "_drop": [],
-                            "_truncated": [], "_loss": []}
+                            "_truncated": [], "_loss": [], "_lost": [], "_cut": []}
     if vision.token_type_key is not None:
         out[vision.token_type_key] = []
     limit = config.max_seq_len
     for pos, index in enumerate(i + index_offset for i in indices):
         ids, labels, images, types = vision.row({k: batch[k][pos] for k in keys}, index)
         drop, truncated = _KEEP, False
+        before = len(labels) - labels.count(-100)
         if len(ids) > limit:
-            if config.truncation == "error":
+            if config.truncation in ("refuse", "error"):
                 raise PretokenizeError(f"row {index} has {len(ids)} tokens (images included) > max_seq_len {limit} and "
-                                       "truncation='error'; raise max_seq_len or use truncation 'truncate' or 'drop'")
+                                       "truncation='refuse'; raise max_seq_len or use truncation 'truncate' or 'drop'",
+                                       "max_seq_len")
+            if config.truncation == "truncate" and getattr(config, "truncation_mode", "keep_start") != "keep_start":
+                raise PretokenizeError(f"row {index} has {len(ids)} tokens (images included) > max_seq_len {limit}: "
+                                       "vision rows are cut at the end only (truncation_mode 'keep_start'; keeping the "
+                                       "end would cut the prompt's images); use keep_start, drop, or a larger "
+                                       "max_seq_len", "truncation_mode")
             if config.truncation == "drop" or cuts_an_image(types, limit):
                 drop = _TOO_LONG  # never cut through an image: its pixels would have no tokens left
             else:
@@ -377,6 +384,8 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], *, vision: Vision
         out["_drop"].append(drop)
         out["_truncated"].append(truncated)
         out["_loss"].append(loss)
+        out["_lost"].append(before if drop == _TOO_LONG else before - loss)
+        out["_cut"].append(False)  # vision rows are tokenized whole
     return pa.Table.from_pydict(out, schema=processing_features(vision.token_type_key).arrow_schema)
 
 
@@ -388,4 +397,6 @@ def processing_features(token_type_key: str | None):
     features["_drop"] = Value("int8")
     features["_truncated"] = Value("bool")
     features["_loss"] = Value("int32")
+    features["_lost"] = Value("int32")
+    features["_cut"] = Value("bool")
     return features

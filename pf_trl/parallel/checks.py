@@ -75,12 +75,12 @@ def sequence_parallel_refusal(args, model=None) -> str | None:
     if size == 1:
         return None
     name = f"sequence_parallel_size={size}"
-    if args.padding_free == "none":
-        return f"{name} runs on packed rows; it needs padding_free='internal' or 'huggingface'"
+    if getattr(args, "padding_free_mode", args.padding_free) == "none":
+        return f"{name} runs on packed rows; it needs padding_free_mode='internal' or 'huggingface'"
     if getattr(args, "fsdp", None):
         return f"{name} with FSDP is not exact yet (sharded parameters across the sequence group); use DDP"
     if _zero3(args):
-        return f"{name} with DeepSpeed ZeRO-3 is not exact yet; use ZeRO-1/2 or DDP"
+        return f"{name} with DeepSpeed ZeRO-3 is not exact yet; use DDP"
     if getattr(args, "torch_compile", False):
         return f"{name} with torch_compile is not supported (the all-to-all is not traced)"
     if not getattr(args, "average_tokens_across_devices", True):
@@ -116,5 +116,10 @@ def check_parallelism(args, model=None, *, compute_loss_func=None) -> None:
     if reason is None and compute_loss_func is not None and int(getattr(args, "sequence_parallel_size", 1) or 1) > 1:
         reason = (f"sequence_parallel_size={args.sequence_parallel_size} with compute_loss_func: the function would "
                   "see one rank's share of the row's logits")
+    size = int(getattr(args, "sequence_parallel_size", 1) or 1)
+    if reason is None and size > 1 and int(getattr(args, "world_size", 1) or 1) < size:
+        # refused before any data is prepared: one process cannot hold a group
+        reason = (f"sequence_parallel_size={size} needs {size} processes or more in one torch.distributed job; "
+                  f"launch with torchrun --nproc_per_node {size} (or more)")
     if reason is not None:
         raise ParallelismError(f"pf-trl cannot keep this run exact: {reason}.")

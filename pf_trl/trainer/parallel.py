@@ -33,8 +33,10 @@ def check_launch(args) -> None:
         )
     sp = int(getattr(args, "sequence_parallel_size", 1) or 1)
     if sp > 1 and (args.deepspeed or args.fsdp):
+        from pf_trl.parallel.ulysses import ParallelismError
+
         with_what = "deepspeed (ZeRO)" if args.deepspeed else "fsdp"
-        raise ValueError(
+        raise ParallelismError(
             f"sequence_parallel_size={sp} with {with_what} is not supported by pf-trl: the sharded parameters under "
             "sequence parallelism are not tested exact. Use sequence_parallel_size=1 with ZeRO / FSDP, or sequence "
             "parallelism with plain data parallelism."
