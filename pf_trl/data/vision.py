@@ -342,7 +342,8 @@ def undecoded(dataset, column: str):
 def tokenize_batch(batch: dict[str, list], indices: list[int], *, vision: VisionTokenizer, config,
                    index_offset: int):
     """``datasets.map`` function of a vision source: rows -> shard rows plus pretokenize's bookkeeping columns
-    (``_drop`` / ``_truncated`` / ``_loss`` / ``_lost`` / ``_cut``, as :func:`pf_trl.data.pretokenize._tokenize_batch` writes them)."""
+    (``_drop`` / ``_truncated`` / ``_loss`` / ``_lost`` / ``_cut``, as
+    :func:`pf_trl.data.pretokenize._tokenize_batch` writes them)."""
     import pyarrow as pa
 
     from pf_trl.data.pretokenize import _KEEP, _NO_LOSS, _TOO_LONG, PretokenizeError
