@@ -124,7 +124,7 @@ def run_worker(scenario: dict[str, Any], mode: str) -> dict[str, Any]:
         trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, processing_class=tokenizer)
         batch = f"budget {budget} tok"
     elif mode in ("padded", "trl-padding-free"):
-        args = SFTConfig(per_device_train_batch_size=bs, max_length=None, padding_free_mode=mode == "trl-padding-free",
+        args = SFTConfig(per_device_train_batch_size=bs, max_length=None, padding_free=mode == "trl-padding-free",
                          dataset_kwargs={"skip_prepare_dataset": True}, **common)
         trainer = MeasuredSFTTrainer(model, args=args, train_dataset=columns, processing_class=tokenizer)
         batch = f"batch {bs}"
