@@ -491,7 +491,7 @@ def pretokenize(
                                                   limit_name="max_seq_len", at_least=bool(prefix_only[first])))
         # An index mapping, not a rewrite: save_to_disk below writes the kept rows once.
         kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
-        kept = kept.remove_columns(["_drop", "_truncated", "_loss", "_lost", "_cut"])
+        kept = kept.remove_columns(list(bookkeeping_features()))
         if kept.num_rows == 0:
             raise PretokenizeError(
                 f"no example left after tokenization ({int((drop == _TOO_LONG).sum())} too long, "
@@ -618,16 +618,19 @@ def _processing_schema() -> pa.Schema:
     return _processing_features().arrow_schema
 
 
-def _processing_features():
-    """Shard columns plus the bookkeeping columns that exist only while processing."""
+def bookkeeping_features() -> dict:
+    """The columns that exist only while processing (why a row is dropped, whether it was cut, its supervised tokens
+    and those lost, whether it was tokenized from a prefix); every tokenizing path writes them."""
     from datasets import Value
 
+    return {"_drop": Value("int8"), "_truncated": Value("bool"), "_loss": Value("int32"), "_lost": Value("int32"),
+            "_cut": Value("bool")}
+
+
+def _processing_features():
+    """Shard columns plus the bookkeeping columns that exist only while processing."""
     features = shard_features()
-    features["_drop"] = Value("int8")
-    features["_truncated"] = Value("bool")
-    features["_loss"] = Value("int32")
-    features["_lost"] = Value("int32")
-    features["_cut"] = Value("bool")
+    features.update(bookkeeping_features())
     return features
 
 

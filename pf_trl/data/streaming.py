@@ -32,7 +32,6 @@ from pf_trl.errors import PfTrlError
 logger = logging.getLogger(__name__)
 
 PREFLIGHT_ROWS = 64
-_BOOKKEEPING = ("_drop", "_truncated", "_loss", "_lost", "_cut")
 
 
 class StreamError(PfTrlError, ValueError):
@@ -118,9 +117,10 @@ def _tokenize_fn(tokenizer, input_format: str, config: PretokenizeConfig):
 def _tokenized(stream, tokenizer, config: PretokenizeConfig, input_format: str, columns: list[str]):
     from datasets import Features, Sequence, Value
 
+    from pf_trl.data.pretokenize import bookkeeping_features
+
     features = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
-                         "length": Value("int32"), "_drop": Value("int8"), "_truncated": Value("bool"),
-                         "_loss": Value("int32"), "_lost": Value("int32"), "_cut": Value("bool")})
+                         "length": Value("int32"), **bookkeeping_features()})
     mapped = stream.map(_tokenize_fn(tokenizer, input_format, config), batched=True, batch_size=64, with_indices=True,
                         remove_columns=columns, features=features)
     return mapped

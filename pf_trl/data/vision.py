@@ -392,12 +392,8 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], *, vision: Vision
 
 def processing_features(token_type_key: str | None):
     """:func:`arrow_features` plus pretokenize's bookkeeping columns."""
-    from datasets import Value
+    from pf_trl.data.pretokenize import bookkeeping_features
 
     features = arrow_features(token_type_key)
-    features["_drop"] = Value("int8")
-    features["_truncated"] = Value("bool")
-    features["_loss"] = Value("int32")
-    features["_lost"] = Value("int32")
-    features["_cut"] = Value("bool")
+    features.update(bookkeeping_features())
     return features
