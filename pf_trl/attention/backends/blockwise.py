@@ -40,6 +40,18 @@ def _key_range(a0: int, a1: int, lk: int, causal: bool, left: int, right: int) -
     return lo, max(lo, hi)
 
 
+def _query_blocks(lq: int, lk: int, causal: bool, left: int, right: int):
+    """``(i0, i1, a0, a1, lo, hi)`` per block of queries ``[i0, i1)`` (aligned at ``a0..a1``, bottom-right) that sees
+    at least one key, ``[lo, hi)`` being the keys it can see: the one iteration of the forward and the backward."""
+    off = lk - lq
+    for i0 in range(0, lq, BLOCK):
+        i1 = min(lq, i0 + BLOCK)
+        a0, a1 = i0 + off, i1 - 1 + off
+        lo, hi = _key_range(a0, a1, lk, causal, left, right)
+        if lo < hi:
+            yield i0, i1, a0, a1, lo, hi
+
+
 def _visible(a: torch.Tensor, j: torch.Tensor, causal: bool, left: int, right: int) -> torch.Tensor | None:
     """``(bq, bk)`` bool mask of query positions ``a`` (aligned) against key positions ``j``; ``None`` = all."""
     mask = None
@@ -100,12 +112,7 @@ def forward(q, k, v, *, causal: bool, scale: float, left: int, right: int, softc
     vh = v.to(ct).permute(1, 0, 2)
     off = lk - lq
     positions = torch.arange(max(lq, lk) + 1, device=q.device)
-    for i0 in range(0, lq, BLOCK):
-        i1 = min(lq, i0 + BLOCK)
-        a0, a1 = i0 + off, i1 - 1 + off
-        lo, hi = _key_range(a0, a1, lk, causal, left, right)
-        if lo >= hi:
-            continue
+    for i0, i1, a0, a1, lo, hi in _query_blocks(lq, lk, causal, left, right):
         qb = qh[:, :, i0:i1]
         m = torch.full((hkv, group, i1 - i0), -math.inf, dtype=ct, device=q.device)
         l = torch.zeros_like(m)
@@ -159,12 +166,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, left: int, 
             delta = delta - dlse.to(ct).reshape(hkv, group, lq)
         off = lk - lq
         positions = torch.arange(max(lq, lk) + 1, device=q.device)
-        for i0 in range(0, lq, BLOCK):
-            i1 = min(lq, i0 + BLOCK)
-            a0, a1 = i0 + off, i1 - 1 + off
-            lo, hi = _key_range(a0, a1, lk, causal, left, right)
-            if lo >= hi:
-                continue
+        for i0, i1, a0, a1, lo, hi in _query_blocks(lq, lk, causal, left, right):
             qb, dob = qh[:, :, i0:i1], doh[:, :, i0:i1]
             lb, db = lse_h[:, :, i0:i1, None], delta[:, :, i0:i1, None]
             a = positions[i0:i1] + off
