@@ -38,7 +38,6 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
     from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
     from pf_trl.data.shards import is_shards_dir
     from preprocess_service.schemas import DatasetRequest
-    from preprocess_service.store import QueueFull
     from preprocess_service.uploads import touch
 
     tok_name, fingerprint = submitter.tokenizer(request.tokenizer)
@@ -89,12 +88,7 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
                 exc.detail = f"source {part['name']!r}: {exc.detail}"
                 raise
         record["rows_total"] = sum(counts) if all(c is not None for c in counts) else None
-        try:
-            return submitter.store.submit(job_id, record, max_queued=submitter.settings.max_queued, exists_ok=stands)
-        except QueueFull as exc:
-            raise ServiceError(503, "Service Unavailable", f"the queue is full ({exc.args[0]} jobs waiting, "
-                               f"max_queued {submitter.settings.max_queued}); retry later", kind="queue-full",
-                               headers={"Retry-After": "30"}) from exc
+        return submitter.enqueue(job_id, record, stands)
 
 
 def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any], tokenizers, work: Path,

@@ -168,6 +168,15 @@ class Submitter:
         return name, fingerprint
 
     # -------------------------------------------------------------------------------- preflight
+    def enqueue(self, job_id: str, record: dict[str, Any], stands) -> tuple[dict[str, Any], bool]:
+        """Queue the job (or find the one that stands); a full queue answers 503 with Retry-After."""
+        try:
+            return self.store.submit(job_id, record, max_queued=self.settings.max_queued, exists_ok=stands)
+        except QueueFull as exc:
+            raise ServiceError(503, "Service Unavailable", f"the queue is full ({exc.args[0]} jobs waiting, "
+                               f"max_queued {self.settings.max_queued}); retry later", kind="queue-full",
+                               headers={"Retry-After": "30"}) from exc
+
     def preflight(self, path: Path, shown: str, config, tokenizer: str) -> int | None:
         """The sandboxed checks of the source (files, limits, the first rows); returns its row count if known."""
         answer = self._sandbox({"op": "preflight", "path": str(path), "shown": shown, "tokenizer": tokenizer,
@@ -214,9 +223,4 @@ class Submitter:
             # known before the first progress report
             record["rows_total"] = self.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}",
                                                   config, tok_name)
-            try:
-                return self.store.submit(job_id, record, max_queued=self.settings.max_queued, exists_ok=stands)
-            except QueueFull as exc:
-                raise ServiceError(503, "Service Unavailable", f"the queue is full ({exc.args[0]} jobs waiting, "
-                                   f"max_queued {self.settings.max_queued}); retry later", kind="queue-full",
-                                   headers={"Retry-After": "30"}) from exc
+            return self.enqueue(job_id, record, stands)
