@@ -1,6 +1,6 @@
 """Padded vs padding-free real tokens/s on a tiny vision-language model with mixed image counts (CPU).
 
-Model: a tiny Qwen2-VL (``pf_trl.attention.tiny_vlm``, language model widened to ``--hidden`` x ``--layers``) with
+Model: a tiny Qwen2-VL (``pf_trl_dev.tiny_vlm``, language model widened to ``--hidden`` x ``--layers``) with
 its processor (PIL image processor, Mistral v1 tokenizer + Qwen's image tokens, Qwen's chat template). Data:
 ``--rows`` conversations whose user turn is a ShareGPT instruction (the shipped sample) and whose reply is its answer,
 cut to ``--max-words``, each with 0 to 3 random images of varied sizes (so 0 to a few hundred image tokens per row).
@@ -45,8 +45,8 @@ def build_rows(n: int, max_words: int, seed: int = 0) -> list[dict]:
     """``n`` chats from the shipped ShareGPT sample, each with 0-3 random images (the counts cycle 0, 1, 3, 2...)."""
     import random
 
-    from pf_trl.attention.tiny_vlm import random_images
     from pf_trl.data.samples import SHAREGPT_SAMPLE
+    from pf_trl_dev.tiny_vlm import random_images
 
     rng = random.Random(seed)
     rows = []
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from datasets import Dataset
 
-    from pf_trl.attention.tiny_vlm import tiny_vlm
+    from pf_trl_dev.tiny_vlm import tiny_vlm
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model, processor = tiny_vlm("qwen2_vl", hidden_size=args.hidden, num_hidden_layers=args.layers)

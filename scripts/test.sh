@@ -8,7 +8,7 @@ bash scripts/setup.sh || exit 1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PF_TRL_CACHE=${PF_TRL_CACHE:-$PWD/.pf-trl-cache}
 # One string-hash order: the coverage sweep's verdict on a few architectures depends on it (hy_v4), and the
-# committed support matrix is generated under the same order (python -m pf_trl.attention.coverage --write).
+# committed support matrix is generated under the same order (python -m pf_trl_dev.coverage --write).
 export PYTHONHASHSEED=0
 
 # The service's PostgreSQL tests run against a real server that they start themselves from these
@@ -24,7 +24,7 @@ fi
 status=0
 # Lint first (rules in pyproject.toml's [tool.ruff]; ruff pinned in constraints/cpu.txt, installed by setup.sh with
 # the dev extra): a finding fails the run, after the tests have still run.
-.venv/bin/python -m ruff check pf_trl preprocess_service tests benchmarks scripts || status=$?
+.venv/bin/python -m ruff check pf_trl pf_trl_dev preprocess_service tests benchmarks scripts || status=$?
 .venv/bin/python -m pytest -q -m "not legacy and not real" "$@" || status=$?
 # The real pretrained model (Gemma 3 270M, its own 262k tokenizer; ~250 MB of registry packages, ~3 min to
 # dequantize once, ~1-4 min of tests on 2 cores): on in CI (it fits the time budget), opt-in elsewhere

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The coverage sweep on the newest transformers release as well as the pinned one: support.json must hold a fresh
-# sweep of both (python -m pf_trl.attention.coverage --write, run once with each).
+# sweep of both (python -m pf_trl_dev.coverage --write, run once with each).
 #
 # .venv-newest is a thin layer over .venv: its own transformers (and what that release needs beyond .venv), with
 # .venv's site-packages (torch, trl, datasets, pf-trl editable...) added after its own. Created in ~20 s from the

@@ -2,7 +2,7 @@
 
 ``test_committed_matrix_is_fresh`` re-runs the whole sweep (a few minutes on 2 cores, one type at a time) and fails
 when ``pf_trl/attention/support.json`` or ``docs/models.md`` differ from it: regenerate them with
-``python -m pf_trl.attention.coverage --write``. The other tests are small and check the sweep's negative controls,
+``python -m pf_trl_dev.coverage --write``. The other tests are small and check the sweep's negative controls,
 the runtime decisions, the self-check and the CLI.
 """
 
@@ -15,8 +15,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pf_trl.attention import PaddingFreeError, UnsupportedModelError, coverage, enable_padding_free, evidence, support  # noqa: E402
-from pf_trl.attention.tiny import tiny_model  # noqa: E402
+from pf_trl.attention import PaddingFreeError, UnsupportedModelError, enable_padding_free, evidence, support  # noqa: E402
+from pf_trl_dev import coverage  # noqa: E402
+from pf_trl_dev.tiny import tiny_model  # noqa: E402
 
 MIN_EXACT = 60  # the issue's target: architectures exact by default
 MIN_BOTH_EXACT = 132  # exact by default in both modes (transformers 5.24: 132 of 199; 5.25: 136 of 203)
@@ -36,12 +37,12 @@ def test_committed_matrix_is_fresh(fresh_matrix):
     version = transformers.__version__
     assert version in committed["swept"], (
         f"support.json holds no sweep of transformers {version} (swept: {committed['swept']}): run "
-        "`python -m pf_trl.attention.coverage --write` with it"
+        "`python -m pf_trl_dev.coverage --write` with it"
     )
     merged = coverage.merged_matrix(coverage._stable(fresh_matrix), committed)
     fresh, old = coverage.fingerprint(merged), coverage.fingerprint(committed)
     changed = sorted(t for t in set(fresh) | set(old) if fresh.get(t) != old.get(t))
-    assert not changed, f"stale support matrix for {changed[:10]}: run `python -m pf_trl.attention.coverage --write`"
+    assert not changed, f"stale support matrix for {changed[:10]}: run `python -m pf_trl_dev.coverage --write`"
     assert committed["valid"] == evidence.declared_range(committed["swept"])
     docs = coverage.comparable(coverage.DOCS_PATH.read_text())
     assert docs == coverage.comparable(coverage.render_markdown(merged)), "docs/models.md is stale"

@@ -101,7 +101,7 @@ def test_sequence_parallel_refuses_moe_aux_loss_and_custom_loss(tmp_path):
 def test_sequence_parallel_refuses_stateful_layers_and_vision_language_models(tmp_path, model_type, match):
     """Stateful layers (restarted per example, pf_trl.attention.stateful) and vision-language models would see only
     this rank's slice of the row: refused before any process group is needed."""
-    from pf_trl.attention.tiny import tiny_model
+    from pf_trl_dev.tiny import tiny_model
 
     with pytest.raises(ParallelismError, match=match):
         _trainer(tmp_path, model=tiny_model(model_type), sequence_parallel_size=2)

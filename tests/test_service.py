@@ -423,9 +423,9 @@ def test_image_dataset_pretokenized_and_trained(env, client, tmp_path, monkeypat
     trains on the service's dataset (docs/vlm.md)."""
     from test_vlm import chat_rows
 
-    from pf_trl.attention.tiny_vlm import tiny_vlm
     from pf_trl.cli.main import main
     from pf_trl.data.shards import load_shards
+    from pf_trl_dev.tiny_vlm import tiny_vlm
 
     root = env["root"] / "vlm"
     (root / "img").mkdir(parents=True)

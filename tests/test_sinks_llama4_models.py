@@ -1,6 +1,6 @@
 """Attention-sink models (gpt-oss, Granite SWA, DeepSeek-V4) and Llama 4 through pf-trl's paths, padded vs packed.
 
-Each case runs the coverage sweep's comparison on one tiny model (:func:`pf_trl.attention.coverage.sweep_model`):
+Each case runs the coverage sweep's comparison on one tiny model (:func:`pf_trl_dev.coverage.sweep_model`):
 the model path (a direct call with the collator's batch) and the trainer path (``PaddingFreeSFTTrainer.compute_loss``,
 loss and gradients against the model's own padded loss), in both modes, with the sweep's own negative control
 (the row without per-example positions must move the loss). Every fix has a control that removes it and sees the
@@ -17,13 +17,13 @@ transformers = pytest.importorskip("transformers")
 from pf_trl.attention import (  # noqa: E402
     PaddingFreeError,
     UnsupportedModelError,
-    coverage,
     enable_padding_free,
     hf,
     packed_masks,
     support,
 )
-from pf_trl.attention.tiny import causal_lm_class, tiny_config  # noqa: E402
+from pf_trl_dev import coverage  # noqa: E402
+from pf_trl_dev.tiny import causal_lm_class, tiny_config  # noqa: E402
 
 
 def build(model_type: str, **overrides):

@@ -9,8 +9,9 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from pf_trl.attention import UnsupportedModelError, coverage, enable_padding_free, evidence, support  # noqa: E402
-from pf_trl.attention.tiny import tiny_model  # noqa: E402
+from pf_trl.attention import UnsupportedModelError, enable_padding_free, evidence, support  # noqa: E402
+from pf_trl_dev import coverage  # noqa: E402
+from pf_trl_dev.tiny import tiny_model  # noqa: E402
 
 EXACT = {m: {"status": "exact"} for m in evidence.MODES}
 REFUSED = {m: {"status": "refused", "reason": "it leaks (measured 0.5)"} for m in evidence.MODES}

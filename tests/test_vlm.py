@@ -1,6 +1,6 @@
 """Vision-language models padding-free: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (3-D mRoPE) and Gemma 3 (multimodal).
 
-Tiny models and their processors are built offline (:mod:`pf_trl.attention.tiny_vlm`: each family's processor class,
+Tiny models and their processors are built offline (:mod:`pf_trl_dev.tiny_vlm`: each family's processor class,
 a small PIL image processor, the Mistral v1 tokenizer + the family's image tokens, TRL's copy of the family's chat
 template). The reference is TRL's own padded vision-language run: ``SFTTrainer`` with its
 ``DataCollatorForVisionLanguageModeling`` (``assistant_only_loss=True``, the loss pf-trl puts on chat rows), whose
@@ -18,7 +18,7 @@ import logging
 import pytest
 import torch
 
-from pf_trl.attention.tiny_vlm import random_images, tiny_processor, tiny_vlm
+from pf_trl_dev.tiny_vlm import random_images, tiny_processor, tiny_vlm
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 CASES = [(f, m) for f in FAMILIES for m in ("huggingface", "internal") if (f, m) != ("gemma3", "internal")]

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu/stateful_check.py --out DIR [--dry-run]
 
-For one tiny model per hybrid family (``pf_trl.attention.tiny``, float32), packed examples of uneven lengths:
+For one tiny model per hybrid family (``pf_trl_dev.tiny``, float32), packed examples of uneven lengths:
 
 - ``alone``: every example run by itself (eval, no cache): the reference;
 - ``kernels``: the packed row through the CUDA kernels transformers calls, with the boundaries pf-trl hands them
@@ -22,11 +22,16 @@ import argparse
 import contextlib
 import json
 import logging
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # pf_trl_dev (the tiny models) is in the checkout, not in the installed package
+    sys.path.insert(0, str(ROOT))
 
 FAMILIES = [  # (model_type, tiny variant)
     ("qwen3_5_text", None), ("kimi_linear", None), ("granitemoehybrid", "attention"), ("bamba", "attention"),
@@ -39,7 +44,7 @@ TOL = 2e-4
 
 
 def _examples(model, device):
-    from pf_trl.attention.tiny import special_token_ids
+    from pf_trl.attention.enable import special_token_ids
 
     avoid = special_token_ids(model.config)
     pool = torch.tensor([i for i in range(3, 200) if i not in avoid])
@@ -95,7 +100,7 @@ def _grad_rel(a, b) -> float:
 
 def check_family(model_type: str, variant: str | None, device: torch.device) -> dict:
     from pf_trl.attention import enable_padding_free, stateful, support
-    from pf_trl.attention.tiny import tiny_model
+    from pf_trl_dev.tiny import tiny_model
 
     model = tiny_model(model_type, variant=variant).to(device).eval()
     for m in model.modules():

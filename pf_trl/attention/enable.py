@@ -258,9 +258,31 @@ def _model_io_device(model: torch.nn.Module) -> torch.device | None:
 SELF_CHECK_RTOL = {torch.float32: 2e-5, torch.float64: 1e-9, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def _safe_token_ids(config, vocab: int) -> torch.Tensor:
-    from pf_trl.attention.tiny import special_token_ids
+def special_token_ids(config) -> set[int]:
+    """Ids a random example must avoid (pad/bos/eos/image... tokens change what some models compute)."""
+    ids: set[int] = set()
+    configs = [config]
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        try:
+            configs.append(text())
+        except Exception:
+            pass
+    for cfg in configs:
+        for key, value in cfg.to_dict().items():
+            if key.endswith(("_token_id", "_token_index", "token_id", "_index", "padding_idx")):
+                if _is_token_id(value):
+                    ids.add(value)
+                elif isinstance(value, list):
+                    ids.update(x for x in value if _is_token_id(x))
+    return ids
 
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _safe_token_ids(config, vocab: int) -> torch.Tensor:
     avoid = special_token_ids(config)
     return torch.tensor([i for i in range(3, min(vocab, 4096)) if i not in avoid])
 

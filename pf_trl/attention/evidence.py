@@ -1,14 +1,14 @@
 """The support matrix's evidence over transformers releases: which sweep result holds for which version.
 
 ``support.json`` lists, per model type, one or more *records* (a status and reason per mode, what
-:mod:`pf_trl.attention.coverage` measured), each with the transformers versions the sweep ran on and found that
+:mod:`pf_trl_dev.coverage` measured), each with the transformers versions the sweep ran on and found that
 record (``"transformers": ["5.24.0", "5.25.0"]``). A record measured on ``X.Y.Z`` is evidence for every patch
 release ``X.Y.*``: the matrix declares the range ``>= oldest swept, < the minor after the newest`` and within it
 each version reads the record of its own minor release. A version outside that range, or a type no record
 names, has no evidence: :mod:`pf_trl.attention.support` then relies on the runtime self-check, using the nearest
 swept release's record as advice.
 
-``python -m pf_trl.attention.coverage --write`` sweeps the installed transformers and :func:`merge` puts its
+``python -m pf_trl_dev.coverage --write`` sweeps the installed transformers and :func:`merge` puts its
 results in, keeping the records of the other swept versions (run it once per version to add).
 """
 

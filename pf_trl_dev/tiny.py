@@ -233,26 +233,6 @@ def _shrink_config(config_cls, base, fixes: dict[str, Any]):
     return config
 
 
-def special_token_ids(config) -> set[int]:
-    """Ids a random example must avoid (pad/bos/eos/image... tokens change what some models compute)."""
-    ids: set[int] = set()
-    configs = [config]
-    text = getattr(config, "get_text_config", None)
-    if callable(text):
-        try:
-            configs.append(text())
-        except Exception:
-            pass
-    for cfg in configs:
-        for key, value in cfg.to_dict().items():
-            if key.endswith(("_token_id", "_token_index", "token_id", "_index", "padding_idx")):
-                if _is_int(value):
-                    ids.add(value)
-                elif isinstance(value, list):
-                    ids.update(x for x in value if _is_int(x))
-    return ids
-
-
 def causal_lm_class(model_type: str):
     """The class ``AutoModelForCausalLM`` maps ``model_type`` to (for a vision-language type it does not map, the
     ``AutoModelForImageTextToText`` class: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
