@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from pf_trl.data.image_tokens import IMAGE_KEYS
+
 IGNORE_INDEX = -100
 
 # Keys a packed batch carries besides the token tensors. The trainer keeps them through column removal.
@@ -37,7 +39,6 @@ FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 PACKED_KEYS = ("input_ids", "labels", "position_ids", *FLASH_KWARGS)
 # vision-language features: one value per token / one row per image (video inputs are not packed)
 TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
 
 class PaddingFreeCollator:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pf_trl.data.image_tokens import image_groups
+
 
 class RopeIndex:
     """The model's own ``get_rope_index``, callable on one example without the model's weights.
@@ -78,16 +80,6 @@ def rope_index_function(model: torch.nn.Module) -> RopeIndex | None:
 def packed_position_ids(text_positions: torch.Tensor, rotary: Sequence[torch.Tensor]) -> torch.Tensor:
     """``LongTensor[4, 1, T]``: per-example text positions (row 0) on top of the per-example rotary streams."""
     return torch.cat([text_positions.reshape(1, 1, -1), torch.cat(list(rotary), dim=1).unsqueeze(1)], dim=0)
-
-
-def image_groups(token_types: torch.Tensor, modality: int = 1) -> int:
-    """Number of images (runs of ``modality`` tokens) in one example's token types, as ``get_rope_index`` counts."""
-    is_mod = token_types.reshape(-1) == modality
-    if not bool(is_mod.any()):
-        return 0
-    starts = is_mod.clone()
-    starts[1:] &= ~is_mod[:-1]
-    return int(starts.sum())
 
 
 def positions_for_packed_row(rope_index: RopeIndex, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor,

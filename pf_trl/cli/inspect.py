@@ -81,7 +81,7 @@ def _manifest_tokenizer(manifest: dict, override: str | None):
 
 
 def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:
-    from pf_trl.data.vision import text_tokenizer
+    from pf_trl.data.processor import text_tokenizer
 
     tokenizer = text_tokenizer(_manifest_tokenizer(manifest, override))  # a processor decodes with its tokenizer
     source = manifest.get("source", {})

@@ -695,7 +695,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     except TokenizerLoadError as exc:
         raise TrainCLIError(str(exc)) from exc
     if not quiet:
-        from pf_trl.data.vision import text_tokenizer
+        from pf_trl.data.processor import text_tokenizer
 
         text = text_tokenizer(tokenizer)  # a vision-language model folder gives its processor
         print(f"pf-trl: tokenizer {getattr(tokenizer, 'pf_trl_name', None) or text.name_or_path} "

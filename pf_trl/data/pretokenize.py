@@ -29,8 +29,10 @@ import pyarrow as pa
 from pf_trl._compat import dataset_fingerprint, dataset_indices
 from pf_trl._version import __version__
 from pf_trl.data import formats, identity
+from pf_trl.data.bookkeeping import KEEP, NO_LOSS, TOO_LONG, append_row, bookkeeping_features, new_batch, supervised
 from pf_trl.data.formats import FormatError
 from pf_trl.data.options import TRUNCATION_POLICIES, PretokenizeConfig, PretokenizeError  # noqa: F401 (re-exported)
+from pf_trl.data.processor import is_processor
 from pf_trl.data.scan import first_bad_line
 from pf_trl.data.shards import FORMAT_VERSION, length_stats, shard_features, write_manifest
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, tokenizer_fingerprint, with_chat_template
@@ -44,9 +46,6 @@ logger = logging.getLogger(__name__)
 # Formats rendered with the chat template (it writes its own BOS / EOS).
 CHAT_FORMATS = ("messages", "sharegpt", "conversational_prompt_completion")
 SOURCE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-# Why a row is not kept (the `_drop` column during processing).
-_KEEP, _TOO_LONG, _NO_LOSS = 0, 1, 2
 
 ProgressCallback = Callable[[int, int, int], None]
 """Called as ``progress(rows_done, rows_total, tokens_done)`` after each chunk."""
@@ -224,28 +223,18 @@ def _tokenize_batch(
                 ids.append(eos)
                 labels.append(eos)
 
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "_drop": [], "_truncated": [], "_loss": [],
-                            "_lost": [], "_cut": []}
+    out = new_batch()
     for ids, labels, was_cut in zip(ids_list, labels_list, cut_rows):
-        drop, truncated = _KEEP, False
-        before = len(labels) - labels.count(formats.IGNORE_INDEX)
+        drop, truncated = KEEP, False
+        before = supervised(labels)
         if len(ids) > config.max_seq_len:
             if config.truncation == "truncate":
                 ids, labels = cut(ids, labels, config.max_seq_len, config.truncation_mode)
                 truncated = True
             else:  # drop, or refuse (refused after the scan, with the count of every row too long)
-                drop = _TOO_LONG
-        loss = len(labels) - labels.count(formats.IGNORE_INDEX)
-        if drop == _KEEP and loss == 0 and config.drop_no_loss:
-            drop = _NO_LOSS  # as TRL: an example left without a supervised label is dropped
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["length"].append(len(ids))
-        out["_drop"].append(drop)
-        out["_truncated"].append(truncated)
-        out["_loss"].append(loss)
-        out["_lost"].append(before if drop == _TOO_LONG else before - loss)
-        out["_cut"].append(was_cut)  # tokenized from a prefix: its length and lost tokens are lower bounds
+                drop = TOO_LONG
+        append_row(out, ids, labels, drop=drop, truncated=truncated, before=before, drop_no_loss=config.drop_no_loss,
+                   cut=was_cut)
     # An Arrow table, not a dict: datasets then writes it as is instead of converting every list element
     # through its own typed-sequence path (a quarter of the non-tokenizer time).
     return pa.Table.from_pydict(out, schema=_processing_schema())
@@ -478,12 +467,12 @@ def pretokenize(
         loss = np.asarray(full.data.column("_loss"))
         lost = np.asarray(full.data.column("_lost"), dtype=np.int64)
         prefix_only = np.asarray(full.data.column("_cut"), dtype=bool)
-        keep = drop == _KEEP
-        too_long = drop == _TOO_LONG
+        keep = drop == KEEP
+        too_long = drop == TOO_LONG
         report = TruncationReport(
             examples=rows_total, too_long=int(too_long.sum()) + int(truncated.sum()), truncated=int(truncated.sum()),
             dropped_too_long=int(too_long.sum()), loss_tokens_lost=int(lost.sum()),
-            dropped_no_loss=int((drop == _NO_LOSS).sum()), max_length=config.max_seq_len,
+            dropped_no_loss=int((drop == NO_LOSS).sum()), max_length=config.max_seq_len,
             mode=config.truncation_mode, policy=config.truncation, lost_at_least=bool(prefix_only.any()))
         if config.truncation == "refuse" and too_long.any():
             first = int(np.flatnonzero(too_long)[0])
@@ -494,8 +483,8 @@ def pretokenize(
         kept = kept.remove_columns(list(bookkeeping_features()))
         if kept.num_rows == 0:
             raise PretokenizeError(
-                f"no example left after tokenization ({int((drop == _TOO_LONG).sum())} too long, "
-                f"{int((drop == _NO_LOSS).sum())} without supervised tokens); check max_seq_len and the loss masking options"
+                f"no example left after tokenization ({int((drop == TOO_LONG).sum())} too long, "
+                f"{int((drop == NO_LOSS).sum())} without supervised tokens); check max_seq_len and the loss masking options"
             )
         # `.data` is the table before the filter's index mapping: select the kept rows ourselves.
         lengths = np.asarray(full.data.column("length"))[keep]
@@ -533,8 +522,8 @@ def pretokenize(
                 "loss_tokens_lost": report.loss_tokens_lost,
                 "loss_tokens_lost_at_least": report.lost_at_least,
                 "dropped": int((~keep).sum()),
-                "dropped_too_long": int((drop == _TOO_LONG).sum()),
-                "dropped_no_loss": int((drop == _NO_LOSS).sum()),
+                "dropped_too_long": int((drop == TOO_LONG).sum()),
+                "dropped_no_loss": int((drop == NO_LOSS).sum()),
             },
             "lengths": length_stats(lengths, config.max_seq_len),
             "columns": {"input_ids": "list<int32>", "labels": "list<int32>", "length": "int32"},
@@ -557,8 +546,6 @@ def pretokenize(
 
 def _text_tokenizer(processing_class):
     """The tokenizer that renders text rows: a processor's own (with the processor's chat template if it has none)."""
-    from pf_trl.data.vision import is_processor
-
     if not is_processor(processing_class):
         return processing_class
     tokenizer = processing_class.tokenizer
@@ -576,7 +563,7 @@ def _vision_tokenizer(ds, source, tokenizer, config: PretokenizeConfig, image_ro
     from pf_trl.data import vision
 
     column = vision.image_column(ds.column_names)
-    if not vision.is_processor(tokenizer):
+    if not is_processor(tokenizer):
         raise PretokenizeError(
             f"the source has an {column!r} column (vision-language rows), but {type(tokenizer).__name__} is a "
             "tokenizer: tokenize it with the model's processor (a model folder holding preprocessor_config.json / "
@@ -616,15 +603,6 @@ def _vision_manifest(images: pa.ChunkedArray, keep: np.ndarray, vision_tokenizer
 @functools.lru_cache(maxsize=1)
 def _processing_schema() -> pa.Schema:
     return _processing_features().arrow_schema
-
-
-def bookkeeping_features() -> dict:
-    """The columns that exist only while processing (why a row is dropped, whether it was cut, its supervised tokens
-    and those lost, whether it was tokenized from a prefix); every tokenizing path writes them."""
-    from datasets import Value
-
-    return {"_drop": Value("int8"), "_truncated": Value("bool"), "_loss": Value("int32"), "_lost": Value("int32"),
-            "_cut": Value("bool")}
 
 
 def _processing_features():

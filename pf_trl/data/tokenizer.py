@@ -202,7 +202,7 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     file) and ``chat_template_sha256`` say which part differs when two fingerprints do
     (:func:`tokenizer_differences`).
     """
-    from pf_trl.data.vision import is_processor, processor_fingerprint
+    from pf_trl.data.processor import is_processor, processor_fingerprint
 
     if is_processor(tokenizer):  # its tokenizer's identity with the image processor's settings folded in
         return processor_fingerprint(tokenizer, tokenizer_fingerprint)
@@ -347,7 +347,7 @@ def check_vocab_fits(tokenizer, vocab_size: int | None, *, model_name: str = "th
     train rows the tokenizer never meant)."""
     if vocab_size is None:
         return
-    from pf_trl.data.vision import text_tokenizer
+    from pf_trl.data.processor import text_tokenizer
 
     tokenizer = text_tokenizer(tokenizer)  # a processor's vocabulary is its tokenizer's
     if len(tokenizer) > vocab_size:

@@ -24,7 +24,6 @@ concatenates them in example order.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from collections.abc import Sequence
@@ -32,10 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pf_trl.data.bookkeeping import KEEP, TOO_LONG, append_row, bookkeeping_features, new_batch, supervised
 from pf_trl.data.formats import FormatError
+from pf_trl.data.image_tokens import IMAGE_KEYS, TOKEN_TYPE_KEYS, image_groups
+from pf_trl.data.options import PretokenizeError
+from pf_trl.data.processor import is_processor, text_tokenizer  # noqa: F401 (text_tokenizer re-exported)
 
 IMAGE_COLUMNS = ("images", "image")
-TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 # columns a vision shard carries besides input_ids / labels / length
 VISION_COLUMNS = ("images", *TOKEN_TYPE_KEYS)
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
@@ -47,37 +49,9 @@ class VisionDataError(FormatError):
     """A vision-language row cannot be used; the message names the row and the fix."""
 
 
-def is_processor(obj: Any) -> bool:
-    """True for a transformers ``ProcessorMixin`` (a multimodal processor, not a tokenizer)."""
-    from transformers import ProcessorMixin
-
-    return isinstance(obj, ProcessorMixin)
-
-
-def text_tokenizer(processing_class: Any):
-    """The tokenizer of a processor, or the tokenizer itself."""
-    return processing_class.tokenizer if is_processor(processing_class) else processing_class
-
-
 def image_column(column_names: Sequence[str]) -> str | None:
     """``images`` or ``image`` when present (TRL's rule for a vision dataset), else None."""
     return next((c for c in IMAGE_COLUMNS if c in column_names), None)
-
-
-def processor_fingerprint(processor, tokenizer_fingerprint) -> dict[str, Any]:
-    """A processor's identity: its tokenizer's fingerprint with the image processor's settings, the processor's
-    own settings (image token counts...) and chat template folded into ``sha256``."""
-    import json
-
-    base = tokenizer_fingerprint(processor.tokenizer)
-    digest = hashlib.sha256(base["sha256"].encode())
-    digest.update(type(processor).__name__.encode())
-    digest.update(json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str).encode())
-    own = {k: v for k, v in vars(processor).items() if isinstance(v, (int, float, str, bool)) and k != "chat_template"}
-    digest.update(json.dumps(own, sort_keys=True).encode())
-    digest.update(str(getattr(processor, "chat_template", None)).encode())
-    return {**base, "class": type(processor).__name__, "tokenizer_class": base["class"],
-            "image_processor": type(processor.image_processor).__name__, "sha256": digest.hexdigest()}
 
 
 # ------------------------------------------------------------------------------------------------ images
@@ -299,8 +273,6 @@ class VisionFeatures:
         self.policy = policy or ImagePolicy()
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
-        from pf_trl.attention.mrope import image_groups
-
         out = {k: v for k, v in row.items() if k != "images"}
         images = row.get("images") or []
         types_key = next((k for k in TOKEN_TYPE_KEYS if k in row), None)
@@ -308,8 +280,6 @@ class VisionFeatures:
             return out
         decoded = [decode_image(b, -1, self.policy) for b in images]
         pixels = self.processor.image_processor(images=decoded, return_tensors="pt")
-        from pf_trl.collator import IMAGE_KEYS
-
         out.update({k: pixels[k] for k in IMAGE_KEYS if k in pixels})
         if types_key is not None:
             import torch
@@ -341,23 +311,18 @@ def undecoded(dataset, column: str):
 
 def tokenize_batch(batch: dict[str, list], indices: list[int], *, vision: VisionTokenizer, config,
                    index_offset: int):
-    """``datasets.map`` function of a vision source: rows -> shard rows plus pretokenize's bookkeeping columns
-    (``_drop`` / ``_truncated`` / ``_loss`` / ``_lost`` / ``_cut``, as
-    :func:`pf_trl.data.pretokenize._tokenize_batch` writes them)."""
+    """``datasets.map`` function of a vision source: rows -> shard rows plus the bookkeeping columns of
+    :mod:`pf_trl.data.bookkeeping` (as :func:`pf_trl.data.pretokenize._tokenize_batch` writes them)."""
     import pyarrow as pa
 
-    from pf_trl.data.pretokenize import _KEEP, _NO_LOSS, _TOO_LONG, PretokenizeError
-
     keys = list(batch)
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "images": [], "_drop": [],
-                            "_truncated": [], "_loss": [], "_lost": [], "_cut": []}
-    if vision.token_type_key is not None:
-        out[vision.token_type_key] = []
+    extra = ("images",) if vision.token_type_key is None else ("images", vision.token_type_key)
+    out = new_batch(*extra)
     limit = config.max_seq_len
     for pos, index in enumerate(i + index_offset for i in indices):
         ids, labels, images, types = vision.row({k: batch[k][pos] for k in keys}, index)
-        drop, truncated = _KEEP, False
-        before = len(labels) - labels.count(-100)
+        drop, truncated = KEEP, False
+        before = supervised(labels)
         if len(ids) > limit:
             if config.truncation in ("refuse", "error"):
                 raise PretokenizeError(f"row {index} has {len(ids)} tokens (images included) > max_seq_len {limit} and "
@@ -369,31 +334,21 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], *, vision: Vision
                                        "end would cut the prompt's images); use keep_start, drop, or a larger "
                                        "max_seq_len", "truncation_mode")
             if config.truncation == "drop" or cuts_an_image(types, limit):
-                drop = _TOO_LONG  # never cut through an image: its pixels would have no tokens left
+                drop = TOO_LONG  # never cut through an image: its pixels would have no tokens left
             else:
                 ids, labels, truncated = ids[:limit], labels[:limit], True
                 types = types[:limit] if types is not None else None
-        loss = len(labels) - labels.count(-100)
-        if drop == _KEEP and loss == 0 and config.drop_no_loss:
-            drop = _NO_LOSS
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["length"].append(len(ids))
-        out["images"].append(images)
+        values = {"images": images}
         if vision.token_type_key is not None:
-            out[vision.token_type_key].append(types if types is not None else [0] * len(ids))
-        out["_drop"].append(drop)
-        out["_truncated"].append(truncated)
-        out["_loss"].append(loss)
-        out["_lost"].append(before if drop == _TOO_LONG else before - loss)
-        out["_cut"].append(False)  # vision rows are tokenized whole
+            values[vision.token_type_key] = types if types is not None else [0] * len(ids)
+        # vision rows are tokenized whole (cut=False)
+        append_row(out, ids, labels, drop=drop, truncated=truncated, before=before, drop_no_loss=config.drop_no_loss,
+                   cut=False, **values)
     return pa.Table.from_pydict(out, schema=processing_features(vision.token_type_key).arrow_schema)
 
 
 def processing_features(token_type_key: str | None):
-    """:func:`arrow_features` plus pretokenize's bookkeeping columns."""
-    from pf_trl.data.pretokenize import bookkeeping_features
-
+    """:func:`arrow_features` plus the bookkeeping columns."""
     features = arrow_features(token_type_key)
     features.update(bookkeeping_features())
     return features
