@@ -27,8 +27,11 @@ from typing import Any
 
 import torch
 
-from pf_trl.attention import hf as _hf
-from pf_trl.attention import mrope, multimodal, support
+# siblings by their module path, never through the package's public face (pf_trl.attention re-exports this module)
+import pf_trl.attention.hf as _hf
+import pf_trl.attention.mrope as mrope
+import pf_trl.attention.multimodal as multimodal
+import pf_trl.attention.support as support
 from pf_trl.attention.dispatch import BACKENDS, backend_status
 from pf_trl.attention.stateful import prepare_stateful_layers
 from pf_trl.attention.errors import (
@@ -408,7 +411,7 @@ def _check_backend(model: torch.nn.Module, backend: str) -> None:
 def _self_check_rerouted(model: torch.nn.Module) -> dict[str, float]:
     """``huggingface`` mode: sdpa models attend packed rows per segment (:mod:`pf_trl.attention.hf_sdpa`) instead of
     through transformers' dense ``T x T`` mask, when the self-check passes that way; else transformers' own path."""
-    from pf_trl.attention import hf_sdpa
+    import pf_trl.attention.hf_sdpa as hf_sdpa
 
     reason = hf_sdpa.reroute_refusal(model)
     if reason is None and hf_sdpa.reroute(model):
@@ -504,12 +507,12 @@ def enable_padding_free(
                         module._update_causal_mask = types.MethodType(_passthrough_causal_mask, module)
 
     if mode == "huggingface":
-        from pf_trl.attention import packed_masks
+        import pf_trl.attention.packed_masks as packed_masks
 
         fixed = packed_masks.install(model)  # models whose own mask builder is not given position_ids
         if fixed:
             logger.info("pf-trl: %s builds its masks without position_ids; pf-trl passes them", ", ".join(fixed))
-        from pf_trl.attention import compressed_kv
+        import pf_trl.attention.compressed_kv as compressed_kv
 
         compressed_kv.install(model)  # DeepSeek-V4: compressed key/value entries per packed example
     _install_hooks(model, drop_flash_kwargs=legacy, mode=mode)

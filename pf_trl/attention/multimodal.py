@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pf_trl.attention import mrope
+import pf_trl.attention.mrope as mrope
 from pf_trl.attention.errors import UnsupportedFeatureError
 
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pf_trl.attention import evidence
+import pf_trl.attention.evidence as evidence
 from pf_trl.attention.errors import UnsupportedModelError
 
 logger = logging.getLogger("pf_trl.attention")
