@@ -28,7 +28,7 @@ from pf_trl._compat import is_help_action, is_store_bool_action, parser_actions
 PACKAGE = Path(__file__).resolve().parents[1]
 SHIPPED_TABLE = Path(__file__).with_name("train_flags.json")
 # The pf-trl files whose dataclasses declare train flags (their bytes enter the stamp).
-SOURCES = ("cli/train.py", "data/options.py", "data/formats.py", "trainer/config.py", "trainer/loss.py")
+SOURCES = ("cli/train_args.py", "data/options.py", "data/formats.py", "trainer/config.py", "trainer/loss.py")
 
 
 def stamp() -> dict[str, str]:
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pf_trl.cli.flag_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help=f"write {SHIPPED_TABLE.name} for the installed versions")
     args = parser.parse_args(argv)
-    from pf_trl.cli.train import full_parser
+    from pf_trl.cli.train_args import full_parser
 
     if args.write:
         write(SHIPPED_TABLE, full_parser())
