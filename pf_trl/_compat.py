@@ -16,8 +16,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PRIVATE_SYMBOLS", "PrivateSymbol", "dataset_fingerprint", "dataset_indices", "is_help_action",
-           "is_store_bool_action", "maybe_mark_dynamic", "parser_actions", "stream_ex_iterable", "stream_shuffling"]
+__all__ = ["PRIVATE_SYMBOLS", "PrivateSymbol", "attn_implementation", "can_set_attn_implementation",
+           "dataset_fingerprint", "dataset_indices", "is_help_action", "is_store_bool_action", "maybe_mark_dynamic",
+           "parser_actions", "replace_causal_mask_builder", "saved_data_files", "stream_ex_iterable",
+           "stream_shuffling"]
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,19 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("transformers.Trainer", "_memory_tracker", ("pf_trl/trainer/metrics.py",), kind="source"),
     PrivateSymbol("transformers.Trainer", "_get_num_items_in_batch", ("pf_trl/trainer/trainer.py",)),
     PrivateSymbol("transformers.Trainer", "_issue_warnings_after_load", ("pf_trl/trainer/trainer.py",)),
-    PrivateSymbol("transformers.PreTrainedModel", "_can_set_attn_implementation", ("pf_trl/attention/enable.py",),
+    PrivateSymbol("transformers.PreTrainedModel", "_can_set_attn_implementation",
+                  ("pf_trl/attention/enable.py", "pf_trl/attention/hf_sdpa.py"), via="can_set_attn_implementation",
                   optional=True),
-    PrivateSymbol("transformers.PretrainedConfig", "_attn_implementation", ("pf_trl/attention/enable.py",)),
+    PrivateSymbol("transformers.PretrainedConfig", "_attn_implementation",
+                  ("pf_trl/attention/enable.py", "pf_trl/attention/hf_sdpa.py", "pf_trl/attention/support.py"),
+                  via="attn_implementation"),
+    # the dev tools' tiny vision-language models set it on the config before building the model
+    PrivateSymbol("transformers.PretrainedConfig", "_attn_implementation", ("pf_trl_dev/tiny_vlm.py",)),
+    # a config's own name (its folder), read to name a model's tokenizer in messages
+    PrivateSymbol("transformers.PretrainedConfig", "_name_or_path", ("pf_trl/data/tokenizer.py",), kind="source"),
     PrivateSymbol("transformers.LlamaModel", "_update_causal_mask",
-                  ("pf_trl/attention/enable.py", "pf_trl/attention/legacy.py"), legacy=True),
+                  ("pf_trl/attention/enable.py", "pf_trl/attention/legacy.py"), via="replace_causal_mask_builder",
+                  legacy=True),
     # TRL
     PrivateSymbol("trl.kernels.chunked_logprob", "_use_triton", ("pf_trl/trainer/loss.py",), optional=True),
     PrivateSymbol("trl.trainer.sft_trainer", "BaseTunerLayer", ("pf_trl/trainer/trainer.py",)),
@@ -57,10 +67,17 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     # torch
     PrivateSymbol("torch", "_assert_async", ("pf_trl/attention/hf.py",)),
     PrivateSymbol("torch._dynamo", "maybe_mark_dynamic", ("pf_trl/collator.py",), via="maybe_mark_dynamic"),
+    PrivateSymbol("torch.Tensor", "_version", ("pf_trl/attention/stateful.py",)),  # in-place writes to a reused buffer
+    # the fused CPU flash kernel, called for the log-sum-exp it returns
+    PrivateSymbol("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu",
+                  ("pf_trl/attention/backends/sdpa.py",)),
     # datasets
     PrivateSymbol("datasets.Dataset", "_indices", ("pf_trl/data/mixture.py", "pf_trl/data/pretokenize.py"),
                   via="dataset_indices", kind="source"),
     PrivateSymbol("datasets.Dataset", "_fingerprint", ("pf_trl/data/pretokenize.py",), via="dataset_fingerprint",
+                  kind="source"),
+    # the data files a save_to_disk folder lists in its state.json (what datasets' own loader reads)
+    PrivateSymbol("datasets.Dataset", "_data_files", ("pf_trl/data/source_files.py",), via="saved_data_files",
                   kind="source"),
     PrivateSymbol("datasets.IterableDataset", "_ex_iterable", ("pf_trl/data/identity.py",), via="stream_ex_iterable",
                   kind="source"),
@@ -138,6 +155,30 @@ def is_help_action(action: argparse.Action) -> bool:
     return isinstance(action, argparse._HelpAction)
 
 
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a config is set to (``PretrainedConfig._attn_implementation``: transformers sets
+    it publicly through ``model.set_attn_implementation`` but has no public getter), None when it has none."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def can_set_attn_implementation(model: Any) -> bool | None:
+    """Whether ``model`` routes its attention through transformers' ``AttentionInterface``
+    (``PreTrainedModel._can_set_attn_implementation()``); None when this transformers has no such check."""
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    return bool(can_set()) if callable(can_set) else None
+
+
+def replace_causal_mask_builder(module: Any, builder: Any) -> bool:
+    """transformers < 4.53: ``module``'s own mask builder (``_update_causal_mask``, a method of its class) replaced on
+    the instance by ``builder(self, ...)``; False when its class has none."""
+    import types
+
+    if not hasattr(type(module), "_update_causal_mask"):
+        return False
+    module._update_causal_mask = types.MethodType(builder, module)
+    return True
+
+
 def dataset_indices(dataset: Any) -> Any:
     """A ``datasets.Dataset``'s indices mapping (``_indices``; None when it was never ``select``-ed or shuffled, and
     for objects that have none)."""
@@ -147,6 +188,12 @@ def dataset_indices(dataset: Any) -> Any:
 def dataset_fingerprint(dataset: Any) -> str | None:
     """datasets' content fingerprint of a ``Dataset`` (``_fingerprint``), None for objects that have none."""
     return getattr(dataset, "_fingerprint", None)
+
+
+def saved_data_files(state: Any) -> Any:
+    """The data files a ``datasets.save_to_disk`` folder's ``state.json`` lists (its ``_data_files`` entries), None
+    when ``state`` is not such a mapping."""
+    return state.get("_data_files") if isinstance(state, dict) else None
 
 
 def stream_ex_iterable(stream: Any) -> Any:

@@ -54,3 +54,28 @@ def test_a_shuffled_stream_is_recognised():
     assert stream_shuffling(stream) is None
     assert stream_shuffling(stream.shuffle(seed=0, buffer_size=4)) is not None
     assert stream_shuffling(stream.shuffle(seed=0, buffer_size=4).map(lambda row: row)) is not None
+
+
+def test_the_attention_accessors():
+    import torch
+    import transformers
+
+    from pf_trl._compat import attn_implementation, can_set_attn_implementation, replace_causal_mask_builder
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config)
+    model.set_attn_implementation("eager")
+    assert attn_implementation(model.config) == "eager"
+    assert attn_implementation(object()) is None
+    assert can_set_attn_implementation(model) is True
+    assert can_set_attn_implementation(object()) is None  # no such check: the caller decides
+    assert replace_causal_mask_builder(torch.nn.Linear(1, 1), lambda self, *a: None) is False  # no builder to replace
+
+    class OwnMask(torch.nn.Module):
+        def _update_causal_mask(self, *args):
+            return "own"
+
+    module = OwnMask()
+    assert replace_causal_mask_builder(module, lambda self, *args: "replaced") is True
+    assert module._update_causal_mask() == "replaced"

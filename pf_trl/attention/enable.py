@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from pf_trl._compat import attn_implementation, can_set_attn_implementation, replace_causal_mask_builder
+
 # siblings by their module path, never through the package's public face (pf_trl.attention re-exports this module)
 import pf_trl.attention.hf as _hf
 import pf_trl.attention.mrope as mrope
@@ -353,7 +355,7 @@ def self_check(model: torch.nn.Module, *, lengths: tuple[int, int] = (6, 5), see
     if not torch.isfinite(packed).all():
         raise PaddingFreeError(f"padding-free self-check produced non-finite outputs ({result})")
     if err > tol:
-        impl = getattr(model.config, "_attn_implementation", None)
+        impl = attn_implementation(model.config)
         raise PaddingFreeError(
             f"padding-free self-check failed on {type(model).__name__} (attention {impl!r}): an example packed with "
             f"another differs from the same example alone by {err:.3g}, beyond the {dtype} noise ({tol:.2g}; "
@@ -420,7 +422,7 @@ def _self_check_rerouted(model: torch.nn.Module) -> dict[str, float]:
         except PaddingFreeError as exc:
             hf_sdpa.restore(model)
             reason = f"the per-segment path failed the self-check ({str(exc).splitlines()[0][:200]})"
-    impl = getattr(model.config, "_attn_implementation", None)
+    impl = attn_implementation(model.config)
     if impl in ("sdpa", "eager"):
         # sdpa that could not be rerouted deserves a warning; eager is the user's (or the model's only) choice
         (logger.warning if impl == "sdpa" else logger.info)(
@@ -478,8 +480,7 @@ def enable_padding_free(
             if patch_model(model, backend) == 0:
                 raise UnsupportedModelError(f"found no attention modules to patch in {type(model).__name__}")
         else:
-            can_set = getattr(model, "_can_set_attn_implementation", None)
-            if callable(can_set) and not can_set():
+            if can_set_attn_implementation(model) is False:
                 raise UnsupportedModelError(
                     f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
                 )
@@ -494,17 +495,15 @@ def enable_padding_free(
                     "try mode='huggingface' or train it padded"
                 ) from exc
             switched = model.config.get_text_config() if vlm else model.config
-            if switched._attn_implementation != _hf.PF_VARLEN:
+            if attn_implementation(switched) != _hf.PF_VARLEN:
                 raise UnsupportedModelError(f"could not set attn_implementation='pf_varlen' on {type(model).__name__}")
             for module in model.modules():
                 module._pf_varlen_backend = backend
             if not _hf.has_mask_interface():  # 4.48-4.52: models build their masks themselves
                 from pf_trl.attention.legacy import _passthrough_causal_mask
-                import types
 
                 for module in model.modules():
-                    if hasattr(type(module), "_update_causal_mask"):
-                        module._update_causal_mask = types.MethodType(_passthrough_causal_mask, module)
+                    replace_causal_mask_builder(module, _passthrough_causal_mask)
 
     if mode == "huggingface":
         import pf_trl.attention.packed_masks as packed_masks

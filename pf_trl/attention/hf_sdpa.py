@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from pf_trl._compat import attn_implementation, can_set_attn_implementation
+
 PACKED_SDPA = "pf_packed_sdpa"
 # layer types whose attention pattern the attention function knows from its kwargs (full, sliding_window), or that
 # take no attention mask at all (recurrent / convolutional mixers, MLP kinds)
@@ -75,13 +77,12 @@ def reroute_refusal(model: torch.nn.Module) -> str | None:
     from pf_trl.attention.hf import has_attention_interface, has_mask_interface
 
     config = model.config
-    impl = getattr(config, "_attn_implementation", None)
+    impl = attn_implementation(config)
     if impl != "sdpa":
         return f"attention implementation {impl!r} is not sdpa"
     if not (has_attention_interface() and has_mask_interface()):
         return "this transformers has no AttentionMaskInterface"
-    can_set = getattr(model, "_can_set_attn_implementation", None)
-    if not callable(can_set) or not can_set():
+    if not can_set_attn_implementation(model):
         return f"{type(model).__name__} does not route its attention through AttentionInterface"
     if any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config")):
         return "a multimodal model: its encoders attend without the text's packed segments"
@@ -102,10 +103,10 @@ def reroute(model: torch.nn.Module) -> bool:
         return False
     register()
     model.set_attn_implementation(PACKED_SDPA)
-    return model.config._attn_implementation == PACKED_SDPA
+    return attn_implementation(model.config) == PACKED_SDPA
 
 
 def restore(model: torch.nn.Module) -> None:
     """Back to transformers' own ``sdpa`` (its dense packed mask)."""
-    if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA:
+    if attn_implementation(model.config) == PACKED_SDPA:
         model.set_attn_implementation("sdpa")

@@ -27,6 +27,7 @@ import types
 
 import torch
 
+from pf_trl._compat import replace_causal_mask_builder
 from pf_trl.attention.hf import hf_varlen_attention
 
 LEGACY_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "granite")
@@ -128,6 +129,5 @@ def patch_model(model: torch.nn.Module, backend: str) -> int:
             module._pf_varlen_backend = backend
             setattr(module, _PATCH_FLAG, True)
             patched += 1
-        if hasattr(type(module), "_update_causal_mask"):
-            module._update_causal_mask = types.MethodType(_passthrough_causal_mask, module)
+        replace_causal_mask_builder(module, _passthrough_causal_mask)
     return patched

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import pf_trl.attention.evidence as evidence
+from pf_trl._compat import attn_implementation
 from pf_trl.attention.errors import UnsupportedModelError
 
 logger = logging.getLogger("pf_trl.attention")
@@ -187,7 +188,7 @@ def diagnose(model) -> str:
                       "pf-trl does not reset it per example")
     config = model.config
     source = _source(model)
-    if getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and _mask_ignores_positions(source):
+    if attn_implementation(config) in ("sdpa", "eager") and _mask_ignores_positions(source):
         causes.append("transformers builds this model's attention mask without position_ids, so its own sdpa/eager "
                       "attention cannot see packed examples apart")
     if getattr(config, "alibi", False) or "build_alibi_tensor" in source:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pf_trl._compat import saved_data_files
 from pf_trl.data.formats import FormatError
 
 
@@ -69,7 +70,7 @@ def save_to_disk_files(folder: str | Path) -> list[Path]:
     if not state_path.is_file():
         raise SourceFileError(f"{folder} has no state.json: it is not a datasets.save_to_disk folder")
     state = _load_json(state_path, "state.json")
-    entries = state.get("_data_files") if isinstance(state, dict) else None
+    entries = saved_data_files(state)
     if not isinstance(entries, list) or not entries:
         raise SourceFileError(f"{state_path} lists no data files (_data_files); re-save the dataset")
     files = [state_path] + [p for p in (folder / "dataset_info.json",) if p.is_file()]
