@@ -78,7 +78,8 @@ def _find_key(obj: Any, needle: str, depth: int = 0) -> bool:
     return False
 
 
-def _uses_mrope(config) -> bool:
+def _with_text_config(config) -> list:
+    """``config`` and, for a multimodal one, its text config (a config that cannot give one: itself only)."""
     configs = [config]
     get_text = getattr(config, "get_text_config", None)
     if callable(get_text):
@@ -86,7 +87,11 @@ def _uses_mrope(config) -> bool:
             configs.append(get_text())
         except Exception:
             pass
-    for cfg in configs:
+    return configs
+
+
+def _uses_mrope(config) -> bool:
+    for cfg in _with_text_config(config):
         for attr in ("rope_scaling", "rope_parameters"):
             if _find_key(getattr(cfg, attr, None), "mrope"):
                 return True
@@ -266,14 +271,7 @@ SELF_CHECK_RTOL = {torch.float32: 2e-5, torch.float64: 1e-9, torch.bfloat16: 2e-
 def special_token_ids(config) -> set[int]:
     """Ids a random example must avoid (pad/bos/eos/image... tokens change what some models compute)."""
     ids: set[int] = set()
-    configs = [config]
-    text = getattr(config, "get_text_config", None)
-    if callable(text):
-        try:
-            configs.append(text())
-        except Exception:
-            pass
-    for cfg in configs:
+    for cfg in _with_text_config(config):
         for key, value in cfg.to_dict().items():
             if key.endswith(("_token_id", "_token_index", "token_id", "_index", "padding_idx")):
                 if _is_token_id(value):
