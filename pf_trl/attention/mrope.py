@@ -19,6 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
+from pf_trl import packing
+from pf_trl.errors import PackingError
+
 
 class RopeIndex:
     """The model's own ``get_rope_index``, callable on one example without the model's weights.
@@ -96,23 +99,23 @@ def positions_for_packed_row(rope_index: RopeIndex, input_ids: torch.Tensor, mm_
     with the grid rows of its own images (images are stored in row order, one grid row per image)."""
     ids = input_ids.reshape(-1)
     types = mm_token_type_ids.reshape(-1)
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    spans = packing.segment_spans(cu_seqlens)
     grids = {1: image_grid_thw, 2: video_grid_thw}
     taken = {1: 0, 2: 0}
-    rotary, text = [], []
-    for a, b in zip(bounds, bounds[1:]):
+    rotary = []
+    for a, b in spans:
         mine = {}
         for modality, grid in grids.items():
             n = image_groups(types[a:b], modality)
             if n and grid is None:
-                raise ValueError(f"a packed example holds {'image' if modality == 1 else 'video'} tokens but the "
+                raise PackingError(f"a packed example holds {'image' if modality == 1 else 'video'} tokens but the "
                                  "batch has no grid for them")
             mine[modality] = None if not n else grid[taken[modality]: taken[modality] + n]
             taken[modality] += n
         rotary.append(rope_index(ids[a:b], types[a:b], image_grid_thw=mine[1], video_grid_thw=mine[2]))
-        text.append(torch.arange(b - a, device=ids.device))
     for modality, grid in grids.items():
         if grid is not None and taken[modality] != grid.shape[0]:
-            raise ValueError(f"the packed row has {taken[modality]} {'images' if modality == 1 else 'videos'} in its "
+            raise PackingError(f"the packed row has {taken[modality]} {'images' if modality == 1 else 'videos'} in its "
                              f"tokens but {grid.shape[0]} grid rows")
-    return packed_position_ids(torch.cat(text), rotary)
+    text = packing.position_ids_from_lengths([b - a for a, b in spans], device=ids.device)
+    return packed_position_ids(text, rotary)
