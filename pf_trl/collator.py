@@ -54,6 +54,7 @@ from pf_trl.packing import (
     cu_seqlens_from_lengths,
     cu_seqlens_from_position_ids,
     lengths_from_cu_seqlens,
+    packed_position_ids,
     position_ids_from_lengths,
 )
 
@@ -162,8 +163,6 @@ class PaddingFreeCollator:
 
     def _rope_positions(self, features, ids_parts, lengths, batch) -> torch.Tensor:
         """``[4, 1, total]``: per-example text positions, then each example's rotary streams from its own images."""
-        from pf_trl.attention.mrope import packed_position_ids
-
         types = batch.get("mm_token_type_ids")
         rotary, at = [], 0
         for i, n in enumerate(lengths):
@@ -200,7 +199,8 @@ def _pack_vision(features: Sequence[Mapping[str, Any]], ids_parts: list[torch.Te
 
 
 def check_packed_batch(batch: Mapping[str, Any]) -> None:
-    """Raise :class:`~pf_trl.errors.PackingError` (a ``ValueError``) unless a packed batch's flash kwargs describe its row exactly (CPU, once per batch).
+    """Raise :class:`~pf_trl.errors.PackingError` (a ``ValueError``) unless a packed batch's flash kwargs describe
+    its row exactly (CPU, once per batch).
 
     Checks that ``cu_seq_lens_q/k`` are equal 1-D int32 tensors starting at 0, strictly increasing and ending at the
     token count; that ``max_length_q/k`` are Python ints equal to the longest segment; and that ``position_ids``
@@ -215,7 +215,9 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise PackingError(f"a packed batch is one row [1, total]; input_ids has shape {tuple(input_ids.shape)}")
     if cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_q.numel() < 2:
-        raise PackingError(f"cu_seq_lens_q must be a 1-D int32 tensor of n + 1 >= 2 offsets, got {cu_q.dtype} {tuple(cu_q.shape)}")
+        raise PackingError(
+            f"cu_seq_lens_q must be a 1-D int32 tensor of n + 1 >= 2 offsets, got {cu_q.dtype} {tuple(cu_q.shape)}"
+        )
     if not torch.equal(cu_q.cpu(), cu_k.cpu()):
         raise PackingError("cu_seq_lens_q and cu_seq_lens_k differ; a packed self-attention batch has one layout")
     lengths = lengths_from_cu_seqlens(cu_q)

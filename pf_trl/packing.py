@@ -9,6 +9,9 @@ equivalent forms, and every part of pf-trl converts between them here:
 - ``position_ids``: positions that restart at every segment;
 - ``seq_idx``: the segment number of every token (what causal-conv1d and mamba-ssm read).
 
+Multimodal rotary models (mRoPE) take ``position_ids`` as ``[4, 1, T]``: the per-example text positions on top of
+three rotary streams (:func:`packed_position_ids`; :mod:`pf_trl.attention.mrope` computes the streams).
+
 Two rules find boundaries in ``position_ids``, and both are kept because both are contracts of upstream code:
 
 - :func:`segment_starts` (transformers' ``masking_utils.find_packed_sequence_indices``): a segment starts at every
@@ -49,6 +52,7 @@ __all__ = [
     "cu_seqlens_from_starts",
     "lengths_from_cu_seqlens",
     "max_seqlen",
+    "packed_position_ids",
     "position_ids_from_lengths",
     "rows_hold_several_segments",
     "segment_lengths",
@@ -90,6 +94,14 @@ def seq_idx_from_lengths(lengths: Sequence[int]) -> torch.Tensor:
     import torch
 
     return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(list(lengths)))
+
+
+def packed_position_ids(text_positions: torch.Tensor, rotary: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``LongTensor[4, 1, T]`` (mRoPE): per-example text positions (row 0) on top of the per-example rotary streams
+    (each ``[3, n]``)."""
+    import torch
+
+    return torch.cat([text_positions.reshape(1, 1, -1), torch.cat(list(rotary), dim=1).unsqueeze(1)], dim=0)
 
 
 # ------------------------------------------------------------------------------------------------ from cu_seqlens

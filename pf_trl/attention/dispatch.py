@@ -55,7 +55,9 @@ def _module(name: str) -> ModuleType:
     module = _LOADED.get(name)
     if module is None:
         if name not in BACKEND_MODULES:
-            raise AttentionArgumentError(f"unknown varlen attention backend {name!r}; choose one of {('auto', *BACKENDS)}")
+            raise AttentionArgumentError(
+                f"unknown varlen attention backend {name!r}; choose one of {('auto', *BACKENDS)}"
+            )
         module = _LOADED[name] = importlib.import_module(BACKEND_MODULES[name])
     return module
 
@@ -215,12 +217,15 @@ def varlen_attention(
         raise AttentionArgumentError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise AttentionArgumentError(
-            f"cu_seqlens_q/k must be 1-D of the same length, got {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+            f"cu_seqlens_q/k must be 1-D of the same length, got {tuple(cu_seqlens_q.shape)} and "
+            f"{tuple(cu_seqlens_k.shape)}"
         )
     if softcap is not None and softcap < 0:
         raise AttentionArgumentError(f"softcap must be positive, got {softcap}")
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
-        raise AttentionArgumentError(f"sinks must be 1-D with one value per query head ({q.shape[1]}), got {tuple(sinks.shape)}")
+        raise AttentionArgumentError(
+            f"sinks must be 1-D with one value per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
+        )
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     window = flash_window(causal, sliding_window)
     cap = float(softcap or 0.0)

@@ -31,7 +31,12 @@ import torch
 
 from pf_trl import packing
 from pf_trl.attention.dispatch import varlen_attention
-from pf_trl.attention.errors import PackedAttentionMaskError, PaddingFreeError, UnsupportedFeatureError, UnsupportedModelError
+from pf_trl.attention.errors import (
+    PackedAttentionMaskError,
+    PaddingFreeError,
+    UnsupportedFeatureError,
+    UnsupportedModelError,
+)
 
 logger = logging.getLogger("pf_trl.attention")
 

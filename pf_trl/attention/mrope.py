@@ -15,12 +15,11 @@ cheaply into DataLoader workers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from pf_trl import packing
 from pf_trl.errors import PackingError
+from pf_trl.packing import packed_position_ids  # the [4, 1, T] layout, with the other forms of a packed row
 
 
 class RopeIndex:
@@ -76,11 +75,6 @@ def rope_index_function(model: torch.nn.Module) -> RopeIndex | None:
     if inner is None:
         return None
     return RopeIndex(type(inner), inner.config)
-
-
-def packed_position_ids(text_positions: torch.Tensor, rotary: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``LongTensor[4, 1, T]``: per-example text positions (row 0) on top of the per-example rotary streams."""
-    return torch.cat([text_positions.reshape(1, 1, -1), torch.cat(list(rotary), dim=1).unsqueeze(1)], dim=0)
 
 
 def image_groups(token_types: torch.Tensor, modality: int = 1) -> int:

@@ -383,7 +383,8 @@ def choose_path(kind: str, path: str, device: torch.device, rows: int) -> str:
         _package_usable(p) for p in route.packages)
     if path == "kernels":
         if not usable:
-            need = "none: this layer's kernels take no example boundaries" if route is None else ", ".join(route.packages)
+            need = ("none: this layer's kernels take no example boundaries" if route is None
+                    else ", ".join(route.packages))
             raise PaddingFreeError(
                 f"stateful path 'kernels' asked for a {kind} layer, but it cannot run here (device {device.type}, "
                 f"{rows} rows; kernel packages: {need}). Use path 'auto' or 'segments'."
@@ -489,8 +490,8 @@ def stateful_forward(module: torch.nn.Module, *args, **kwargs):
     for name in CACHE_KWARGS:
         if arguments.get(name) is not None:
             raise PaddingFreeError(
-                f"{type(module).__name__} got a cache ({name}) with a packed row: a recurrent state cannot track packed "
-                "examples. Use use_cache=False."
+                f"{type(module).__name__} got a cache ({name}) with a packed row: a recurrent state cannot track "
+                "packed examples. Use use_cache=False."
             )
     if sum(layout.lengths) != rows * row_len:
         raise PaddingFreeError(
@@ -506,7 +507,8 @@ def stateful_forward(module: torch.nn.Module, *args, **kwargs):
             raise
         except Exception as exc:
             logger.warning("pf-trl: %s kernels refused the packed row (%s: %s); this layer uses pf-trl's segments "
-                           "path from now on", type(module).__name__, type(exc).__name__, str(exc).splitlines()[0][:200])
+                           "path from now on", type(module).__name__, type(exc).__name__,
+                           str(exc).splitlines()[0][:200])
             state.path = "segments"
     return _run_segments(state, arguments, layout)
 

@@ -28,7 +28,8 @@ def _import():
         from torch.nn.attention import flex_attention as flex_module
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        _FLEX.update(flex=flex_attention, block_mask=create_block_mask, aux_request=getattr(flex_module, "AuxRequest", None))
+        _FLEX.update(flex=flex_attention, block_mask=create_block_mask,
+                     aux_request=getattr(flex_module, "AuxRequest", None))
     return _FLEX["flex"], _FLEX["block_mask"]
 
 
@@ -59,7 +60,8 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, requires_grad=False, **_) -> str | None:
+def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, requires_grad=False,
+                **_) -> str | None:
     if dropout_p:
         return "FlexAttention has no attention dropout"
     if requires_grad and device is not None and device.type != "cuda":
