@@ -21,6 +21,24 @@ per-image keys (:data:`IMAGE_KEYS`: ``pixel_values``, ``image_grid_thw``) are co
 example order, exactly as a padded batch holds them. With ``rope_index`` (the model's multimodal rotary function,
 :func:`pf_trl.attention.mrope.rope_index_function`) ``position_ids`` is ``[4, 1, total]``: per-example text positions
 on top of each example's own three rotary streams.
+
+Why not transformers' ``DataCollatorWithFlattening`` or TRL's ``DataCollatorForLanguageModeling(padding_free=True)``:
+their text output is this collator's (``tests/test_packing.py`` compares them key by key), but building on either
+would change what this one returns or refuses:
+
+- padding: ``DataCollatorWithFlattening`` has no ``pad_to_multiple_of``; TRL's pads with position 0 on every pad
+  token, which makes each pad token a segment of its own (``cu_seq_lens`` grows with the padding, and
+  ``max_length`` / the compiled shapes with it) instead of one dummy segment with no loss;
+- vision: neither packs per-token (``mm_token_type_ids``) or per-image (``pixel_values``, ``image_grid_thw``)
+  features nor builds per-example mRoPE positions (TRL refuses padding-free training on vision datasets);
+- checks: ``DataCollatorWithFlattening`` silently drops empty examples and takes labels of another length;
+  neither validates the layout (:func:`check_packed_batch`), which lets the attention layers trust it without a
+  host read;
+- ``ignore_first_label=False`` has no equivalent (both always overwrite each example's first label), and TRL's
+  always adds ``seq_idx`` (pf-trl's stateful layers derive it from ``cu_seq_lens`` when a kernel wants it).
+
+The segment arithmetic itself (lengths -> ``cu_seq_lens`` / ``position_ids``, ``IGNORE_INDEX``) is
+:mod:`pf_trl.packing`'s, shared with the attention layers.
 """
 
 from __future__ import annotations
@@ -31,8 +49,27 @@ from typing import Any
 import torch
 
 from pf_trl.data.image_tokens import IMAGE_KEYS
+from pf_trl.errors import PackingError
+from pf_trl.packing import (
+    IGNORE_INDEX,
+    cu_seqlens_from_lengths,
+    cu_seqlens_from_position_ids,
+    lengths_from_cu_seqlens,
+    packed_position_ids,
+    position_ids_from_lengths,
+)
 
-IGNORE_INDEX = -100
+__all__ = [
+    "FLASH_KWARGS",
+    "IGNORE_INDEX",
+    "IMAGE_KEYS",
+    "PACKED_KEYS",
+    "TOKEN_KEYS",
+    "PaddingFreeCollator",
+    "check_packed_batch",
+    "cu_seqlens_from_position_ids",
+    "mark_dynamic_lengths",
+]
 
 # Keys a packed batch carries besides the token tensors. The trainer keeps them through column removal.
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -64,7 +101,7 @@ class PaddingFreeCollator:
         rope_index: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of}")
+            raise PackingError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of}")
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_token_id = pad_token_id
         self.return_flash_kwargs = return_flash_kwargs
@@ -73,7 +110,7 @@ class PaddingFreeCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if len(features) == 0:
-            raise ValueError("PaddingFreeCollator got an empty batch: the sampler yielded no indices")
+            raise PackingError("PaddingFreeCollator got an empty batch: the sampler yielded no indices")
         ids_parts: list[torch.Tensor] = []
         label_parts: list[torch.Tensor] = []
         lengths: list[int] = []
@@ -82,11 +119,11 @@ class PaddingFreeCollator:
                 raise KeyError(f"feature {i} has no 'input_ids' (keys: {sorted(feature)})")
             ids = torch.as_tensor(feature["input_ids"], dtype=torch.long).reshape(-1)
             if ids.numel() == 0:
-                raise ValueError(f"feature {i} has empty input_ids; drop empty examples before collation")
+                raise PackingError(f"feature {i} has empty input_ids; drop empty examples before collation")
             labels = feature.get("labels")
             lab = ids.clone() if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1).clone()
             if lab.numel() != ids.numel():
-                raise ValueError(f"feature {i}: labels has {lab.numel()} tokens but input_ids has {ids.numel()}")
+                raise PackingError(f"feature {i}: labels has {lab.numel()} tokens but input_ids has {ids.numel()}")
             if self.ignore_first_label:
                 lab[0] = IGNORE_INDEX
             ids_parts.append(ids)
@@ -100,10 +137,8 @@ class PaddingFreeCollator:
             label_parts.append(torch.full((extra,), IGNORE_INDEX, dtype=torch.long))
             lengths.append(extra)
 
-        lengths_t = torch.tensor(lengths, dtype=torch.int32)
-        cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        torch.cumsum(lengths_t, dim=0, out=cu_seqlens[1:])
-        position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+        cu_seqlens = cu_seqlens_from_lengths(lengths)
+        position_ids = position_ids_from_lengths(lengths)
 
         batch: dict[str, Any] = {
             "input_ids": torch.cat(ids_parts).unsqueeze(0),
@@ -128,8 +163,6 @@ class PaddingFreeCollator:
 
     def _rope_positions(self, features, ids_parts, lengths, batch) -> torch.Tensor:
         """``[4, 1, total]``: per-example text positions, then each example's rotary streams from its own images."""
-        from pf_trl.attention.mrope import packed_position_ids
-
         types = batch.get("mm_token_type_ids")
         rotary, at = [], 0
         for i, n in enumerate(lengths):
@@ -155,7 +188,7 @@ def _pack_vision(features: Sequence[Mapping[str, Any]], ids_parts: list[torch.Te
             part = (torch.zeros(n, dtype=torch.long) if value is None
                     else torch.as_tensor(value, dtype=torch.long).reshape(-1))
             if part.numel() != n:
-                raise ValueError(f"feature {i}: {key} has {part.numel()} values but input_ids has {n} tokens")
+                raise PackingError(f"feature {i}: {key} has {part.numel()} values but input_ids has {n} tokens")
             parts.append(part)
         out[key] = torch.cat(parts).unsqueeze(0)
     for key in IMAGE_KEYS:
@@ -166,7 +199,8 @@ def _pack_vision(features: Sequence[Mapping[str, Any]], ids_parts: list[torch.Te
 
 
 def check_packed_batch(batch: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` unless a packed batch's flash kwargs describe its row exactly (CPU, once per batch).
+    """Raise :class:`~pf_trl.errors.PackingError` (a ``ValueError``) unless a packed batch's flash kwargs describe
+    its row exactly (CPU, once per batch).
 
     Checks that ``cu_seq_lens_q/k`` are equal 1-D int32 tensors starting at 0, strictly increasing and ending at the
     token count; that ``max_length_q/k`` are Python ints equal to the longest segment; and that ``position_ids``
@@ -177,47 +211,32 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
     total = int(input_ids.numel())
     cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
     if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
-        raise ValueError("a packed batch needs cu_seq_lens_q and cu_seq_lens_k tensors")
+        raise PackingError("a packed batch needs cu_seq_lens_q and cu_seq_lens_k tensors")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"a packed batch is one row [1, total]; input_ids has shape {tuple(input_ids.shape)}")
+        raise PackingError(f"a packed batch is one row [1, total]; input_ids has shape {tuple(input_ids.shape)}")
     if cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_q.numel() < 2:
-        raise ValueError(f"cu_seq_lens_q must be a 1-D int32 tensor of n + 1 >= 2 offsets, got {cu_q.dtype} {tuple(cu_q.shape)}")
+        raise PackingError(
+            f"cu_seq_lens_q must be a 1-D int32 tensor of n + 1 >= 2 offsets, got {cu_q.dtype} {tuple(cu_q.shape)}"
+        )
     if not torch.equal(cu_q.cpu(), cu_k.cpu()):
-        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; a packed self-attention batch has one layout")
-    bounds = cu_q.tolist()
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    if bounds[0] != 0 or bounds[-1] != total or min(lengths) <= 0:
-        raise ValueError(
-            f"cu_seq_lens_q must start at 0, increase strictly and end at the token count {total}; got {bounds}"
+        raise PackingError("cu_seq_lens_q and cu_seq_lens_k differ; a packed self-attention batch has one layout")
+    lengths = lengths_from_cu_seqlens(cu_q)
+    if int(cu_q[0]) != 0 or int(cu_q[-1]) != total or min(lengths) <= 0:
+        raise PackingError(
+            f"cu_seq_lens_q must start at 0, increase strictly and end at the token count {total}; "
+            f"got {cu_q.tolist()}"
         )
     for name in ("max_length_q", "max_length_k"):
         value = batch.get(name)
         if type(value) is not int or value != max(lengths):
-            raise ValueError(f"{name} must be the Python int {max(lengths)} (the longest segment), got {value!r}")
+            raise PackingError(f"{name} must be the Python int {max(lengths)} (the longest segment), got {value!r}")
     position_ids = batch.get("position_ids")
     if position_ids is not None and position_ids.dim() == 3:
         position_ids = position_ids[0]  # mRoPE: the per-example text positions are the first row
     if position_ids is not None:
-        expected = torch.cat([torch.arange(n) for n in lengths])
+        expected = position_ids_from_lengths(lengths)
         if position_ids.numel() != total or not torch.equal(position_ids.reshape(-1).cpu().long(), expected):
-            raise ValueError("position_ids do not restart at 0 at every cu_seq_lens_q offset and count up inside it")
-
-
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Derive flash-attn ``cu_seqlens`` (int32) and the max segment length from packed ``position_ids``.
-
-    A new segment starts wherever the position is 0. ``position_ids`` is ``[1, T]`` or ``[T]``.
-    """
-    flat = position_ids.reshape(-1)
-    if flat.numel() == 0:
-        raise ValueError("position_ids is empty")
-    starts = torch.nonzero(flat == 0, as_tuple=False).reshape(-1)
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError("packed position_ids must start at 0 (each segment restarts at 0)")
-    total = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
-    cu = torch.cat([starts, total]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return cu, max_len
+            raise PackingError("position_ids do not restart at 0 at every cu_seq_lens_q offset and count up inside it")
 
 
 def mark_dynamic_lengths(batch: Mapping[str, Any]) -> None:

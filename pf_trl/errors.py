@@ -17,3 +17,15 @@ __all__ = ["PfTrlError"]
 
 class PfTrlError(Exception):
     """Base class of every exception pf-trl and ``preprocess_service`` raise on purpose."""
+
+
+class PackingError(PfTrlError, ValueError):
+    """A packed batch, or the input to one, that does not describe its examples consistently: an empty batch or
+    example, labels or token types of the wrong length, ``cu_seq_lens`` / ``position_ids`` that do not partition the
+    row (:mod:`pf_trl.packing`, :mod:`pf_trl.collator`)."""
+
+
+class AttentionArgumentError(PfTrlError, ValueError):
+    """An argument ``varlen_attention`` cannot take: an unknown backend name, q/k/v or ``cu_seqlens`` shapes that do
+    not fit, a sliding window below 1, a negative softcap, sinks of the wrong size
+    (:mod:`pf_trl.attention.dispatch`)."""

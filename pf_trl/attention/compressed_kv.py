@@ -19,6 +19,7 @@ import types
 
 import torch
 
+from pf_trl import packing
 from pf_trl.attention.errors import PaddingFreeError
 
 _WRAPPED = "_pf_per_example"
@@ -29,27 +30,20 @@ def is_compressor(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Compressor") and hasattr(module, "compress_rate")
 
 
-def _segment_bounds(position_ids: torch.Tensor) -> list[int]:
-    """Start of every example of a one-row ``position_ids`` and the row length (host read: once per layer)."""
-    pos = position_ids[0]
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[1:] = pos[1:] != pos[:-1] + 1
-    return [*starts.nonzero().reshape(-1).tolist(), pos.shape[0]]
-
-
 def _per_example_forward(self, hidden_states, q_residual, position_ids, cache=None, layer_idx=None, **kwargs):
     original = self._pf_original_forward
     if cache is not None or position_ids is None or position_ids.dim() != 2:
         return original(hidden_states, q_residual, position_ids, cache, layer_idx, **kwargs)
-    bounds = _segment_bounds(position_ids) if position_ids.shape[0] == 1 else None
-    if bounds is None:
-        if bool((position_ids[:, 1:] != position_ids[:, :-1] + 1).any()):
+    if position_ids.shape[0] != 1:
+        if packing.rows_hold_several_segments(position_ids):
             raise PaddingFreeError(f"{type(self).__name__}: packed examples must come as one row per batch")
         return original(hidden_states, q_residual, position_ids, cache, layer_idx, **kwargs)
-    if len(bounds) == 2:  # one example: nothing to separate
+    # the examples of the row (host read: once per layer)
+    spans = packing.segment_spans(packing.cu_seqlens_from_starts(packing.segment_starts(position_ids)))
+    if len(spans) == 1:  # one example: nothing to separate
         return original(hidden_states, q_residual, position_ids, cache, layer_idx, **kwargs)
     entries, biases = [], []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in spans:
         kv, bias = original(hidden_states[:, start:end], q_residual[:, start:end], position_ids[:, start:end], None,
                             layer_idx, **kwargs)
         entries.append(kv)
@@ -58,9 +52,9 @@ def _per_example_forward(self, hidden_states, q_residual, position_ids, cache=No
     total = compressed.shape[2]
     if total == 0:
         return compressed, None
-    block_bias = compressed.new_full((1, 1, bounds[-1], total), float("-inf"))
+    block_bias = compressed.new_full((1, 1, spans[-1][1], total), float("-inf"))
     offset = 0
-    for start, end, kv, bias in zip(bounds[:-1], bounds[1:], entries, biases):
+    for (start, end), kv, bias in zip(spans, entries, biases):
         n = kv.shape[2]
         if n:  # an example's own entries, as its compressor masked them (None: all visible)
             block_bias[..., start:end, offset:offset + n] = 0.0 if bias is None else bias

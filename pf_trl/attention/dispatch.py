@@ -20,6 +20,9 @@ Sliding window: ``sliding_window=W`` follows transformers' convention (``masking
 ``kv_idx > q_idx - W``): with causal attention each query sees itself and the ``W - 1`` previous tokens of its
 segment, which is flash-attn ``window_size=(W - 1, 0)``; transformers' flash path passes ``(W - 1, W - 1)``
 together with ``causal=True``, which is the same mask. Non-causal: ``(W - 1, W - 1)``.
+
+An argument no backend can take (an unknown backend name, shapes that do not fit, a window below 1) raises
+:class:`~pf_trl.errors.AttentionArgumentError`, a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from pf_trl.attention.backends import BACKEND_MODULES
 from pf_trl.attention.errors import BackendUnavailableError, UnsupportedFeatureError
+from pf_trl.errors import AttentionArgumentError
 
 logger = logging.getLogger("pf_trl.attention")
 
@@ -51,7 +55,9 @@ def _module(name: str) -> ModuleType:
     module = _LOADED.get(name)
     if module is None:
         if name not in BACKEND_MODULES:
-            raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {('auto', *BACKENDS)}")
+            raise AttentionArgumentError(
+                f"unknown varlen attention backend {name!r}; choose one of {('auto', *BACKENDS)}"
+            )
         module = _LOADED[name] = importlib.import_module(BACKEND_MODULES[name])
     return module
 
@@ -70,7 +76,7 @@ def flash_window(causal: bool, sliding_window: int | None) -> tuple[int, int]:
         return (-1, -1)
     w = int(sliding_window)
     if w < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        raise AttentionArgumentError(f"sliding_window must be >= 1, got {sliding_window}")
     return (w - 1, 0) if causal else (w - 1, w - 1)
 
 
@@ -202,21 +208,24 @@ def varlen_attention(
         ``(total_q, heads, head_dim)`` in q's dtype.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
+        raise AttentionArgumentError(
             f"q/k/v must be (total_tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"incompatible q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise AttentionArgumentError(f"incompatible q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+        raise AttentionArgumentError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q/k must be 1-D of the same length, got {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+        raise AttentionArgumentError(
+            f"cu_seqlens_q/k must be 1-D of the same length, got {tuple(cu_seqlens_q.shape)} and "
+            f"{tuple(cu_seqlens_k.shape)}"
         )
     if softcap is not None and softcap < 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
+        raise AttentionArgumentError(f"softcap must be positive, got {softcap}")
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
-        raise ValueError(f"sinks must be 1-D with one value per query head ({q.shape[1]}), got {tuple(sinks.shape)}")
+        raise AttentionArgumentError(
+            f"sinks must be 1-D with one value per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
+        )
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     window = flash_window(causal, sliding_window)
     cap = float(softcap or 0.0)

@@ -29,8 +29,14 @@ import logging
 
 import torch
 
+from pf_trl import packing
 from pf_trl.attention.dispatch import varlen_attention
-from pf_trl.attention.errors import PackedAttentionMaskError, PaddingFreeError, UnsupportedFeatureError, UnsupportedModelError
+from pf_trl.attention.errors import (
+    PackedAttentionMaskError,
+    PaddingFreeError,
+    UnsupportedFeatureError,
+    UnsupportedModelError,
+)
 
 logger = logging.getLogger("pf_trl.attention")
 
@@ -62,21 +68,6 @@ def _row_positions(position_ids: torch.Tensor, batch: int, length: int) -> torch
     return position_ids
 
 
-def segment_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """Bool ``(batch, seq)``: True where a new segment starts (row start, or position != previous + 1)."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    return starts
-
-
-def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """int32 ``cu_seqlens`` over the flattened ``(batch, seq)`` grid and the longest segment."""
-    b, l = position_ids.shape
-    idx = segment_starts(position_ids).reshape(-1).nonzero().reshape(-1)
-    cu = torch.cat([idx, idx.new_tensor([b * l])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
-
-
 def rows_hold_several_segments(position_ids: torch.Tensor | None, valid: torch.Tensor | None = None) -> bool:
     """True if, among the valid tokens of any row, positions are not one consecutive run (i.e. packed)."""
     if position_ids is None:
@@ -85,17 +76,7 @@ def rows_hold_several_segments(position_ids: torch.Tensor | None, valid: torch.T
         raise UnsupportedModelError(
             f"pf-trl needs 2-D position_ids; got shape {tuple(position_ids.shape)} (multimodal rotary positions?)"
         )
-    if valid is None:
-        return bool((position_ids[:, 1:] != position_ids[:, :-1] + 1).any())
-    b, l = valid.shape
-    pos = position_ids.expand(b, -1) if position_ids.shape[0] != b else position_ids
-    idx = valid.reshape(-1).nonzero().reshape(-1)
-    if idx.numel() < 2:
-        return False
-    p = pos.reshape(-1)[idx]
-    rows = idx // l
-    bad = (rows[1:] == rows[:-1]) & (p[1:] != p[:-1] + 1)
-    return bool(bad.any())
+    return packing.rows_hold_several_segments(position_ids, valid)
 
 
 def attention_chunk(module: torch.nn.Module) -> int | None:
@@ -117,18 +98,8 @@ def attention_chunk(module: torch.nn.Module) -> int | None:
 def split_into_chunks(cu: torch.Tensor, total: int, max_len, chunk: int) -> tuple[torch.Tensor, int]:
     """``cu_seqlens`` with every segment cut at multiples of ``chunk`` of its own positions (chunked attention is
     attention within those pieces); reads the layout on the host (``nonzero``), once per chunked layer."""
-    from pf_trl.attention.backends._masks import token_segments
-
-    _, pos = token_segments(cu, total)
-    starts = (pos % chunk == 0).nonzero().reshape(-1)
-    out = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
-    return out, min(max_len, chunk)
-
-
-def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
-    cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
-    cu[1:] = counts.cumsum(0)
-    return cu
+    _, pos = packing.token_segments(cu, total)
+    return packing.cu_seqlens_from_starts(pos % chunk == 0), min(max_len, chunk)
 
 
 # ------------------------------------------------------------------------------------------ attention function
@@ -191,8 +162,8 @@ def hf_varlen_attention(
             )
         idx_q = qmask.reshape(-1).nonzero().reshape(-1)
         idx_k = kmask.reshape(-1).nonzero().reshape(-1)
-        cu_q = _cu_from_counts(qmask.sum(-1))
-        cu_k = _cu_from_counts(kmask.sum(-1))
+        cu_q = packing.cu_seqlens_from_lengths(qmask.sum(-1))
+        cu_k = packing.cu_seqlens_from_lengths(kmask.sum(-1))
         max_q, max_k = int(qmask.sum(-1).max()), int(kmask.sum(-1).max())
         if chunk is not None and _chunks_apply(lq, lk, chunk):
             cu_q, max_q = split_into_chunks(cu_q, idx_q.numel(), max_q, chunk)
@@ -222,7 +193,7 @@ def hf_varlen_attention(
             "with past tokens cannot be combined with a packed batch)",
         )
         # Python ints from the collator; deriving them from cu_seqlens is a host sync (eager-only fallback)
-        max_q = max_length_q if max_length_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_q = max_length_q if max_length_q is not None else packing.max_seqlen(cu_q)
         if lq == lk and cu_q.shape == cu_k.shape:
             # self-attention over the packed row: one layout (check_packed_batch checked max_length_k too). Handing
             # the kernel one tensor and one int lets it know so without reading values (the sdpa fast path). Not
@@ -233,7 +204,7 @@ def hf_varlen_attention(
             )
             cu_k, max_k = cu_q, max_q
         else:
-            max_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+            max_k = max_length_k if max_length_k is not None else packing.max_seqlen(cu_k)
     elif lq == lk:
         if position_ids is None:
             if b > 1:  # one row without positions is one sequence (an mRoPE model's plain forward passes none)
@@ -244,7 +215,7 @@ def hf_varlen_attention(
             cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * lq
             max_q = lq
         else:
-            cu_q, max_q = cu_seqlens_from_positions(_row_positions(position_ids.to(q.device), b, lq))
+            cu_q, max_q = packing.cu_seqlens_from_positions(_row_positions(position_ids.to(q.device), b, lq))
         cu_k, max_k = cu_q, max_q
     else:
         # fewer queries than keys: a KV cache holds past tokens (generation); one sequence per row

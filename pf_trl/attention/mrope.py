@@ -15,11 +15,12 @@ cheaply into DataLoader workers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from pf_trl import packing
 from pf_trl.data.image_tokens import image_groups
+from pf_trl.errors import PackingError
+from pf_trl.packing import packed_position_ids  # the [4, 1, T] layout, with the other forms of a packed row
 
 
 class RopeIndex:
@@ -77,9 +78,6 @@ def rope_index_function(model: torch.nn.Module) -> RopeIndex | None:
     return RopeIndex(type(inner), inner.config)
 
 
-def packed_position_ids(text_positions: torch.Tensor, rotary: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``LongTensor[4, 1, T]``: per-example text positions (row 0) on top of the per-example rotary streams."""
-    return torch.cat([text_positions.reshape(1, 1, -1), torch.cat(list(rotary), dim=1).unsqueeze(1)], dim=0)
 
 
 def positions_for_packed_row(rope_index: RopeIndex, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor,
@@ -88,23 +86,23 @@ def positions_for_packed_row(rope_index: RopeIndex, input_ids: torch.Tensor, mm_
     with the grid rows of its own images (images are stored in row order, one grid row per image)."""
     ids = input_ids.reshape(-1)
     types = mm_token_type_ids.reshape(-1)
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    spans = packing.segment_spans(cu_seqlens)
     grids = {1: image_grid_thw, 2: video_grid_thw}
     taken = {1: 0, 2: 0}
-    rotary, text = [], []
-    for a, b in zip(bounds, bounds[1:]):
+    rotary = []
+    for a, b in spans:
         mine = {}
         for modality, grid in grids.items():
             n = image_groups(types[a:b], modality)
             if n and grid is None:
-                raise ValueError(f"a packed example holds {'image' if modality == 1 else 'video'} tokens but the "
+                raise PackingError(f"a packed example holds {'image' if modality == 1 else 'video'} tokens but the "
                                  "batch has no grid for them")
             mine[modality] = None if not n else grid[taken[modality]: taken[modality] + n]
             taken[modality] += n
         rotary.append(rope_index(ids[a:b], types[a:b], image_grid_thw=mine[1], video_grid_thw=mine[2]))
-        text.append(torch.arange(b - a, device=ids.device))
     for modality, grid in grids.items():
         if grid is not None and taken[modality] != grid.shape[0]:
-            raise ValueError(f"the packed row has {taken[modality]} {'images' if modality == 1 else 'videos'} in its "
+            raise PackingError(f"the packed row has {taken[modality]} {'images' if modality == 1 else 'videos'} in its "
                              f"tokens but {grid.shape[0]} grid rows")
-    return packed_position_ids(torch.cat(text), rotary)
+    text = packing.position_ids_from_lengths([b - a for a, b in spans], device=ids.device)
+    return packed_position_ids(text, rotary)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from pf_trl import packing
 from pf_trl.attention.errors import PaddingFreeError
 
 logger = logging.getLogger("pf_trl.attention")
@@ -132,15 +133,14 @@ class PackedLayout:
 
     @staticmethod
     def from_cu_seqlens(cu: torch.Tensor, rows: int, row_len: int) -> PackedLayout:
-        bounds = [int(x) for x in cu.reshape(-1).tolist()]  # one host read per batch (cached by the caller)
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != rows * row_len or any(
-            b <= a for a, b in zip(bounds, bounds[1:])
-        ):
+        spans = packing.segment_spans(cu)  # one host read per batch (cached by the caller)
+        bounds = [spans[0][0], *(end for _, end in spans)] if spans else cu.reshape(-1).tolist()
+        if not spans or bounds[0] != 0 or bounds[-1] != rows * row_len or any(a >= b for a, b in spans):
             raise PaddingFreeError(
                 f"cu_seq_lens_q {bounds[:8]}{'...' if len(bounds) > 8 else ''} does not partition the {rows} x "
                 f"{row_len} tokens a stateful layer sees; pass the collator's cu_seq_lens_q unchanged"
             )
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        lengths = [b - a for a, b in spans]
         row_starts = {r * row_len for r in range(rows)}
         if not row_starts <= set(bounds):
             raise PaddingFreeError("cu_seq_lens_q has a segment that crosses a row boundary of the batch")
@@ -149,37 +149,32 @@ class PackedLayout:
     @staticmethod
     def from_positions(position_ids: torch.Tensor) -> PackedLayout:
         """A segment starts at every row start and wherever a position is not the previous one + 1."""
-        rows, row_len = position_ids.shape
-        starts = torch.ones_like(position_ids, dtype=torch.bool)
-        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-        idx = starts.reshape(-1).nonzero().reshape(-1).tolist()
-        bounds = [*idx, rows * row_len]
-        return PackedLayout(tuple(b - a for a, b in zip(bounds, bounds[1:])), rows, row_len)
+        return PackedLayout.from_starts(packing.segment_starts(position_ids))
 
     @staticmethod
     def from_seq_idx(seq_idx: torch.Tensor) -> PackedLayout:
-        rows, row_len = seq_idx.shape
-        starts = torch.ones_like(seq_idx, dtype=torch.bool)
-        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        idx = starts.reshape(-1).nonzero().reshape(-1).tolist()
-        bounds = [*idx, rows * row_len]
-        return PackedLayout(tuple(b - a for a, b in zip(bounds, bounds[1:])), rows, row_len)
+        """A segment starts at every row start and wherever the segment number changes."""
+        return PackedLayout.from_starts(packing.segment_starts_from_seq_idx(seq_idx))
+
+    @staticmethod
+    def from_starts(starts: torch.Tensor) -> PackedLayout:
+        """The layout of a bool ``(rows, row_len)`` segment-start mask (one host read)."""
+        rows, row_len = starts.shape
+        lengths = packing.lengths_from_cu_seqlens(packing.cu_seqlens_from_starts(starts))
+        return PackedLayout(tuple(lengths), rows, row_len)
 
     def seq_idx(self, device: torch.device) -> torch.Tensor:
         """int32 ``(rows, row_len)``: the segment number of each token (what causal-conv1d / mamba-ssm read)."""
         key = ("seq_idx", str(device))
         if key not in self._plans:
-            ids = torch.repeat_interleave(torch.arange(len(self.lengths), dtype=torch.int32),
-                                          torch.tensor(self.lengths))
+            ids = packing.seq_idx_from_lengths(self.lengths)
             self._plans[key] = ids.reshape(self.rows, self.row_len).to(device)
         return self._plans[key]
 
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
         key = ("cu", str(device))
         if key not in self._plans:
-            cu = torch.zeros(len(self.lengths) + 1, dtype=torch.int32)
-            cu[1:] = torch.tensor(self.lengths).cumsum(0)
-            self._plans[key] = cu.to(device)
+            self._plans[key] = packing.cu_seqlens_from_lengths(self.lengths).to(device)
         return self._plans[key]
 
     def plan(self, device: torch.device) -> SegmentPlan:
@@ -388,7 +383,8 @@ def choose_path(kind: str, path: str, device: torch.device, rows: int) -> str:
         _package_usable(p) for p in route.packages)
     if path == "kernels":
         if not usable:
-            need = "none: this layer's kernels take no example boundaries" if route is None else ", ".join(route.packages)
+            need = ("none: this layer's kernels take no example boundaries" if route is None
+                    else ", ".join(route.packages))
             raise PaddingFreeError(
                 f"stateful path 'kernels' asked for a {kind} layer, but it cannot run here (device {device.type}, "
                 f"{rows} rows; kernel packages: {need}). Use path 'auto' or 'segments'."
@@ -494,8 +490,8 @@ def stateful_forward(module: torch.nn.Module, *args, **kwargs):
     for name in CACHE_KWARGS:
         if arguments.get(name) is not None:
             raise PaddingFreeError(
-                f"{type(module).__name__} got a cache ({name}) with a packed row: a recurrent state cannot track packed "
-                "examples. Use use_cache=False."
+                f"{type(module).__name__} got a cache ({name}) with a packed row: a recurrent state cannot track "
+                "packed examples. Use use_cache=False."
             )
     if sum(layout.lengths) != rows * row_len:
         raise PaddingFreeError(
@@ -511,7 +507,8 @@ def stateful_forward(module: torch.nn.Module, *args, **kwargs):
             raise
         except Exception as exc:
             logger.warning("pf-trl: %s kernels refused the packed row (%s: %s); this layer uses pf-trl's segments "
-                           "path from now on", type(module).__name__, type(exc).__name__, str(exc).splitlines()[0][:200])
+                           "path from now on", type(module).__name__, type(exc).__name__,
+                           str(exc).splitlines()[0][:200])
             state.path = "segments"
     return _run_segments(state, arguments, layout)
 

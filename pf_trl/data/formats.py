@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pf_trl.errors import PfTrlError
+from pf_trl.packing import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 FORMATS = ("pretokenized", "text", "prompt_completion", "messages", "conversational_prompt_completion", "alpaca",
            "sharegpt")
 MASK_COLUMNS = ("completion_mask", "assistant_masks")

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from pf_trl.errors import PfTrlError
+from pf_trl.packing import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 TRUNCATION_POLICIES = ("truncate", "drop", "refuse")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 DEFAULT_POLICY = "truncate"

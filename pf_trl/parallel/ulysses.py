@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pf_trl.attention.errors import PaddingFreeError
+from pf_trl.packing import shift_labels
 
 ULYSSES = "pf_ulysses"
 SP_KWARG = "pf_sp"
@@ -232,10 +233,8 @@ def shard_batch(batch: dict[str, Any], sp: SequenceParallelGroup) -> dict[str, A
     out["position_ids"] = batch["position_ids"][:, lo:hi]
     labels = batch.get("labels")
     if labels is not None:
-        shifted = torch.full_like(labels, -100)
-        shifted[:, :-1] = labels[:, 1:]
         out.pop("labels")
-        out["shift_labels"] = shifted[:, lo:hi]
+        out["shift_labels"] = shift_labels(labels)[:, lo:hi]
     return out
 
 

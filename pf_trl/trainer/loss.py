@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pf_trl.packing import IGNORE_INDEX
 from pf_trl.sharding import full_shape, gathered_forward, is_zero3_partitioned
 
 __all__ = [
@@ -64,7 +65,6 @@ LOSS_TYPES = ("nll", "dft")
 DEFAULT_CHUNK_SIZE = 1024
 # vocabulary columns per tile of TRL's kernel: the value TRL's fused LM head uses (trl.trainer.utils)
 VOCAB_CHUNK = 32768
-IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------------------------- positions

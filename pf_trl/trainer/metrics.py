@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from transformers.trainer_utils import TrainerMemoryTracker
 
-IGNORE_INDEX = -100
+from pf_trl.packing import IGNORE_INDEX
+
 REAL_TOKENS_KEY = "_pf_real_tokens"
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) of common GPUs, matched on the device name.

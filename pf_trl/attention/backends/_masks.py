@@ -1,4 +1,5 @@
-"""Segment layout and masks shared by the exact backends (sdpa, flex), in tensor ops only (no host sync).
+"""Masks shared by the exact backends (sdpa, flex), in tensor ops only (no host sync); the segment layout they read
+comes from :mod:`pf_trl.packing` (``token_segments``, ``segment_lengths``).
 
 Under ``torch.compile`` the number of segments ``n`` is a symbolic size. No tensor here has a dimension (or a
 numel) equal to ``n`` alone: PyTorch specializes a symbolic size of 1 (``n != 1`` guards on contiguity checks),
@@ -10,17 +11,7 @@ from __future__ import annotations
 
 import torch
 
-
-def token_segments(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token segment id and position inside its segment for cumulative lengths ``cu`` (long tensors).
-
-    ``searchsorted`` keeps every shape static in ``total`` (no data-dependent output size), so this traces under
-    ``torch.compile`` and never reads ``cu`` on the host.
-    """
-    cu = cu.long()
-    tokens = torch.arange(total, device=cu.device)
-    seg = torch.searchsorted(cu, tokens, right=True) - 1
-    return seg, tokens - cu[seg]
+from pf_trl.packing import segment_lengths
 
 
 def position_visibility(
@@ -56,8 +47,8 @@ def padded_visibility(
     and ``lk`` keys sits at key position ``a = i + lk - lq`` (bottom-right alignment); padding rows and columns are
     never visible. Its first dimension is ``n`` (see the module docstring for what that costs under compile).
     """
-    len_q = (cu_q[1:] - cu_q[:-1]).long()[:, None, None]
-    len_k = (cu_k[1:] - cu_k[:-1]).long()[:, None, None]
+    len_q = segment_lengths(cu_q).long()[:, None, None]
+    len_k = segment_lengths(cu_k).long()[:, None, None]
     i = torch.arange(max_q, device=cu_q.device)[None, :, None]
     j = torch.arange(max_k, device=cu_q.device)[None, None, :]
     a = i + (len_k - len_q)

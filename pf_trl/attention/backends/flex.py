@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from pf_trl.attention.backends import _sinks
-from pf_trl.attention.backends._masks import token_segments
+from pf_trl.packing import segment_lengths, token_segments
 
 NAME = "flex"
 INSTALL_HINT = "needs PyTorch >= 2.5 with torch.nn.attention.flex_attention (pip install -U torch)"
@@ -28,7 +28,8 @@ def _import():
         from torch.nn.attention import flex_attention as flex_module
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        _FLEX.update(flex=flex_attention, block_mask=create_block_mask, aux_request=getattr(flex_module, "AuxRequest", None))
+        _FLEX.update(flex=flex_attention, block_mask=create_block_mask,
+                     aux_request=getattr(flex_module, "AuxRequest", None))
     return _FLEX["flex"], _FLEX["block_mask"]
 
 
@@ -59,7 +60,8 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, requires_grad=False, **_) -> str | None:
+def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=None, requires_grad=False,
+                **_) -> str | None:
     if dropout_p:
         return "FlexAttention has no attention dropout"
     if requires_grad and device is not None and device.type != "cuda":
@@ -75,7 +77,7 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap
     seg_q, pos_q = token_segments(cu_q, tq)
     seg_k, pos_k = token_segments(cu_k, tk)
     # bottom-right alignment: query i of a segment sits at key position i + (lk - lq)
-    offset = ((cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])).long()
+    offset = (segment_lengths(cu_k) - segment_lengths(cu_q)).long()
     aligned_q = pos_q + offset[seg_q]
     left, right = window
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from pf_trl.attention.backends import _sinks, blockwise
+from pf_trl.packing import segment_spans
 
 NAME = "sdpa"
 INSTALL_HINT = "built into PyTorch; nothing to install"
@@ -54,8 +55,8 @@ def _as_bhld(x: torch.Tensor) -> torch.Tensor:
 
 
 def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    return list(zip(bq, bq[1:], bk, bk[1:]))
+    """``(q0, q1, k0, k1)`` of every segment: its query rows and its key rows."""
+    return [(*q, *k) for q, k in zip(segment_spans(cu_q), segment_spans(cu_k))]
 
 
 def _seed_value(seed: torch.Tensor | None) -> int:
