@@ -12,6 +12,8 @@ import contextlib
 import logging
 from typing import Any
 
+from pf_trl.errors import ConfigError
+
 logger = logging.getLogger("pf_trl.trainer")
 
 _MODEL_INIT_KEYS = {"dtype", "torch_dtype", "attn_implementation"}
@@ -34,7 +36,7 @@ def apply_eos_token(args, processing_class) -> None:
     if token is None or processing_class is None or not hasattr(processing_class, "get_vocab"):
         return
     if token not in processing_class.get_vocab():
-        raise ValueError(f"eos_token={token!r} is not in the tokenizer's vocabulary; pass a token it has")
+        raise ConfigError(f"eos_token={token!r} is not in the tokenizer's vocabulary; pass a token it has")
     processing_class.eos_token = token
 
 
@@ -50,42 +52,6 @@ def model_build_kwargs(args) -> dict[str, Any]:
     if given.get("attn_implementation"):
         out["attn_implementation"] = given["attn_implementation"]
     return out
-
-
-def shuffle_once(dataset, args):
-    """``shuffle_dataset=True``: the prepared dataset shuffled once with ``seed``, as TRL's ``_prepare_dataset`` ends."""
-    if dataset is None or not getattr(args, "shuffle_dataset", False) or not hasattr(dataset, "shuffle"):
-        return dataset
-    import datasets
-
-    from pf_trl.data.mixture import mixture_of
-
-    if isinstance(dataset, datasets.IterableDataset) or mixture_of(dataset) is not None:
-        return dataset  # streamed rows; a mixture's rows are drawn at random by its sampler (its row ranges stay)
-    manifest = getattr(dataset, "pf_manifest", None)
-    shuffled = dataset.shuffle(seed=args.seed)
-    if manifest is not None:
-        shuffled.pf_manifest = manifest
-    return shuffled
-
-
-def say_mask_decisions(dataset, args, *, what: str, had_completion_mask: bool = False) -> None:
-    """One log line where an unset ``completion_only_loss`` / ``assistant_only_loss`` makes pf-trl's loss mask differ
-    from what TRL's default would train, so the divergence is never silent."""
-    manifest = getattr(dataset, "pf_manifest", None) or {}
-    source = manifest.get("source") or {}
-    masks = source.get("mask_columns") or []
-    if args.completion_only_loss is None and (had_completion_mask or "completion_mask" in masks):
-        logger.warning(
-            "pf-trl: %s: the completion_mask column is applied (loss on the completion only) because "
-            "completion_only_loss is unset; TRL would train the full sequence of these language-modeling rows. Pass "
-            "completion_only_loss=False for TRL's behaviour, True to silence this.", what)
-    if getattr(args, "assistant_only_loss", False) is None and source.get("input_format") in (
-            "messages", "sharegpt"):
-        logger.warning(
-            "pf-trl: %s: chat rows train on assistant turns only because assistant_only_loss is unset (pf-trl's "
-            "default); TRL's default (False) trains every token. Pass assistant_only_loss=False for that, True to "
-            "silence this.", what)
 
 
 @contextlib.contextmanager
