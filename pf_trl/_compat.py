@@ -51,7 +51,7 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
                   ("pf_trl/attention/enable.py", "pf_trl/attention/legacy.py"), legacy=True),
     # TRL
     PrivateSymbol("trl.kernels.chunked_logprob", "_use_triton", ("pf_trl/trainer/loss.py",), optional=True),
-    PrivateSymbol("trl.trainer.sft_trainer", "BaseTunerLayer", ("pf_trl/trainer/trainer.py",)),
+    PrivateSymbol("trl.trainer.sft_trainer", "BaseTunerLayer", ("pf_trl/trainer/fields.py",)),
     PrivateSymbol("trl.SFTTrainer", "_tag_names", ("pf_trl/trainer/trainer.py",)),
     PrivateSymbol("trl.SFTTrainer", "_metrics", ("pf_trl/trainer/trainer.py",), kind="source"),
     # torch

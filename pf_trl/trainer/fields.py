@@ -2,19 +2,18 @@
 
 pf-trl tokenizes raw rows and prepares tokenized rows before ``SFTTrainer.__init__`` runs (TRL is then told to skip
 its own preparation), so the fields TRL reads during preparation are applied here, the way TRL applies them:
-``chat_template_path`` (a Jinja file), ``model_init_kwargs`` (for a model given by name), ``shuffle_dataset``, and
-the loss-mask decisions for ``completion_only_loss`` / ``assistant_only_loss`` left unset (said in one log line each).
+``chat_template_path`` (a Jinja file), ``eos_token``, ``model_init_kwargs`` (for a model given by name); and the
+fields and checks of TRL's ``__init__`` that would act on what pf-trl has already done are hidden for its duration
+(:func:`hidden_from_trl`, :func:`admit_head_adapters`). ``shuffle_dataset`` and the loss-mask decisions are data
+preparation (:mod:`pf_trl.data.prepare`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
 from pf_trl.errors import ConfigError
-
-logger = logging.getLogger("pf_trl.trainer")
 
 _MODEL_INIT_KEYS = {"dtype", "torch_dtype", "attn_implementation"}
 
@@ -83,3 +82,25 @@ def hidden_from_trl(args, active: bool, skip_prepare: bool = False):
     finally:
         for name, value in saved.items():
             setattr(args, name, value)
+
+
+@contextlib.contextmanager
+def admit_head_adapters(active: bool):
+    """Let SFTTrainer accept a PEFT adapter on ``lm_head`` while it initializes (pf-trl modes only).
+
+    TRL refuses one because its fused head reads ``lm_head.weight`` and would bypass the adapter; pf-trl's loss calls
+    the adapted head module itself (the ``module`` path), so the adapter trains. TRL's check is an ``isinstance``
+    against ``BaseTunerLayer`` in its module: it is pointed at a class nothing is an instance of, for the duration of
+    ``SFTTrainer.__init__`` only. The padded mode (``padding_free=False``) keeps TRL's refusal.
+    """
+    import trl.trainer.sft_trainer as sft_module
+
+    if not active or not hasattr(sft_module, "BaseTunerLayer"):
+        yield
+        return
+    original = sft_module.BaseTunerLayer
+    sft_module.BaseTunerLayer = type("_NoHeadAdapterCheck", (), {})
+    try:
+        yield
+    finally:
+        sft_module.BaseTunerLayer = original

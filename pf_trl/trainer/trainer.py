@@ -27,7 +27,6 @@ This module orchestrates: data preparation is :func:`pf_trl.data.prepare.prepare
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -44,7 +43,13 @@ from pf_trl.trainer import data_inputs, sequence_parallel
 from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
-from pf_trl.trainer.fields import apply_chat_template_path, apply_eos_token, hidden_from_trl, model_build_kwargs
+from pf_trl.trainer.fields import (
+    admit_head_adapters,
+    apply_chat_template_path,
+    apply_eos_token,
+    hidden_from_trl,
+    model_build_kwargs,
+)
 from pf_trl.trainer.loss import (
     PFLossOptions,
     check_loss_options,
@@ -135,7 +140,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         # init (see hidden_from_trl)
         tokenized = is_tokenized(train_dataset)
         with hidden_from_trl(args, active=tokenized, skip_prepare=tokenized and self.pf_mode != "none"), \
-                _admit_head_adapters(self.pf_mode != "none"):
+                admit_head_adapters(self.pf_mode != "none"):
             super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         if self.args.fsdp and not self.is_fsdp_enabled:
@@ -343,28 +348,6 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             if hasattr(self, "_pf_saved_ignore_data_skip"):  # set while a stream resumed from its saved position
                 self.args.ignore_data_skip = self._pf_saved_ignore_data_skip
                 del self._pf_saved_ignore_data_skip
-
-@contextlib.contextmanager
-def _admit_head_adapters(active: bool):
-    """Let SFTTrainer accept a PEFT adapter on ``lm_head`` while it initializes (pf-trl modes only).
-
-    TRL refuses one because its fused head reads ``lm_head.weight`` and would bypass the adapter; pf-trl's loss calls
-    the adapted head module itself (the ``module`` path), so the adapter trains. TRL's check is an ``isinstance``
-    against ``BaseTunerLayer`` in its module: it is pointed at a class nothing is an instance of, for the duration of
-    ``SFTTrainer.__init__`` only. The padded mode (``padding_free=False``) keeps TRL's refusal.
-    """
-    import trl.trainer.sft_trainer as sft_module
-
-    if not active or not hasattr(sft_module, "BaseTunerLayer"):
-        yield
-        return
-    original = sft_module.BaseTunerLayer
-    sft_module.BaseTunerLayer = type("_NoHeadAdapterCheck", (), {})
-    try:
-        yield
-    finally:
-        sft_module.BaseTunerLayer = original
-
 
 def _untied_missing_keys(model, missing: list[str]) -> list[str]:
     """The missing checkpoint keys whose parameter is not shared with a parameter that was loaded (tied weights share
