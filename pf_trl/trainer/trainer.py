@@ -63,6 +63,7 @@ from pf_trl.trainer.resume import SamplerStateCallback, restore_sampler
 
 logger = logging.getLogger("pf_trl.trainer")
 
+
 class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
     """``SFTTrainer`` that trains on padding-free, token-budget batches with the exact padded loss.
 
@@ -72,8 +73,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
     folder's tokenizer (the embedded one for embedded / in-memory models) and must fit the model's embeddings.
     ``train_dataset`` / ``eval_dataset`` may be shards, raw rows in any format of ``docs/data.md``, a path or a
     ``DatasetDict``, a data config (``"mix.yaml"``, a list of ``(path, weight)``: a mixture) or a
-    ``datasets.IterableDataset`` (a stream; see :mod:`pf_trl.trainer.data_inputs`); ``pretokenize_config`` (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data
-    options the trainer config does not carry (response template, field names, format).
+    ``datasets.IterableDataset`` (a stream; see :mod:`pf_trl.data.inputs`); ``pretokenize_config``
+    (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data options the trainer config does not carry
+    (response template, field names, format).
     """
 
     def __init__(self, model, args: PaddingFreeConfig | None = None, data_collator=None, train_dataset=None,
