@@ -170,13 +170,13 @@ def run_interleaved(args, mode: str, ds, tokenizer, dtype, workdir: Path) -> lis
     """
     from pf_trl.attention import enable_padding_free
     from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
+    from pf_trl.data.prepare import dataset_lengths, derive_token_budget
     from pf_trl.sampler import TokenBudgetBatchSampler
-    from pf_trl.trainer.trainer import _dataset_lengths, derive_token_budget
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    lengths = _dataset_lengths(ds)
+    lengths = dataset_lengths(ds)
     sampler = TokenBudgetBatchSampler(lengths, derive_token_budget(lengths, args.batch_size), shuffle=True, seed=0)
     collate = PaddingFreeCollator()
     batches = [collate([ds[i] for i in idx]) for idx in sampler]

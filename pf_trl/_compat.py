@@ -42,8 +42,8 @@ class PrivateSymbol:
 
 PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     # transformers
-    PrivateSymbol("transformers.Trainer", "_track_num_input_tokens", ("pf_trl/trainer/metrics.py",)),
-    PrivateSymbol("transformers.Trainer", "_memory_tracker", ("pf_trl/trainer/metrics.py",), kind="source"),
+    PrivateSymbol("transformers.Trainer", "_track_num_input_tokens", ("pf_trl/trainer/accounting.py",)),
+    PrivateSymbol("transformers.Trainer", "_memory_tracker", ("pf_trl/trainer/accounting.py",), kind="source"),
     PrivateSymbol("transformers.Trainer", "_get_num_items_in_batch", ("pf_trl/trainer/trainer.py",)),
     PrivateSymbol("transformers.Trainer", "_issue_warnings_after_load", ("pf_trl/trainer/trainer.py",)),
     PrivateSymbol("transformers.PreTrainedModel", "_can_set_attn_implementation",
@@ -61,7 +61,7 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
                   legacy=True),
     # TRL
     PrivateSymbol("trl.kernels.chunked_logprob", "_use_triton", ("pf_trl/trainer/loss.py",), optional=True),
-    PrivateSymbol("trl.trainer.sft_trainer", "BaseTunerLayer", ("pf_trl/trainer/trainer.py",)),
+    PrivateSymbol("trl.trainer.sft_trainer", "BaseTunerLayer", ("pf_trl/trainer/fields.py",)),
     PrivateSymbol("trl.SFTTrainer", "_tag_names", ("pf_trl/trainer/trainer.py",)),
     PrivateSymbol("trl.SFTTrainer", "_metrics", ("pf_trl/trainer/trainer.py",), kind="source"),
     # torch
@@ -89,9 +89,9 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("datasets.iterable_dataset.BufferShuffledExamplesIterable", "ex_iterable",
                   ("pf_trl/data/streaming.py",), via="stream_shuffling", kind="source"),
     # accelerate: public attribute names on a class accelerate does not document as API
-    PrivateSymbol("accelerate.data_loader.BatchSamplerShard", "num_processes", ("pf_trl/trainer/trainer.py",),
+    PrivateSymbol("accelerate.data_loader.BatchSamplerShard", "num_processes", ("pf_trl/trainer/data_inputs.py",),
                   kind="source"),
-    PrivateSymbol("accelerate.data_loader.BatchSamplerShard", "process_index", ("pf_trl/trainer/trainer.py",),
+    PrivateSymbol("accelerate.data_loader.BatchSamplerShard", "process_index", ("pf_trl/trainer/data_inputs.py",),
                   kind="source"),
     # argparse
     PrivateSymbol("argparse.ArgumentParser", "_actions", ("pf_trl/cli/flag_table.py", "pf_trl/cli/train.py"),

@@ -12,7 +12,7 @@ torch or transformers. ``tests/test_errors.py`` walks both packages and fails on
 
 from __future__ import annotations
 
-__all__ = ["PfTrlError"]
+__all__ = ["ConfigError", "ModelSupportError", "PfTrlError", "ResumeError", "TrainingDataError"]
 
 
 class PfTrlError(Exception):
@@ -29,3 +29,24 @@ class AttentionArgumentError(PfTrlError, ValueError):
     """An argument ``varlen_attention`` cannot take: an unknown backend name, q/k/v or ``cu_seqlens`` shapes that do
     not fit, a sliding window below 1, a negative softcap, sinks of the wrong size
     (:mod:`pf_trl.attention.dispatch`)."""
+# The trainer's and the parallelism checks' own refusals (pf_trl.trainer, pf_trl.parallel). Other packages keep
+# their classes next to the code that raises them (pf_trl.data.*, pf_trl.attention.errors, the CLIs).
+
+
+class ConfigError(PfTrlError, ValueError):
+    """A training option, or a combination of options, that pf-trl refuses: out of range, or not reproducible
+    exactly on packed rows (named in the message)."""
+
+
+class ModelSupportError(PfTrlError, ValueError):
+    """A model whose loss pf-trl cannot compute at the supervised positions only (no backbone, no output embeddings,
+    logits it cannot reproduce): train it padded (``padding_free=False``)."""
+
+
+class TrainingDataError(PfTrlError, ValueError):
+    """Data the trainer cannot train on as given (no ``input_ids`` column, no dataset, rows a limit would remove
+    from a mixture)."""
+
+
+class ResumeError(PfTrlError, ValueError):
+    """A checkpoint that does not fit the run resumed from it (other data, accumulation steps, ranks or budget)."""

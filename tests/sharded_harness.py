@@ -253,7 +253,7 @@ def run_job(spec: dict, job: dict) -> None:
 
 def run_faulty_job(spec: dict, job: dict) -> None:
     import pf_trl.attention.enable as enable
-    import pf_trl.trainer.parallel as parallel
+    import pf_trl.parallel.checks as parallel
 
     out = os.path.join(spec["out"], job["name"])
     target, name = (enable, "gathered_forward") if job["fault"] == "no_gather" else \

@@ -163,3 +163,31 @@ def test_python_api_takes_the_template_in_the_data_options(tmp_path, tokenizer, 
     assert trainer.processing_class.chat_template == template and plain.chat_template is None
     first = trainer.train_dataset[0]
     assert plain.decode(first["input_ids"]).startswith("<s>[INST] Hi 0 [/INST] Hello 0.</s>")
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({}, dict(text_field="text", completion_only_loss=True, assistant_only_loss=True, drop_no_loss=True)),
+    ({"dataset_text_field": "body", "completion_only_loss": False, "assistant_only_loss": False, "max_length": None},
+     dict(text_field="body", completion_only_loss=False, assistant_only_loss=False, drop_no_loss=False)),
+])
+def test_the_trainer_and_the_cli_read_the_configs_data_fields_alike(fields, expected):
+    """One derivation of the data options from the trainer config (pf_trl.data.prepare.data_options): the trainer
+    calls it with no flags, ``pf-trl train`` with its data flags."""
+    from types import SimpleNamespace
+
+    from pf_trl.cli.train import pretokenize_config
+    from pf_trl.data.prepare import data_options
+    from pf_trl.data.sequence_limit import NO_LIMIT
+
+    config = SimpleNamespace(**{"dataset_text_field": "text", "completion_only_loss": None,
+                                "assistant_only_loss": None, "max_length": 64, "truncation": "truncate",
+                                "truncation_mode": "keep_end", **fields})
+    got = data_options(config)
+    limit = NO_LIMIT if config.max_length is None else 64
+    assert {k: getattr(got, k) for k in expected} == expected
+    assert (got.max_seq_len, got.truncation_mode) == (limit, "keep_end")
+    flags = SimpleNamespace(**{name: f.default for name, (f, spec) in option_specs().items() if not spec.trl_field})
+    flags.response_template = "### Answer:"
+    from_cli = pretokenize_config(flags, config)
+    assert dataclasses.replace(from_cli, response_template=None) == got  # the same, flags aside
+    assert from_cli.response_template == "### Answer:"

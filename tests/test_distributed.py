@@ -109,7 +109,7 @@ FSDP2_SCRIPT = textwrap.dedent(
     from pf_trl.attention import enable_padding_free
     from pf_trl.collator import PaddingFreeCollator
     from pf_trl.models import build_model
-    from pf_trl.trainer.trainer import install_pf_loss_forward
+    from pf_trl.trainer.loss import install_pf_loss_forward
 
     out = sys.argv[1]
     dist.init_process_group("gloo")

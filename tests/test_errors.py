@@ -96,3 +96,50 @@ def test_the_root_is_exported_and_keeps_builtin_bases():
     with pytest.raises(ValueError) as info:  # `except ValueError` written before the root keeps working
         TokenBudgetBatchSampler([5, 3], max_tokens=0)
     assert isinstance(info.value, (SamplerError, PfTrlError))
+
+
+# ------------------------------------------------------------------------------ the trainer's own refusals
+
+# where a builtin raise is the protocol, not a refusal a user meets: json.dump's ``default`` must raise TypeError
+BUILTIN_RAISES_ALLOWED = {("pf_trl.trainer.resume", "_json_default")}
+BUILTINS_REPLACED = ("ValueError", "TypeError", "RuntimeError")
+
+
+def bare_builtin_raises(sources: dict[str, str], prefixes: tuple[str, ...]) -> list[str]:
+    """``["module.function: raise ValueError", ...]`` for each ``raise ValueError(...)`` / ``TypeError`` /
+    ``RuntimeError`` in the modules of ``sources`` under ``prefixes`` (a PfTrlError subclass is not bare)."""
+    found = []
+    for module, text in sources.items():
+        if not module.startswith(prefixes):
+            continue
+        for func in ast.walk(ast.parse(text)):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or (module, func.name) in \
+                    BUILTIN_RAISES_ALLOWED:
+                continue
+            for node in ast.walk(func):
+                exc = node.exc if isinstance(node, ast.Raise) else None
+                called = exc.func if isinstance(exc, ast.Call) else exc
+                if isinstance(called, ast.Name) and called.id in BUILTINS_REPLACED:
+                    found.append(f"{module}.{func.name}: raise {called.id}")
+    return sorted(set(found))
+
+
+def test_the_trainer_and_the_parallelism_checks_raise_pf_trl_errors():
+    assert bare_builtin_raises(package_sources(), ("pf_trl.trainer", "pf_trl.parallel")) == []
+
+
+def test_a_bare_builtin_raise_is_reported():
+    fake = "def refuse(x):\n    if x:\n        raise ValueError('no')\n"
+    assert bare_builtin_raises({"pf_trl.trainer.fake": fake}, ("pf_trl.trainer",)) == [
+        "pf_trl.trainer.fake.refuse: raise ValueError"]
+
+
+def test_the_trainer_errors_keep_their_builtin_base():
+    from pf_trl.errors import ConfigError, ModelSupportError, PfTrlError, ResumeError, TrainingDataError
+    from pf_trl.trainer.adapters import lora_config
+
+    for cls in (ConfigError, ModelSupportError, ResumeError, TrainingDataError):
+        assert issubclass(cls, PfTrlError) and issubclass(cls, ValueError)
+    with pytest.raises(ValueError) as info:  # `except ValueError` keeps working
+        lora_config("dora", r=8, lora_alpha=16, lora_dropout=0.0, target_modules=None)
+    assert isinstance(info.value, ConfigError)

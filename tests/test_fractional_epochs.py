@@ -87,9 +87,9 @@ def test_half_an_epoch_trains_half_the_examples(tmp_path, dataset, tokenizer):
 
 
 def test_eval_subset_is_the_same_every_time(tmp_path, dataset, tokenizer):
+    from pf_trl.data.inputs import eval_subset
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeSFTTrainer
-    from pf_trl.trainer.data_inputs import eval_subset
 
     picks = []
     for seed in (0, 1):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loss_reference import chunked_cross_entropy, linear_cross_entropy, plain_cross_entropy
 
-from pf_trl.trainer.loss import chunked_cross_entropy, linear_cross_entropy, plain_cross_entropy, resolve_fused_loss
+from pf_trl.trainer.loss import resolve_fused_loss
 
 
 def _case(n=37, h=16, v=101, bias=True, seed=0):

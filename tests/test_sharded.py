@@ -325,7 +325,7 @@ def test_torchrun_on_cpu_without_use_cpu_is_refused(monkeypatch):
 def test_sequence_parallelism_with_zero_or_fsdp_is_refused_by_name():
     from types import SimpleNamespace
 
-    from pf_trl.trainer.parallel import check_launch
+    from pf_trl.parallel.checks import check_launch
 
     for setting in ({"deepspeed": "zero3.json", "fsdp": ""}, {"deepspeed": None, "fsdp": "full_shard"}):
         args = SimpleNamespace(world_size=1, sequence_parallel_size=2, **setting)

@@ -125,7 +125,7 @@ def test_max_length_trains_what_trl_trains(tmp_path, mode, monkeypatch):
     assert relative_update_gap(pf.model, trl.model, model()) < 1e-4
 
     # negative control: without the limit pf-trl trains the full rows (441 + tokens) and the step differs
-    import pf_trl.trainer.sequence_limit as sequence_limit
+    import pf_trl.data.sequence_limit as sequence_limit
 
     monkeypatch.setattr(sequence_limit, "apply_sequence_limit", lambda dataset, args, what: (dataset, None))
     unlimited = pf_trainer(rows(), tmp_path / "neg", max_tokens_per_batch=1000, **kw)

@@ -6,7 +6,7 @@ Each run is a fresh subprocess (its memory peak is its own), modes are interleav
 default: one run on a shared machine can reverse a ranking), and every mode trains exactly one epoch over the same
 examples, so all modes process the same real tokens. The table gives min / median / max real tokens/s per mode; the
 ratios are of medians. All modes are measured
-by the same code (:class:`pf_trl.trainer.metrics.TokenAccountingMixin`): real tokens/s = real (non-padding) tokens /
+by the same code (:class:`pf_trl.trainer.accounting.TokenAccountingMixin`): real tokens/s = real (non-padding) tokens /
 ``train_runtime``. Writes ``<output-dir>/bench_<name>.json`` and ``bench_<name>.png``; the default output directory
 is a fresh ``pf-trl-bench/<name>-<time>`` under the current directory (never the tracked ``benchmarks/results``).
 
@@ -99,7 +99,7 @@ def run_worker(scenario: dict[str, Any], mode: str) -> dict[str, Any]:
 
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer, derive_token_budget
-    from pf_trl.trainer.metrics import MeasuredSFTTrainer
+    from pf_trl.trainer.accounting import MeasuredSFTTrainer
 
     torch.manual_seed(int(scenario["seed"]))
     tokenizer, ds = _subset(scenario)

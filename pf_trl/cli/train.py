@@ -382,24 +382,16 @@ def _probe_service(args: argparse.Namespace, say) -> None:
 
 
 def pretokenize_config(data_args, config):
-    """The data options of a run: the data flags, and those TRL's config carries (``--dataset_text_field``,
-    ``--completion_only_loss``, ``--assistant_only_loss``, ``--truncation_mode``; ``--truncation`` and the sequence
-    limit from :class:`~pf_trl.trainer.PaddingFreeConfig`); ``--chat_template FILE`` is read into the template text."""
-    from pf_trl.data.options import PretokenizeError, config_from_values, option_specs
-    from pf_trl.trainer.sequence_limit import pretokenize_limits
+    """The data options of a run (:func:`pf_trl.data.prepare.data_options`, the trainer's too): the data flags, and
+    those TRL's config carries (``--dataset_text_field``, ``--completion_only_loss``, ``--assistant_only_loss``,
+    ``--truncation_mode``; ``--truncation`` and the sequence limit from :class:`~pf_trl.trainer.PaddingFreeConfig`);
+    ``--chat_template FILE`` is read into the template text."""
+    from pf_trl.data.options import PretokenizeError, option_specs
+    from pf_trl.data.prepare import data_options
 
-    values = {}
-    for name, (f, spec) in option_specs().items():
-        if spec.trl_field:
-            value = getattr(config, spec.trl_field, None)
-            values[name] = f.default if value is None else (value is not False if f.type == "bool" else value)
-        else:
-            values[name] = getattr(data_args, name)
-    limits = pretokenize_limits(config)  # --max_seq_len / --max_length, --truncation, --truncation_mode
-    limits["drop_no_loss"] = limits["drop_no_loss"] and data_args.drop_no_loss
-    values.update(limits)
+    flags = {name: getattr(data_args, name) for name, (_, spec) in option_specs().items() if not spec.trl_field}
     try:
-        return config_from_values(values)
+        return data_options(config, flags)
     except PretokenizeError as exc:
         raise TrainCLIError(str(exc)) from exc
 

@@ -1,4 +1,4 @@
-"""Padding-free training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`, chunked cross-entropy, metrics.
+"""Padding-free training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`, :func:`derive_token_budget`.
 
 The exports are imported on first use, so that light modules of this package (``output_dir``) can be imported by the
 CLI's early checks without importing TRL and torch.
@@ -14,7 +14,7 @@ _EXPORTS = {
     "PADDING_FREE_MODES": "pf_trl.trainer.config",
     "to_padding_free_config": "pf_trl.trainer.config",
     "PaddingFreeSFTTrainer": "pf_trl.trainer.trainer",
-    "derive_token_budget": "pf_trl.trainer.trainer",
+    "derive_token_budget": "pf_trl.data.prepare",
 }
 
 __all__ = ["PaddingFreeConfig", "PaddingFreeSFTTrainer", "PADDING_FREE_MODES", "derive_token_budget", "to_padding_free_config"]

@@ -8,23 +8,25 @@ from __future__ import annotations
 
 import os
 
+from pf_trl.errors import ConfigError
+
 PEFT_METHODS = ("none", "lora")
 
 
 def lora_config(peft_method: str, *, r: int, lora_alpha: int, lora_dropout: float, target_modules: list[str] | None):
     """A ``peft.LoraConfig`` for ``peft_method="lora"`` (``None`` for ``"none"``); ``ValueError`` on bad input."""
     if peft_method not in PEFT_METHODS:
-        raise ValueError(f"--peft_method must be one of {', '.join(PEFT_METHODS)}, got {peft_method!r}")
+        raise ConfigError(f"--peft_method must be one of {', '.join(PEFT_METHODS)}, got {peft_method!r}")
     if peft_method == "none":
         return None
     if r < 1:
-        raise ValueError(f"--r must be a positive integer, got {r}")
+        raise ConfigError(f"--r must be a positive integer, got {r}")
     if not 0.0 <= lora_dropout < 1.0:
-        raise ValueError(f"--lora_dropout must be in [0, 1), got {lora_dropout}")
+        raise ConfigError(f"--lora_dropout must be in [0, 1), got {lora_dropout}")
     try:
         from peft import LoraConfig
     except ImportError as exc:
-        raise ValueError("--peft_method lora needs peft: pip install 'pf-trl[peft]'") from exc
+        raise ConfigError("--peft_method lora needs peft: pip install 'pf-trl[peft]'") from exc
     targets: list[str] | str | None = list(target_modules) if target_modules else None
     if targets == ["all-linear"]:
         targets = "all-linear"
@@ -37,10 +39,16 @@ def save_merged(trainer, directory: str) -> str:
     tokenizer to ``directory``."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if not hasattr(model, "merge_and_unload"):
-        raise ValueError("--merge_adapter needs a model trained with an adapter (--peft_method lora)")
+        raise ConfigError("--merge_adapter needs a model trained with an adapter (--peft_method lora)")
     merged = model.merge_and_unload()
     os.makedirs(directory, exist_ok=True)
     merged.save_pretrained(directory)
     if trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(directory)
     return directory
+
+
+def transformers_model(model):
+    """The transformers model inside a PEFT wrapper (adapters are injected into its modules), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model

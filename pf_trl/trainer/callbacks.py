@@ -1,7 +1,7 @@
 """The honest training metrics as a ``TrainerCallback`` (public hooks of transformers' Trainer).
 
 :class:`TokenMetricsCallback` owns the counters that ``compute_loss`` feeds (see
-:class:`~pf_trl.trainer.metrics.TokenAccountingMixin`) and turns them into log keys in ``on_log``; the keys and their
+:class:`~pf_trl.trainer.accounting.TokenAccountingMixin`) and turns them into log keys in ``on_log``; the keys and their
 meaning are listed in :mod:`pf_trl.trainer.metrics`.
 
 ``on_log`` receives the very dict that ``Trainer.log`` was given (for the final log, the metrics that ``train()``
@@ -12,47 +12,15 @@ first in the callback list, so the printer and the reporting integrations (Tenso
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 import time
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from pf_trl.trainer.metrics import _SUM_KEYS, PeakRSS, TokenMeter, _reduce, train_flops
+from pf_trl.trainer.metrics import SUM_KEYS, PeakRSS, TokenMeter, reduce_across_ranks, train_flops
 
-__all__ = ["SamplerStateCallback", "TokenMetricsCallback"]
-
-logger = logging.getLogger("pf_trl.trainer")
-
-
-class SamplerStateCallback(TrainerCallback):
-    """Keeps pf-trl's train sampler in step with the Trainer: selects its epoch at each epoch's start, and writes its
-    position into each checkpoint (read back on resume by ``PaddingFreeSFTTrainer``).
-
-    ``on_epoch_begin`` reaches the sampler itself: once ``skip_first_batches`` has wrapped the dataloader on resume,
-    ``set_epoch`` is not forwarded to a batch sampler. The epoch is ``floor(state.epoch)``, which is also right for a
-    run resumed inside an epoch (``state.epoch`` is then fractional).
-    """
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        sampler = self.trainer._pf_train_sampler
-        if sampler is not None:
-            sampler.set_epoch(int(math.floor(state.epoch or 0)))
-
-    def on_save(self, args, state, control, **kwargs):
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        if state.is_hyper_param_search:  # checkpoints then live in a per-trial folder that callbacks are not told
-            logger.warning("pf-trl: hyperparameter search: the sampler position is not saved with the checkpoint; "
-                           "a resume from it restarts the epoch's batches from Trainer's step count only")
-            return
-        self.trainer._pf_write_sampler_state(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+__all__ = ["TokenMetricsCallback"]
 
 
 class TokenMetricsCallback(TrainerCallback):
@@ -128,7 +96,7 @@ class TokenMetricsCallback(TrainerCallback):
         return {}
 
     def _eval_keys(self, args, prefix: str) -> dict[str, Any]:
-        total, count = _reduce([self.eval_sum, float(self.eval_count)], args.device)
+        total, count = reduce_across_ranks([self.eval_sum, float(self.eval_count)], args.device)
         self._reset_eval()
         if count <= 0:
             return {}
@@ -190,8 +158,8 @@ class TokenMetricsCallback(TrainerCallback):
     @staticmethod
     def _gather(args, counts: dict[str, float], steps: list[int], max_micro: int):
         device = args.device
-        summed = _reduce([float(counts[k]) for k in _SUM_KEYS], device)
-        counts = dict(zip(_SUM_KEYS, summed))
-        steps = _reduce([float(s) for s in steps], device)
-        max_micro = _reduce([float(max_micro)], device, op="max")[0]
+        summed = reduce_across_ranks([float(counts[k]) for k in SUM_KEYS], device)
+        counts = dict(zip(SUM_KEYS, summed))
+        steps = reduce_across_ranks([float(s) for s in steps], device)
+        max_micro = reduce_across_ranks([float(max_micro)], device, op="max")[0]
         return counts, steps, max_micro

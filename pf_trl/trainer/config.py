@@ -12,6 +12,7 @@ from typing import Any
 from trl import SFTConfig
 
 from pf_trl.data.truncation import POLICY_HELP, check_mode, normalize_policy
+from pf_trl.errors import ConfigError
 from pf_trl.trainer.loss import FUSED_LOSS_CHOICES
 from pf_trl.trainer.modes import (
     DEFAULT_MODE,
@@ -166,33 +167,33 @@ class PaddingFreeConfig(SFTConfig):
 
             self.bf16 = (not self.fp16) and torch.cuda.is_available() and not self.use_cpu
         super().__post_init__()
-        from pf_trl.trainer.parallel import check_launch
+        from pf_trl.parallel.checks import check_launch
 
         check_launch(self)  # before the model loads: ZeRO-3 partitions it at load with DeepSpeed's world size
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch <= 0:
-            raise ValueError(f"max_tokens_per_batch must be a positive integer, got {self.max_tokens_per_batch}")
+            raise ConfigError(f"max_tokens_per_batch must be a positive integer, got {self.max_tokens_per_batch}")
         if self.max_eval_tokens_per_batch is not None and self.max_eval_tokens_per_batch <= 0:
-            raise ValueError(f"max_eval_tokens_per_batch must be positive, got {self.max_eval_tokens_per_batch}")
+            raise ConfigError(f"max_eval_tokens_per_batch must be positive, got {self.max_eval_tokens_per_batch}")
         if self.eval_max_examples is not None and self.eval_max_examples <= 0:
-            raise ValueError(f"eval_max_examples must be a positive integer, got {self.eval_max_examples}")
+            raise ConfigError(f"eval_max_examples must be a positive integer, got {self.eval_max_examples}")
         if self.stream_buffer_size < 1:
-            raise ValueError(f"stream_buffer_size must be a positive integer, got {self.stream_buffer_size}")
+            raise ConfigError(f"stream_buffer_size must be a positive integer, got {self.stream_buffer_size}")
         if self.fused_loss not in FUSED_LOSS_CHOICES:
-            raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
+            raise ConfigError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {self.fused_loss!r}")
         self.truncation = normalize_policy(self.truncation)
         check_mode(self.truncation_mode)
         if not isinstance(self.sequence_parallel_size, int) or self.sequence_parallel_size < 1:
-            raise ValueError(f"sequence_parallel_size must be a positive integer, got {self.sequence_parallel_size!r}")
+            raise ConfigError(f"sequence_parallel_size must be a positive integer, got {self.sequence_parallel_size!r}")
         if self.loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
+            raise ConfigError(f"loss_chunk_size must be >= 1, got {self.loss_chunk_size}")
         if self.padding_free_mode != "none" and self.packing:
-            raise ValueError(
+            raise ConfigError(
                 f"packing=True conflicts with padding_free_mode={self.padding_free_mode!r}: pf-trl batches whole "
                 "examples under a token budget instead of packing fixed-length blocks. Use --packing False (or "
                 "--padding_free False to let TRL pack)."
             )
         if self.padding_free_mode == "huggingface" and self.attention_backend not in ("auto", None):
-            raise ValueError(
+            raise ConfigError(
                 f"attention_backend={self.attention_backend!r} selects one of pf-trl's kernels and needs "
                 "--padding_free_mode internal"
             )

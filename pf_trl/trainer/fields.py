@@ -2,17 +2,18 @@
 
 pf-trl tokenizes raw rows and prepares tokenized rows before ``SFTTrainer.__init__`` runs (TRL is then told to skip
 its own preparation), so the fields TRL reads during preparation are applied here, the way TRL applies them:
-``chat_template_path`` (a Jinja file), ``model_init_kwargs`` (for a model given by name), ``shuffle_dataset``, and
-the loss-mask decisions for ``completion_only_loss`` / ``assistant_only_loss`` left unset (said in one log line each).
+``chat_template_path`` (a Jinja file), ``eos_token``, ``model_init_kwargs`` (for a model given by name); and the
+fields and checks of TRL's ``__init__`` that would act on what pf-trl has already done are hidden for its duration
+(:func:`hidden_from_trl`, :func:`admit_head_adapters`). ``shuffle_dataset`` and the loss-mask decisions are data
+preparation (:mod:`pf_trl.data.prepare`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
-logger = logging.getLogger("pf_trl.trainer")
+from pf_trl.errors import ConfigError
 
 _MODEL_INIT_KEYS = {"dtype", "torch_dtype", "attn_implementation"}
 
@@ -34,7 +35,7 @@ def apply_eos_token(args, processing_class) -> None:
     if token is None or processing_class is None or not hasattr(processing_class, "get_vocab"):
         return
     if token not in processing_class.get_vocab():
-        raise ValueError(f"eos_token={token!r} is not in the tokenizer's vocabulary; pass a token it has")
+        raise ConfigError(f"eos_token={token!r} is not in the tokenizer's vocabulary; pass a token it has")
     processing_class.eos_token = token
 
 
@@ -50,42 +51,6 @@ def model_build_kwargs(args) -> dict[str, Any]:
     if given.get("attn_implementation"):
         out["attn_implementation"] = given["attn_implementation"]
     return out
-
-
-def shuffle_once(dataset, args):
-    """``shuffle_dataset=True``: the prepared dataset shuffled once with ``seed``, as TRL's ``_prepare_dataset`` ends."""
-    if dataset is None or not getattr(args, "shuffle_dataset", False) or not hasattr(dataset, "shuffle"):
-        return dataset
-    import datasets
-
-    from pf_trl.data.mixture import mixture_of
-
-    if isinstance(dataset, datasets.IterableDataset) or mixture_of(dataset) is not None:
-        return dataset  # streamed rows; a mixture's rows are drawn at random by its sampler (its row ranges stay)
-    manifest = getattr(dataset, "pf_manifest", None)
-    shuffled = dataset.shuffle(seed=args.seed)
-    if manifest is not None:
-        shuffled.pf_manifest = manifest
-    return shuffled
-
-
-def say_mask_decisions(dataset, args, *, what: str, had_completion_mask: bool = False) -> None:
-    """One log line where an unset ``completion_only_loss`` / ``assistant_only_loss`` makes pf-trl's loss mask differ
-    from what TRL's default would train, so the divergence is never silent."""
-    manifest = getattr(dataset, "pf_manifest", None) or {}
-    source = manifest.get("source") or {}
-    masks = source.get("mask_columns") or []
-    if args.completion_only_loss is None and (had_completion_mask or "completion_mask" in masks):
-        logger.warning(
-            "pf-trl: %s: the completion_mask column is applied (loss on the completion only) because "
-            "completion_only_loss is unset; TRL would train the full sequence of these language-modeling rows. Pass "
-            "completion_only_loss=False for TRL's behaviour, True to silence this.", what)
-    if getattr(args, "assistant_only_loss", False) is None and source.get("input_format") in (
-            "messages", "sharegpt"):
-        logger.warning(
-            "pf-trl: %s: chat rows train on assistant turns only because assistant_only_loss is unset (pf-trl's "
-            "default); TRL's default (False) trains every token. Pass assistant_only_loss=False for that, True to "
-            "silence this.", what)
 
 
 @contextlib.contextmanager
@@ -117,3 +82,25 @@ def hidden_from_trl(args, active: bool, skip_prepare: bool = False):
     finally:
         for name, value in saved.items():
             setattr(args, name, value)
+
+
+@contextlib.contextmanager
+def admit_head_adapters(active: bool):
+    """Let SFTTrainer accept a PEFT adapter on ``lm_head`` while it initializes (pf-trl modes only).
+
+    TRL refuses one because its fused head reads ``lm_head.weight`` and would bypass the adapter; pf-trl's loss calls
+    the adapted head module itself (the ``module`` path), so the adapter trains. TRL's check is an ``isinstance``
+    against ``BaseTunerLayer`` in its module: it is pointed at a class nothing is an instance of, for the duration of
+    ``SFTTrainer.__init__`` only. The padded mode (``padding_free=False``) keeps TRL's refusal.
+    """
+    import trl.trainer.sft_trainer as sft_module
+
+    if not active or not hasattr(sft_module, "BaseTunerLayer"):
+        yield
+        return
+    original = sft_module.BaseTunerLayer
+    sft_module.BaseTunerLayer = type("_NoHeadAdapterCheck", (), {})
+    try:
+        yield
+    finally:
+        sft_module.BaseTunerLayer = original

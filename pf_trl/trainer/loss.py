@@ -25,18 +25,25 @@ head reads them: :func:`head_transform_from_config`). pf-trl computes the loss t
 Per-token terms then give the TRL objective: ``nll`` (``-log p(target)``), ``dft`` (``nll * p(target)``, the weight
 detached, as TRL), and label smoothing as transformers' ``LabelSmoother`` (``(1 - eps) * nll + eps * mean_v(-log p_v)``).
 :func:`router_aux_loss` is the MoE load-balancing loss over the real tokens of the row.
+
+:func:`install_pf_loss_forward` puts all of it behind the model's own forward (``model(..., pf_loss=True)``), which is
+how the trainer computes its loss; :func:`check_loss_options` refuses the loss options it cannot reproduce.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import types
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pf_trl.errors import ConfigError, ModelSupportError
 from pf_trl.packing import IGNORE_INDEX
 from pf_trl.sharding import full_shape, gathered_forward, is_zero3_partitioned
 
@@ -45,20 +52,20 @@ __all__ = [
     "LOSS_TYPES",
     "HeadPlan",
     "LossTerms",
-    "chunked_cross_entropy",
+    "PFLossOptions",
+    "aligned_supervised_positions",
+    "check_loss_options",
     "head_transform_from_config",
-    "linear_cross_entropy",
-    "plain_cross_entropy",
+    "install_pf_loss_forward",
     "plan_head",
     "probe_head",
     "resolve_fused_loss",
     "router_aux_loss",
-    "aligned_supervised_positions",
-    "supervised_positions",
     "supervised_loss_terms",
+    "supervised_positions",
 ]
 
-logger = logging.getLogger("pf_trl.loss")
+logger = logging.getLogger("pf_trl.trainer")  # the loss path is chosen while the trainer is built
 
 FUSED_LOSS_CHOICES = ("auto", "chunked", "liger", "none")
 LOSS_TYPES = ("nll", "dft")
@@ -140,13 +147,13 @@ def backbone_of(model) -> torch.nn.Module:
     """The module that maps ids to the last hidden state: ``model.base_model``, or, where that is the model itself
     (Llama 4, Mllama: ``base_model_prefix`` names a sub-model that is absent), its ``model`` attribute.
 
-    Raises ``ValueError`` when there is none, so the trainer refuses the model instead of crashing later."""
+    Raises :class:`~pf_trl.errors.ModelSupportError` (a ``ValueError``) when there is none, so the trainer refuses the model instead of crashing later."""
     backbone = model.base_model
     if backbone is model:
         inner = getattr(model, "model", None)
         if isinstance(inner, torch.nn.Module) and inner is not model:
             return inner
-        raise ValueError(
+        raise ModelSupportError(
             f"pf-trl cannot find the backbone of {type(model).__name__} (base_model_prefix "
             f"{model.base_model_prefix!r} names no sub-module), so it cannot compute the loss at the supervised "
             "positions only; train it padded (padding_free=False)"
@@ -186,10 +193,10 @@ def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, s
 def plan_head(model, *, label_smoothing: float = 0.0, probe: bool = True) -> HeadPlan:
     """Choose the loss path for ``model`` (linear | module | model, see the module docstring).
 
-    Raises ``ValueError`` when none reproduces the model's logits."""
+    Raises :class:`~pf_trl.errors.ModelSupportError` (a ``ValueError``) when none reproduces the model's logits."""
     head = model.get_output_embeddings()
     if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): pf-trl cannot compute its loss")
+        raise ModelSupportError(f"{type(model).__name__} has no output embeddings (lm_head): pf-trl cannot compute its loss")
     scale, softcap = head_transform_from_config(model.config)
     diff = probe_head(model, scale, softcap) if probe else None
     plan = _plan_from_probe(model, head, scale, softcap, diff, label_smoothing)
@@ -204,7 +211,7 @@ def _plan_from_probe(model, head, scale: float, softcap: float | None, diff: flo
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         if diff > tolerance:
             if not _accepts_logits_to_keep(model):
-                raise ValueError(
+                raise ModelSupportError(
                     f"pf-trl cannot reproduce the logits of {type(model).__name__} (its forward post-processes the "
                     f"head output in a way pf-trl does not know: relative difference {diff:.3g}), and its forward has "
                     "no logits_to_keep to run its own head on the supervised positions only. Train it with "
@@ -454,7 +461,7 @@ def terms_from_model_logits(logits: torch.Tensor, targets: torch.Tensor, *, with
 
 def _liger_terms(head, hidden, targets, plan: HeadPlan) -> LossTerms:
     if plan.path != "linear" or plan.scale != 1.0 or plan.softcap is not None:
-        raise ValueError(
+        raise ConfigError(
             "fused_loss='liger' (or use_liger_kernel) covers a plain linear head without logit scaling or "
             f"softcapping; this model's head needs {plan.reason!r}. Use fused_loss='chunked'."
         )
@@ -475,10 +482,10 @@ def objective_sum(terms: LossTerms, *, loss_type: str = "nll", label_smoothing: 
         # DFT (https://huggingface.co/papers/2508.05629): each token's loss weighted by its detached probability
         return (terms.nll * torch.exp(-terms.nll).detach()).sum()
     if loss_type != "nll":
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if label_smoothing > 0:
         if terms.smooth is None or not vocab_size:
-            raise ValueError("label smoothing needs the smoothing term and the vocabulary size")
+            raise ConfigError("label smoothing needs the smoothing term and the vocabulary size")
         # transformers' LabelSmoother: (1 - eps) * nll + eps * sum_v(-log p_v) / V, both over the same tokens
         return (1 - label_smoothing) * terms.nll.sum() + label_smoothing * terms.smooth.sum() / vocab_size
     return terms.nll.sum()
@@ -510,44 +517,7 @@ def router_aux_loss(model, router_logits, real_tokens: int | None, total_tokens:
     return func(router_logits, num_experts, top_k, mask)
 
 
-# ------------------------------------------------------------------------------------------- direct API
-
-
-def chunked_cross_entropy(hidden, weight, targets, bias=None, *, chunk_size: int = VOCAB_CHUNK,
-                          logit_scale: float = 1.0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of ``cross_entropy(transform(hidden @ weight.T + bias), targets)`` and the count of top-1 hits.
-
-    TRL's chunked log-prob kernel: ``hidden [N, H]`` (already shifted), ``weight [V, H]``, ``targets [N]`` without
-    -100; ``chunk_size`` vocabulary columns per tile. Never builds the ``[N, V]`` logits.
-    """
-    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0]:
-        raise ValueError(f"hidden must be [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    head = _LinearView(weight, bias)
-    plan = HeadPlan("linear", logit_scale, softcap)
-    if hidden.shape[0] == 0:
-        zero = (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
-        return zero, torch.zeros((), dtype=torch.int64, device=hidden.device)
-    terms = _fused_terms(head, hidden, targets, plan.scale, plan.softcap, chunk_size)
-    return terms.nll.sum(), terms.top1.sum()
-
-
-def plain_cross_entropy(hidden, weight, targets, bias=None, *, logit_scale: float = 1.0,
-                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference path: the full logits, fp32 cross-entropy (sum) and top-1 hits."""
-    logits = apply_head_transform(F.linear(hidden, weight, bias), logit_scale, softcap)
-    logits = logits.to(loss_dtype(logits.dtype))
-    loss = F.cross_entropy(logits, targets, reduction="sum")
-    correct = (logits.detach().argmax(-1) == targets).sum()
-    return loss, correct
-
-
-class _LinearView:
-    """A ``(weight, bias)`` pair with the attributes the fused path reads from a head."""
-
-    def __init__(self, weight, bias):
-        self.weight, self.bias = weight, bias
+# ------------------------------------------------------------------------------------------- choices
 
 
 def _liger_available(device: torch.device) -> bool:
@@ -563,21 +533,152 @@ def _liger_available(device: torch.device) -> bool:
 def resolve_fused_loss(choice: str, device: torch.device, *, use_liger_kernel: bool = False) -> str:
     """``auto`` -> ``liger`` when ``use_liger_kernel`` asks for it (CUDA + liger-kernel), else ``chunked``."""
     if choice not in FUSED_LOSS_CHOICES:
-        raise ValueError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {choice!r}")
+        raise ConfigError(f"fused_loss must be one of {FUSED_LOSS_CHOICES}, got {choice!r}")
     if choice == "auto":
         return "liger" if use_liger_kernel and _liger_available(device) else "chunked"
     if choice == "liger" and not _liger_available(device):
-        raise ValueError("fused_loss='liger' needs a CUDA device and `pip install liger-kernel`; use 'chunked' instead")
+        raise ConfigError("fused_loss='liger' needs a CUDA device and `pip install liger-kernel`; use 'chunked' instead")
     return choice
 
 
-def linear_cross_entropy(hidden, weight, targets, bias=None, *, impl: str = "chunked", chunk_size: int = VOCAB_CHUNK):
-    """Dispatch to ``chunked`` / ``none`` (plain) for a bare ``(weight, bias)``. Returns ``(loss_sum, correct)``."""
-    if impl == "chunked":
-        return chunked_cross_entropy(hidden, weight, targets, bias, chunk_size=chunk_size)
-    if impl == "none":
-        return plain_cross_entropy(hidden, weight, targets, bias)
-    if impl == "liger":
-        terms = _liger_terms(_LinearView(weight, bias), hidden, targets, HeadPlan("linear"))
-        return terms.nll.sum(), torch.full((), -1, dtype=torch.int64, device=hidden.device)
-    raise ValueError(f"unknown cross-entropy implementation {impl!r}")
+# ------------------------------------------------------------------------------------------- the model's forward
+
+
+@dataclass
+class PFLossOptions:
+    """What the ``pf_loss=True`` forward computes: the loss path (``impl``: chunked | none | liger), the token chunk of
+    the ``module`` path, TRL's ``loss_type`` and the label smoothing factor."""
+
+    impl: str = "chunked"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    loss_type: str = "nll"
+    label_smoothing: float = 0.0
+
+
+def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                            options: PFLossOptions | None = None, probe: bool = True) -> HeadPlan:
+    """Give ``model.forward`` a ``pf_loss=True`` path: backbone -> supervised positions -> the model's own objective.
+
+    Returns the :class:`HeadPlan` (how the logits are reproduced). The patched forward returns
+    ``{"loss_sum", "num_tokens", "correct", "aux_loss"}``: the sum over supervised tokens of the per-token objective,
+    their count, top-1 hits, and the MoE load-balancing loss over the real tokens (``None`` unless the config sets
+    ``output_router_logits``). Going through ``model.forward`` (not ``model.model``) keeps DDP/FSDP wrappers and
+    ZeRO-3 hooks in the loop; other calls use the previous forward (generation is unchanged). ``model`` is the
+    transformers model itself (PEFT's base model: adapters live inside its modules).
+    """
+    options = options or PFLossOptions(impl=impl, chunk_size=chunk_size)
+    plan = plan_head(model, label_smoothing=options.label_smoothing, probe=probe)
+    logger.info("pf-trl: loss path %s (%s)", plan.path, plan.reason)
+    with_smooth = options.loss_type == "nll" and options.label_smoothing > 0
+    text_config = model.config.get_text_config()
+    vocab_size = int(getattr(text_config, "vocab_size", 0) or full_shape(model.get_output_embeddings().weight)[0])
+    previous = model.forward
+    backbone = backbone_of(model)
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, pf_loss: bool = False, pf_real_tokens: int | None = None, **kwargs):
+        if not pf_loss:
+            return previous(*args, **kwargs)
+        labels = kwargs.pop("labels", None)
+        shift_labels = kwargs.pop("shift_labels", None)  # sequence parallel: targets already aligned (no shift)
+        if (labels is None) == (shift_labels is None):
+            raise ConfigError("the pf_loss forward needs exactly one of labels / shift_labels")
+        kwargs.pop("num_items_in_batch", None)
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        if plan.path == "model":
+            # the model's own head and post-processing, only at the supervised positions
+            if shift_labels is not None:
+                keep = shift_labels != -100
+            else:
+                keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+                keep[:, :-1] = labels[:, 1:] != -100
+            out = previous(*args, logits_to_keep=keep, **kwargs)
+        else:
+            out = backbone(*args, **kwargs)
+        return _objective(self, out, labels, plan, options, with_smooth=with_smooth, vocab_size=vocab_size,
+                          with_router=bool(kwargs.get("output_router_logits")), pf_real_tokens=pf_real_tokens,
+                          shift_labels=shift_labels)
+
+    model.forward = types.MethodType(forward, model)
+    return plan
+
+
+def check_loss_options(args) -> None:
+    """Refuse the combinations of SFTTrainer loss options pf-trl cannot reproduce on packed rows, naming each (single
+    fields are refused by :func:`pf_trl.trainer.parity.check_config`)."""
+    loss_type = getattr(args, "loss_type", "nll")
+    if loss_type not in LOSS_TYPES:
+        raise ConfigError(f"loss_type={loss_type!r} is not supported with padding_free (supported: {', '.join(LOSS_TYPES)})")
+    if loss_type == "dft" and getattr(args, "label_smoothing_factor", 0.0) > 0:
+        raise ConfigError(
+            "label_smoothing_factor with loss_type='dft': TRL applies no smoothing to the DFT loss (it would be ignored "
+            "in silence). Set label_smoothing_factor=0 or loss_type='nll'."
+        )
+    liger_config = getattr(args, "liger_kernel_config", None) or {}
+    if getattr(args, "use_liger_kernel", False) and args.fused_loss not in ("auto", "liger"):
+        raise ConfigError(f"use_liger_kernel=True asks for Liger's fused cross-entropy, but fused_loss={args.fused_loss!r}")
+    if liger_config.get("fused_linear_cross_entropy"):
+        raise ConfigError('liger_kernel_config={"fused_linear_cross_entropy": True} replaces the model forward; use '
+                         "fused_loss='liger' for Liger's fused cross-entropy on the supervised positions")
+
+
+@torch.compiler.disable(reason="data-dependent gather of supervised positions and a chunk loop over them")
+def _objective(model, out, labels, plan: HeadPlan, options: PFLossOptions, *, with_smooth: bool, vocab_size: int,
+               with_router: bool, pf_real_tokens: int | None, shift_labels=None) -> dict[str, Any]:
+    """The objective after the backbone (or the model's own head): runs eagerly under torch.compile (one intended
+    graph break after the backbone), since the number of supervised tokens changes every step and a traced gather +
+    chunk loop would recompile each step."""
+    if shift_labels is not None:
+        index, targets = aligned_supervised_positions(shift_labels)
+        labels = shift_labels
+    else:
+        index, targets = supervised_positions(labels)
+    if plan.path == "model":
+        terms = terms_from_model_logits(out.logits, targets.to(out.logits.device), with_smooth=with_smooth)
+    else:
+        head = model.get_output_embeddings()
+        hidden = out.last_hidden_state
+        device = head.weight.device
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index.to(hidden.device)).to(device)
+        terms = supervised_loss_terms(head, selected, targets.to(device), plan, impl=options.impl,
+                                      chunk_size=options.chunk_size, with_smooth=with_smooth)
+    router_logits = getattr(out, "router_logits", None)
+    loss_sum = objective_sum(terms, loss_type=options.loss_type, label_smoothing=options.label_smoothing,
+                             vocab_size=vocab_size)
+    aux = None
+    if with_router and router_logits is not None and len(router_logits) > 0:  # no MoE layer: no aux loss
+        aux = router_aux_loss(model, router_logits, pf_real_tokens, labels.shape[-1])
+    correct = terms.top1.sum() if options.impl != "liger" else torch.full((), -1, dtype=torch.int64)
+    return {"loss_sum": loss_sum, "num_tokens": targets.new_tensor(targets.numel()), "correct": correct,
+            "aux_loss": aux}
+
+
+# ------------------------------------------------------------------------------------------- the trainer's divisor
+
+
+def loss_divisor(trainer, num_items_in_batch, n_tok, device) -> torch.Tensor:
+    """The loss divisor of a micro-batch: the step's supervised tokens (all ranks, divided by the world size since
+    DDP averages gradients), or this micro-batch's when transformers passes none."""
+    if num_items_in_batch is None:
+        return n_tok.to(device).clamp(min=1)
+    divisor = torch.as_tensor(num_items_in_batch, device=device).clamp(min=1)
+    if trainer.args.average_tokens_across_devices and trainer.args.world_size > 1:
+        divisor = divisor / trainer.accelerator.num_processes
+    return divisor
+
+
+def custom_loss(trainer, model, inputs, return_outputs: bool, num_items_in_batch):
+    """``compute_loss_func`` as TRL calls it: the model's own outputs (full logits of the packed ``[1, T]`` row,
+    position_ids restarting per example) and the row's labels (-100 at each example's first token)."""
+    labels = inputs["labels"]
+    outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
+    loss = trainer.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+    args = trainer.args
+    if args.average_tokens_across_devices and num_items_in_batch is not None and args.world_size > 1:
+        loss = loss * trainer.accelerator.num_processes
+    if not trainer.model.training:
+        n_tok = int((labels[:, 1:] != -100).sum())
+        trainer._pf_eval_add(loss.detach().float() * n_tok, n_tok)
+    return (loss, outputs) if return_outputs else loss

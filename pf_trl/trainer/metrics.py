@@ -236,10 +236,13 @@ class TokenMeter:
         self._current_step = 0
 
 
-_SUM_KEYS = ("real", "processed", "supervised", "sum_sq", "correct", "scored", "examples")
+# the counters of TokenMeter that are summed over ranks at logging time, in the order reduce_across_ranks sends them
+SUM_KEYS = ("real", "processed", "supervised", "sum_sq", "correct", "scored", "examples")
 
 
-def _reduce(values: list[float], device, op: str = "sum") -> list[float]:
+def reduce_across_ranks(values: list[float], device, op: str = "sum") -> list[float]:
+    """``values`` summed (``op="sum"``) or maxed (``"max"``) over the ranks of the process group, as floats; the
+    values themselves in a single process."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not values:
@@ -247,87 +250,3 @@ def _reduce(values: list[float], device, op: str = "sum") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.tolist()
-
-
-class TokenAccountingMixin:
-    """Mix into a (SFT)Trainer before it: counts tokens in ``compute_loss`` and reports them through
-    :class:`~pf_trl.trainer.callbacks.TokenMetricsCallback` (honest keys in the logs, token-weighted eval loss).
-    Used by :class:`~pf_trl.trainer.PaddingFreeSFTTrainer` and by the bench's padded / TRL baselines
-    (:class:`MeasuredSFTTrainer`), so every mode is measured by the same code.
-
-    Besides ``compute_loss`` (a documented override point) it overrides one private Trainer method,
-    ``_track_num_input_tokens``, and swaps the class of ``_memory_tracker``; docs/training.md says why.
-    """
-
-    def _pf_init_metrics(self) -> None:
-        from pf_trl.trainer.callbacks import TokenMetricsCallback
-
-        device = self.args.device
-        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        if getattr(self.args, "bf16", False):
-            dtype = torch.bfloat16
-        elif getattr(self.args, "fp16", False):
-            dtype = torch.float16
-        peak = getattr(self.args, "peak_tflops", None)
-        self.pf_metrics = TokenMetricsCallback(model_flop_params(self.model),
-                                               float(peak) if peak else detect_peak_tflops(device, dtype))
-        # first in the list: the printer and the reporting integrations then log the keys it adds
-        self.callback_handler.callbacks.insert(0, self.pf_metrics)
-        # transformers' tracker busy-polls RSS in a thread; keep its keys, drop the busy loop
-        tracker = getattr(self, "_memory_tracker", None)
-        if tracker is not None and type(tracker) is TrainerMemoryTracker:
-            tracker.__class__ = LightMemoryTracker  # keeps the init-stage numbers it already holds
-
-    @property
-    def _pf_meter(self) -> TokenMeter:
-        return self.pf_metrics.meter
-
-    # ------------------------------------------------------------------ counting
-
-    def _pf_observe(self, inputs: dict[str, Any]) -> None:
-        real = inputs.pop(REAL_TOKENS_KEY, None)
-        if isinstance(real, torch.Tensor):
-            real = int(real)
-        if self.model.training:
-            self._pf_meter.observe(inputs, real)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._pf_observe(inputs)
-        training = self.model.training
-        labels = inputs.get("labels")
-        count = int((labels[..., 1:] != IGNORE_INDEX).sum()) if (not training and isinstance(labels, torch.Tensor)) else 0
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if not training and num_items_in_batch is None:
-            loss = result[0] if isinstance(result, tuple) else result
-            self._pf_eval_add(loss.detach().float() * count, count)
-        return result
-
-    def _pf_eval_add(self, loss_sum: torch.Tensor, count: int) -> None:
-        self.pf_metrics.add_eval(loss_sum, count)
-
-    def _track_num_input_tokens(self, inputs):
-        # private Trainer method, no public hook: transformers counts a packed row's pad segment ("all") or any
-        # token equal to the pad id ("non_padding"); num_input_tokens_seen counts real tokens here in both modes
-        if self.args.include_num_input_tokens_seen == "no":
-            return
-        t = torch.tensor(self._pf_meter.last_real, device=self.args.device, dtype=torch.int64)
-        self.state.num_input_tokens_seen += int(self.accelerator.gather(t).sum().item())
-
-
-def _measured_sft_trainer_cls():
-    from trl import SFTTrainer
-
-    class MeasuredSFTTrainer(TokenAccountingMixin, SFTTrainer):
-        """Stock TRL SFTTrainer (padded or TRL padding-free) measured by the same code as pf-trl."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._pf_init_metrics()
-
-    return MeasuredSFTTrainer
-
-
-def __getattr__(name):
-    if name == "MeasuredSFTTrainer":
-        return _measured_sft_trainer_cls()
-    raise AttributeError(name)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import warnings
 
+from pf_trl.errors import ConfigError
+
 PADDING_FREE_MODES = ("huggingface", "internal", "none")
 DEFAULT_MODE = "huggingface"  # what padding_free=True (or unset) trains
 _TRUE = ("true", "yes", "t", "y", "1", "on")
@@ -52,12 +54,12 @@ def resolve_padding_free(padding_free, mode, *, stacklevel: int = 2) -> tuple[bo
     if mode is not None:
         text = str(mode).strip().lower()
         if text not in PADDING_FREE_MODES:
-            raise ValueError(f"padding_free_mode must be one of {', '.join(PADDING_FREE_MODES)}, got {mode!r}")
+            raise ConfigError(f"padding_free_mode must be one of {', '.join(PADDING_FREE_MODES)}, got {mode!r}")
         mode = text
     alias = legacy_mode(padding_free)
     if alias is not None:
         if mode is not None and mode != alias:
-            raise ValueError(
+            raise ConfigError(
                 f"padding_free={padding_free!r} (the old spelling of padding_free_mode={alias!r}) conflicts with "
                 f"padding_free_mode={mode!r}: pass padding_free_mode alone")
         warnings.warn(deprecation_message(alias), FutureWarning, stacklevel=stacklevel + 1)
@@ -67,12 +69,12 @@ def resolve_padding_free(padding_free, mode, *, stacklevel: int = 2) -> tuple[bo
         return mode != "none", mode
     switch = as_bool(padding_free)
     if switch is None:
-        raise ValueError(f"padding_free must be one of True, False (TRL's switch) or, deprecated, a mode of "
+        raise ConfigError(f"padding_free must be one of True, False (TRL's switch) or, deprecated, a mode of "
                          f"padding_free_mode ({', '.join(PADDING_FREE_MODES)}), got {padding_free!r}")
     if mode is None:
         return switch, DEFAULT_MODE if switch else "none"
     if switch != (mode != "none"):
         what = "padding-free" if switch else "padded (TRL's path)"
-        raise ValueError(f"padding_free={switch} trains {what} but padding_free_mode={mode!r} trains "
+        raise ConfigError(f"padding_free={switch} trains {what} but padding_free_mode={mode!r} trains "
                          f"{'padded' if mode == 'none' else 'padding-free'}: pass one of them")
     return switch, mode
