@@ -179,13 +179,13 @@ def test_submit_is_idempotent_and_bounded(store_settings):
 
 
 def _request(settings, src: Path):
+    from pf_trl.data.pretokenize import source_fingerprint
     from pf_trl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from preprocess_service.submit import content_sha256
 
     tok = load_tokenizer()
     from pf_trl.data.pretokenize import PretokenizeConfig
 
-    return {"source_path": str(src), "source_size": src.stat().st_size, "source_sha256": content_sha256(src),
+    return {"source_path": str(src), "source_size": src.stat().st_size, "source_sha256": source_fingerprint(src),
             "tokenizer": "pf-trl/mistral-7b-v0.1", "tokenizer_sha256": tokenizer_fingerprint(tok)["sha256"],
             "options": PretokenizeConfig().to_dict()}
 
@@ -195,7 +195,8 @@ def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch
     import shutil
 
     import pf_trl.data.pretokenize as pt
-    from preprocess_service.worker import _TokenizerCache, run_job
+    from pf_trl.data.tokenizer import TokenizerCache
+    from preprocess_service.worker import run_job
 
     settings, store = store_settings
     other = settings.datasets_dir / ("0" * 32)
@@ -215,7 +216,7 @@ def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch
         assert real is not full_disk
     else:
         settings.min_free_bytes = 1 << 62
-    assert run_job(settings, store, job, _TokenizerCache(), os.getpid()) == "failed"
+    assert run_job(settings, store, job, TokenizerCache(), os.getpid()) == "failed"
     row = store.get("f" * 32)
     assert row["state"] == "failed" and row["error_type"] == "disk_full"
     assert "disk full" in row["error"] and "free space" in row["error"]
