@@ -23,37 +23,24 @@ from preprocess_service.submit import Submitter
 from preprocess_service.views import DatasetViews
 
 
-def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+def state_dependency(name: str):
+    """A dependency answering ``app.state.<name>`` (override it with ``app.dependency_overrides[get_<name>]``)."""
+
+    def dependency(request: Request):
+        return getattr(request.app.state, name)
+
+    dependency.__name__ = f"get_{name}"
+    return dependency
 
 
-def get_store(request: Request) -> JobStore:
-    return request.app.state.store
-
-
-def get_submitter(request: Request) -> Submitter:
-    return request.app.state.submitter
-
-
-def get_supervisor(request: Request) -> Supervisor:
-    return request.app.state.supervisor
-
-
-def get_preflight(request: Request) -> PreflightPool:
-    return request.app.state.preflight
-
-
-def get_integrity(request: Request) -> DatasetIntegrity:
-    return request.app.state.integrity
-
-
-def get_metrics(request: Request) -> ServiceMetrics:
-    return request.app.state.metrics
-
-
-def get_views(request: Request) -> DatasetViews:
-    return request.app.state.views
-
+get_settings = state_dependency("settings")
+get_store = state_dependency("store")
+get_submitter = state_dependency("submitter")
+get_supervisor = state_dependency("supervisor")
+get_preflight = state_dependency("preflight")
+get_integrity = state_dependency("integrity")
+get_metrics = state_dependency("metrics")
+get_views = state_dependency("views")
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[JobStore, Depends(get_store)]

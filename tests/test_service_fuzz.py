@@ -11,8 +11,8 @@ schemathesis = pytest.importorskip("schemathesis", reason="pip install schemathe
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
     negative_data_rejection,
@@ -28,7 +28,8 @@ TOKEN = "fuzz-token"
 # A schema-invalid body may be rejected for its size before its fields are read: an over-long chat_template past
 # --max-body-bytes is a 413 (Content Too Large), a rejection as much as the default statuses (schemathesis' list).
 REJECTION_STATUSES = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
-CONFIG = SchemathesisConfig.from_dict({"checks": {"negative_data_rejection": {"expected-statuses": REJECTION_STATUSES}}})
+CONFIG = SchemathesisConfig.from_dict(
+    {"checks": {"negative_data_rejection": {"expected-statuses": REJECTION_STATUSES}}})
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
