@@ -2,7 +2,7 @@
 
 import sys
 
-from pf_trl.cli.serve import main
+from preprocess_service.serve import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -10,12 +10,11 @@ training from the dataset id draws the same batches as training from the equival
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from preprocess_service.build import ensure_free_space, ensure_source_unchanged, progress_reporter, tokenizer_for
 from preprocess_service.schemas import MixtureRequest
 from preprocess_service.security import ServiceError
 
@@ -24,13 +23,10 @@ ID_KIND = "mixture"
 
 def mixture_id(parts: list[dict[str, Any]], tokenizer_sha256: str, rule: dict[str, Any]) -> str:
     """Content address of a mixture: every source's bytes, options, weight and name, the tokenizer, the rule."""
-    from pf_trl.data.shards import FORMAT_VERSION
-    from preprocess_service.submit import ID_VERSION
+    from preprocess_service.submit import content_address
 
-    key = {"id_version": ID_VERSION, "format_version": FORMAT_VERSION, "kind": ID_KIND, "tokenizer_sha256":
-           tokenizer_sha256, "rule": rule, "sources": [{k: p[k] for k in ("name", "source_sha256", "options", "weight")}
-                                                        for p in parts]}
-    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    return content_address({"kind": ID_KIND, "tokenizer_sha256": tokenizer_sha256, "rule": rule, "sources": [
+        {k: p[k] for k in ("name", "source_sha256", "options", "weight")} for p in parts]})
 
 
 def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], bool]:
@@ -38,7 +34,6 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
     from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
     from pf_trl.data.shards import is_shards_dir
     from preprocess_service.schemas import DatasetRequest
-    from preprocess_service.uploads import touch
 
     tok_name, fingerprint = submitter.tokenizer(request.tokenizer)
     parts, configs = [], []
@@ -50,9 +45,9 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
             raise ServiceError(422, "Unprocessable Content", f"sources[{i}].options: {exc}", kind="invalid-options",
                                field=f"sources.{i}.options") from exc
         path, shown = submitter.resolve_source(DatasetRequest(source=spec.source))
-        sha, size = submitter.source_sha(path)
+        sha, size, stat = submitter.source_sha(path)
         parts.append({"name": name, "source_path": str(path), "source_shown": shown, "source_sha256": sha,
-                      "source_size": size, "options": config.to_dict(), "weight": spec.weight})
+                      "source_size": size, "source_stat": stat, "options": config.to_dict(), "weight": spec.weight})
         configs.append((path, shown, config))
     rule = request.mixture.model_dump()
     job_id = mixture_id(parts, fingerprint["sha256"], rule)
@@ -70,9 +65,6 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
     def stands(row: dict[str, Any]) -> bool:
         return row["state"] != "succeeded" or is_shards_dir(submitter.settings.datasets_dir / job_id)
 
-    for path, shown, _ in configs:
-        if shown.get("upload_id"):
-            touch(path)  # named by a POST: the upload's expiry starts over
     with submitter._lock(job_id):
         row = submitter.store.get(job_id)
         if submitter.integrity is not None:
@@ -93,35 +85,26 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
 
 def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any], tokenizers, work: Path,
                   abandon: threading.Event | None) -> dict[str, Any]:
-    """Tokenize every source into ``work/parts``, then write the mixture to ``work/out``; returns its manifest."""
+    """Tokenize every source into ``work/parts``, then write the mixture to ``work/out``; returns its manifest.
+    Checked first, like a single source: free space for all the sources, each source and the tokenizer unchanged."""
     from pf_trl.data.data_config import DataConfig, MixtureSource
     from pf_trl.data.mixture import load_mixture, write_mixture_shards
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
-    from pf_trl.data.tokenizer import tokenizer_fingerprint
-    from preprocess_service.submit import content_sha256
-    from preprocess_service.worker import JobAbandoned, JobError
 
-    tok = tokenizers.get(request["tokenizer"])
-    if tokenizer_fingerprint(tok)["sha256"] != request["tokenizer_sha256"]:
-        raise JobError("invalid_data", f"tokenizer {request['tokenizer']} changed after the request was accepted; "
-                       "POST again to get the new dataset id")
     parts = request["sources"]
+    ensure_free_space(settings, sum(p["source_size"] for p in parts))
+    tok = tokenizer_for(tokenizers, request)
+    for part in parts:
+        ensure_source_unchanged(Path(part["source_path"]), part["source_sha256"], part.get("source_stat"),
+                                f"source {part['name']!r} ({part['source_path']})")
     total = request.get("rows_total") or 0
     done_rows = done_tokens = 0
     sources = []
     for i, part in enumerate(parts):
-        source = Path(part["source_path"])
-        if not source.exists() or content_sha256(source) != part["source_sha256"]:
-            raise JobError("invalid_data", f"source {part['name']!r} ({source}) changed or disappeared after the "
-                           "request was accepted; POST again to get the new id")
-
-        def on_progress(rows_done: int, rows_total: int, tokens_done: int, base=(done_rows, done_tokens)) -> None:
-            if not store.progress(job_id, pid, base[0] + rows_done, total or None, base[1] + tokens_done) or (
-                    abandon and abandon.is_set()):
-                raise JobAbandoned(job_id)
-
+        on_progress = progress_reporter(store, job_id, pid, abandon, delay_s=settings.debug_progress_delay_s,
+                                        base=(done_rows, done_tokens), total=total)
         out = work / "parts" / f"part-{i}"
-        manifest = pretokenize(source, out, PretokenizeConfig(**part["options"]), tokenizer=tok,
+        manifest = pretokenize(Path(part["source_path"]), out, PretokenizeConfig(**part["options"]), tokenizer=tok,
                                num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
                                source_fingerprint_value=part["source_sha256"], limits=settings.limits())
         done_rows += manifest["counts"]["source_rows"]
@@ -136,14 +119,3 @@ def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any
         record["data_paths"] = [part["source_shown"].get("path") or f"upload {part['source_shown'].get('upload_id')}"]
         record["shards"] = None
     return write_mixture_shards(mixture, work / "out", shard_size=PretokenizeConfig(**parts[0]["options"]).shard_size)
-
-
-def publish_to(work: Path, target: Path) -> None:
-    """Move the finished mixture into place (an identical dataset published meanwhile is fine)."""
-    from pf_trl.data.shards import is_shards_dir
-
-    try:
-        os.rename(work / "out", target)
-    except OSError:
-        if not is_shards_dir(target):
-            raise

@@ -54,25 +54,24 @@ def _unprocessable(field: str, detail: str, kind: str) -> _Refusal:
     return _Refusal(422, kind, field, detail)
 
 
+HEAD_SUFFIXES = (".json", ".jsonl", ".parquet")
+"""Source formats whose first rows the preflight cuts out and tokenizes (a CSV is checked by the job)."""
+
 class _Sandbox:
     """Request handlers; tokenizers are cached per name and the status of their files."""
 
     def __init__(self, scratch: Path):
+        from pf_trl.data.tokenizer import TokenizerCache
+
         self.scratch = scratch
-        self._tokenizers: dict[str, tuple[tuple, Any]] = {}
+        self._tokenizers = TokenizerCache()
 
     def _tokenizer(self, name: str):
-        from pf_trl.data.tokenizer import TokenizerLoadError, load_tokenizer
+        from pf_trl.data.tokenizer import TokenizerLoadError
 
-        folder = Path(name)
-        key = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())
-                    if p.is_file()) if folder.is_dir() else ("embedded",)
-        hit = self._tokenizers.get(name)
-        if hit is not None and hit[0] == key:
-            return hit[1]
         shown = name
         try:
-            tok = load_tokenizer(name)  # local files only, trust_remote_code=False
+            return self._tokenizers.get(name)  # local files only, trust_remote_code=False
         except TokenizerLoadError as exc:
             if "trust_remote_code" in str(exc) or "custom code" in str(exc):
                 raise _unprocessable("tokenizer", f"tokenizer: {shown!r} needs custom (remote) code, which this "
@@ -82,13 +81,10 @@ class _Sandbox:
         except Exception as exc:
             raise _unprocessable("tokenizer", f"tokenizer: could not load {shown!r} from local files without remote "
                                  f"code ({type(exc).__name__}: {str(exc)[:300]})", "unknown-tokenizer") from exc
-        self._tokenizers[name] = (key, tok)
-        return tok
 
     def op_tokenizer(self, req: dict[str, Any]) -> dict[str, Any]:
-        from pf_trl.data.tokenizer import tokenizer_fingerprint
-
-        return {"fingerprint": tokenizer_fingerprint(self._tokenizer(req["name"]))}
+        self._tokenizer(req["name"])  # loaded (or refused with the reason) first
+        return {"fingerprint": self._tokenizers.fingerprint(req["name"])}
 
     def op_identify(self, req: dict[str, Any]) -> dict[str, Any]:
         from pf_trl.data.pretokenize import source_fingerprint
@@ -117,7 +113,7 @@ class _Sandbox:
             raise _unprocessable("source", f"source {shown}: {exc}", "invalid-data") from exc
         rows_total = count_rows(path, deadline=time.monotonic() + float(req.get("count_s", 20.0)))
         suffix = path.suffix.lower()
-        if n <= 0 or path.is_dir() or suffix not in (".json", ".jsonl", ".parquet"):
+        if n <= 0 or path.is_dir() or suffix not in HEAD_SUFFIXES:
             return {"rows_total": rows_total}
         tok = self._tokenizer(req["tokenizer"])
         work = self.scratch / f"preflight-{uuid.uuid4().hex}"

@@ -11,13 +11,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from pf_trl.data.options import for_service, option_specs, option_type
+from pf_trl.data.pretokenize import SOURCE_SUFFIXES
 from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_BASE = "https://pf-trl.dev/problems/"  # identifiers only; documented in docs/service.md
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-UPLOAD_ID_PATTERN = r"^[0-9a-f]{64}\.(jsonl|json|parquet|csv)$"
+UPLOAD_FORMATS = tuple(suffix.lstrip(".") for suffix in SOURCE_SUFFIXES)
+"""What an upload may be read as: the data file suffixes pf-trl reads (:data:`pf_trl.data.pretokenize.SOURCE_SUFFIXES`)."""
+UPLOAD_ID_PATTERN = rf"^[0-9a-f]{{64}}\.({'|'.join(UPLOAD_FORMATS)})$"
 MAX_MIXTURE_SOURCES = 16
 
 
@@ -248,7 +251,7 @@ class UploadInfo(BaseModel):
     upload_id: str
     sha256: str
     size_bytes: int
-    format: Literal["jsonl", "json", "parquet", "csv"]
+    format: Literal[UPLOAD_FORMATS]  # type: ignore[valid-type]
     last_used_unix: float | None = Field(None, description="uploaded, or last named by a POST /v1/datasets")
     expires_unix: float | None = Field(None, description="deleted after this time unless used again (null: never)")
 

@@ -26,33 +26,24 @@ from preprocess_service.schemas import DatasetRequest
 from preprocess_service.security import ServiceError, confine
 from preprocess_service.settings import Settings
 from preprocess_service.uploads import touch
+from pf_trl.data.pretokenize import SOURCE_SUFFIXES
 
 ID_VERSION = 1
 EMBEDDED_NAMES = ("pf-trl/mistral-7b-v0.1", "default")
-SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+
+def content_address(key: dict[str, Any]) -> str:
+    """A job id: sha256 (first 32 hex digits) of the canonical JSON of everything that makes the dataset
+    (with the id and shards format versions, so a format change never reuses an old dataset)."""
+    from pf_trl.data.shards import FORMAT_VERSION
+
+    key = {"id_version": ID_VERSION, "format_version": FORMAT_VERSION, **key}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
 def dataset_id(source_sha256: str, tokenizer_sha256: str, options: dict[str, Any]) -> str:
     """Content address: sha256 of the source bytes' hash, the tokenizer identity and every option."""
-    from pf_trl.data.shards import FORMAT_VERSION
-
-    key = {"id_version": ID_VERSION, "format_version": FORMAT_VERSION, "source_sha256": source_sha256,
-           "tokenizer_sha256": tokenizer_sha256, "options": options}
-    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
-
-
-def content_sha256(path: Path) -> str:
-    """sha256 of a file's bytes (its name is not part of it: an upload and a path with the same bytes are
-    the same source); a directory: ``pretokenize.source_fingerprint`` (relative paths + bytes)."""
-    from pf_trl.data.pretokenize import source_fingerprint
-
-    if Path(path).is_dir():
-        return source_fingerprint(path)
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return content_address({"source_sha256": source_sha256, "tokenizer_sha256": tokenizer_sha256, "options": options})
 
 
 def _unprocessable(field: str, detail: str, kind: str = "invalid-request") -> ServiceError:
@@ -60,11 +51,13 @@ def _unprocessable(field: str, detail: str, kind: str = "invalid-request") -> Se
 
 
 class Submitter:
-    def __init__(self, settings: Settings, store: JobStore, preflight: PreflightPool):
+    """What a POST runs before it queues a job: the checks, the source's hash and the tokenizer's fingerprint."""
+
+    def __init__(self, settings: Settings, store: JobStore, preflight: PreflightPool, integrity=None):
         self.settings, self.store, self.preflight_pool = settings, store, preflight
-        self.integrity = None  # a preprocess_service.integrity.DatasetIntegrity, set by the app
-        self._tok_cache: dict[tuple, dict[str, Any]] = {}
-        self._sha_cache: dict[tuple, tuple[str, int]] = {}
+        self.integrity = integrity  # a preprocess_service.integrity.DatasetIntegrity: corrupt datasets are rebuilt
+        self._fingerprints: dict[str, tuple[tuple, dict[str, Any]]] = {}  # computed in the sandbox, by files' status
+        self._sha_cache: dict[str, tuple[list, str, int]] = {}
         self._lock = KeyedLocks()
 
     # ----------------------------------------------------------------------------------- source
@@ -77,12 +70,14 @@ class Submitter:
                                    "POST the file to /v1/uploads first and use the upload_id it returns",
                                    kind="unknown-upload", field="source.upload_id")
             shown = {"upload_id": spec.upload_id}
+            touch(path)  # named by a POST: the upload's expiry starts over (before its status is taken for the hash)
         else:
             path = confine(spec.path, self.settings.data_roots, field="source.path")
             shown = {"path": str(path)}
-            if path.is_file() and path.suffix.lower() not in SUFFIXES:
+            if path.is_file() and path.suffix.lower() not in SOURCE_SUFFIXES:
                 raise _unprocessable("source.path", f"source.path: {path.name!r} has suffix {path.suffix!r}; "
-                                     f"supported: {', '.join(SUFFIXES)} or a `save_to_disk` folder", "invalid-source")
+                                     f"supported: {', '.join(SOURCE_SUFFIXES)} or a `save_to_disk` folder",
+                                     "invalid-source")
         if spec.upload_id is None:
             self._refuse_hardlinks(path, "source.path")
         if path.is_file() and path.stat().st_size == 0:
@@ -106,23 +101,26 @@ class Submitter:
                                    "instead (or start the service with --allow-hardlinks if every writer of the "
                                    "data roots is trusted)", kind="path-forbidden", field=field)
 
-    def source_sha(self, path: Path) -> tuple[str, int]:
-        """Content hash and size: a file's bytes streamed here (read, never parsed); a ``save_to_disk`` folder's
-        in the sandbox, which first checks that every data file its state.json names lies inside it."""
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns, f.stat().st_ino) for f in files]
-        key = (str(path), tuple(stats))
-        hit = self._sha_cache.get(key)
-        if hit is None:
+    def source_sha(self, path: Path) -> tuple[str, int, list]:
+        """Content hash, size and the files' status when hashed (:func:`pf_trl.data.integrity.content_stat`: the
+        worker hashes again only if it changed): a file's bytes streamed here (read, never parsed); a
+        ``save_to_disk`` folder's in the sandbox, which first checks that every data file its state.json names lies
+        inside it. Kept while the status is unchanged."""
+        from pf_trl.data.integrity import content_stat
+        from pf_trl.data.pretokenize import source_fingerprint
+
+        stat = content_stat(path)
+        hit = self._sha_cache.get(str(path))
+        if hit is None or hit[0] != stat:
             if path.is_dir():
                 answer = self._sandbox({"op": "identify", "path": str(path)}, what=f"source {path}")
-                hit = (answer["sha256"], int(answer["size"]))
+                sha, size = answer["sha256"], int(answer["size"])
             else:
-                hit = (content_sha256(path), stats[0][1])
+                sha, size = source_fingerprint(path), stat[0][1]
             if len(self._sha_cache) > 1024:
                 self._sha_cache.clear()
-            self._sha_cache[key] = hit
-        return hit
+            hit = self._sha_cache[str(path)] = (stat, sha, size)
+        return hit[1], hit[2], stat
 
     def _sandbox(self, request: dict[str, Any], *, what: str) -> dict[str, Any]:
         try:
@@ -136,10 +134,10 @@ class Submitter:
     # -------------------------------------------------------------------------------- tokenizer
     def tokenizer(self, raw: str) -> tuple[str, dict[str, Any]]:
         """``(name to load, fingerprint)``; fingerprinted in the sandbox, once per version of the folder's files."""
-        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER
+        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_files_key
 
         if raw in EMBEDDED_NAMES:
-            name, key = DEFAULT_TOKENIZER, ("embedded",)
+            name = DEFAULT_TOKENIZER
         else:
             unknown = (f"tokenizer: {raw!r} is neither the embedded {DEFAULT_TOKENIZER!r} nor a tokenizer folder "
                        "under the data roots; the service never downloads from a hub: copy the tokenizer files "
@@ -157,15 +155,13 @@ class Submitter:
                                      "tokenizer.json / tokenizer_config.json", "unknown-tokenizer")
             self._refuse_hardlinks(path, "tokenizer")
             name = str(path)
-            key = (name, tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir())
-                               if p.is_file()))
+        key = tokenizer_files_key(name)
         with self._lock("tok:" + name):
-            fingerprint = self._tok_cache.get(key)
-            if fingerprint is None:
-                fingerprint = self._sandbox({"op": "tokenizer", "name": name}, what=f"tokenizer {raw!r}")["fingerprint"]
-                self._tok_cache = {k: v for k, v in self._tok_cache.items() if k[0] != key[0]}
-                self._tok_cache[key] = fingerprint
-        return name, fingerprint
+            hit = self._fingerprints.get(name)
+            if hit is None or hit[0] != key:
+                hit = self._fingerprints[name] = (key, self._sandbox({"op": "tokenizer", "name": name},
+                                                                     what=f"tokenizer {raw!r}")["fingerprint"])
+        return name, hit[1]
 
     # -------------------------------------------------------------------------------- preflight
     def enqueue(self, job_id: str, record: dict[str, Any], stands) -> tuple[dict[str, Any], bool]:
@@ -200,11 +196,12 @@ class Submitter:
             raise _unprocessable(field, f"{field}: {for_service(str(exc))}", "invalid-options") from exc
         path, shown = self.resolve_source(request)
         tok_name, fingerprint = self.tokenizer(request.tokenizer)
-        sha, size = self.source_sha(path)
+        sha, size, stat = self.source_sha(path)
         options = config.to_dict()
         job_id = dataset_id(sha, fingerprint["sha256"], options)
         record = {
             "source_path": str(path), "source_shown": shown, "source_sha256": sha, "source_size": size,
+            "source_stat": stat,
             "tokenizer": tok_name, "tokenizer_name": fingerprint.get("name") or tok_name,
             "tokenizer_sha256": fingerprint["sha256"], "options": options,
         }
@@ -212,8 +209,6 @@ class Submitter:
         def stands(row: dict[str, Any]) -> bool:
             return row["state"] != "succeeded" or is_shards_dir(self.settings.datasets_dir / job_id)
 
-        if shown.get("upload_id"):
-            touch(path)  # named by a POST: the upload's expiry starts over
         with self._lock(job_id):  # concurrent identical POSTs in this process wait for the first one
             row = self.store.get(job_id)
             if self.integrity is not None:

@@ -16,38 +16,30 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from pf_trl.errors import PfTrlError
+from pf_trl.data.tokenizer import TokenizerCache
+from preprocess_service.build import (
+    JobAbandoned,
+    JobError,
+    crash_point,
+    ensure_free_space,
+    ensure_source_unchanged,
+    progress_reporter,
+    publisher,
+    tokenizer_for,
+)
+from preprocess_service.mixtures import build_mixture
 from preprocess_service.settings import Settings
 from preprocess_service.store import JobStore, open_store, setup_event_log
 
 logger = logging.getLogger("preprocess_service.worker")
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-
-
-class JobAbandoned(PfTrlError):
-    """The job is no longer ours (cancelled, deleted or re-queued elsewhere): stop, publish nothing."""
-
-
-class JobError(PfTrlError):
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-def crash_point(settings: Settings, step: str) -> None:
-    """TEST-ONLY (``PF_SERVICE_DEBUG_CRASH_AT``): die here as ``kill -9`` would, to test that state and disk agree
-    after a crash at any step of a job (claimed, written, renamed, committed)."""
-    if settings.debug_crash_at == step:
-        logger.warning("debug_crash_at=%s: killing this worker (test hook)", step)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _watch_parent(api_pid: int) -> None:
@@ -57,102 +49,26 @@ def _watch_parent(api_pid: int) -> None:
         time.sleep(0.25)
 
 
-class _TokenizerCache:
-    """Loaded tokenizers by name, reloaded when their files change (fingerprint check per job)."""
-
-    def __init__(self):
-        self._cache: dict[str, Any] = {}
-
-    def get(self, name: str):
-        from pf_trl.data.tokenizer import load_tokenizer
-
-        tok = self._cache.get(name)
-        if tok is None:
-            tok = load_tokenizer(name)
-            self._cache[name] = tok
-        return tok
-
-    def drop(self, name: str) -> None:
-        self._cache.pop(name, None)
-
-
-def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers: _TokenizerCache, pid: int,
+def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers: TokenizerCache, pid: int,
             abandon: threading.Event | None = None) -> str:
     """Run one claimed job to succeeded/failed; returns the final state. Never raises for job errors.
     ``abandon`` (set by the heartbeat when the job is no longer ours) stops it at the next progress report."""
     from pf_trl.data.options import for_service
-    from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError, pretokenize
-    from preprocess_service.submit import content_sha256
-    from pf_trl.data.shards import ShardsError, is_shards_dir, read_manifest, verify_shards
-    from pf_trl.data.tokenizer import TokenizerLoadError, tokenizer_fingerprint
+    from pf_trl.data.pretokenize import PretokenizeError
+    from pf_trl.data.shards import ShardsError
+    from pf_trl.data.tokenizer import TokenizerLoadError
 
     job_id = job["id"]
     request = json.loads(job["request"])
     work = settings.scratch_dir / f"w{pid}" / job_id
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    target = settings.datasets_dir / job_id
-    delay = settings.debug_progress_delay_s
     try:
-        if request.get("kind") == "mixture":  # several sources as one dataset (preprocess_service.mixtures)
-            from preprocess_service.mixtures import build_mixture, publish_to
-
-            manifest = build_mixture(settings, store, job_id, pid, request, tokenizers, work, abandon)
-            if not store.finish_success(job_id, pid, manifest, lambda: publish_to(work, target)):
-                return "discarded"
-            return "succeeded"
-        source = Path(request["source_path"])
-        if not source.exists():
-            raise JobError("invalid_data", f"source {source} disappeared after the request was accepted; POST again")
-        size = request["source_size"]
-        free = shutil.disk_usage(settings.cache_dir).free
-        need = max(settings.min_free_bytes, 2 * size)
-        if free < need:
-            raise JobError("disk_full", f"disk full: {free} bytes free in {settings.cache_dir}, this job needs about "
-                           f"{need} (2x the source, at least min_free_bytes); free space or DELETE old datasets, then POST again")
-        if content_sha256(source) != request["source_sha256"]:
-            raise JobError("invalid_data", f"source {source} changed after the request was accepted (its sha256 "
-                           "differs), so it no longer matches this dataset id; POST again to get the new id")
-        tok = tokenizers.get(request["tokenizer"])
-        if tokenizer_fingerprint(tok)["sha256"] != request["tokenizer_sha256"]:
-            tokenizers.drop(request["tokenizer"])
-            tok = tokenizers.get(request["tokenizer"])
-            if tokenizer_fingerprint(tok)["sha256"] != request["tokenizer_sha256"]:
-                raise JobError("invalid_data", f"tokenizer {request['tokenizer']} changed after the request was "
-                               "accepted; POST again to get the new dataset id")
-        config = PretokenizeConfig(**request["options"])
-
-        def on_progress(rows_done: int, rows_total: int, tokens_done: int) -> None:
-            if not store.progress(job_id, pid, rows_done, rows_total, tokens_done) or (abandon and abandon.is_set()):
-                raise JobAbandoned(job_id)
-            if delay > 0:  # TEST-ONLY hook (PF_SERVICE_DEBUG_PROGRESS_DELAY_S); 0 in production
-                time.sleep(delay)
-
-        manifest = pretokenize(source, work / "out", config, tokenizer=tok, num_proc=settings.num_proc,
-                               progress=False, progress_callback=on_progress,
-                               source_fingerprint_value=request["source_sha256"], limits=settings.limits(),
-                               image_roots=(str(source.parent), *map(str, settings.data_roots)))
+        build = build_mixture if request.get("kind") == "mixture" else build_dataset
+        manifest = build(settings, store, job_id, pid, request, tokenizers, work, abandon)
         crash_point(settings, "written")
-
-        def publish() -> dict[str, Any] | None:
-            try:
-                os.rename(work / "out", target)
-            except OSError:
-                if not is_shards_dir(target):
-                    raise
-                # The same dataset was published already (a crash after its rename, another replica): keep it,
-                # and its manifest, if its files are intact; else replace it.
-                try:
-                    verify_shards(target)
-                    return read_manifest(target)
-                except ShardsError:
-                    trash = work / "replaced"
-                    os.rename(target, trash)
-                    os.rename(work / "out", target)
-            crash_point(settings, "renamed")
-            return None
-
-        if not store.finish_success(job_id, pid, manifest, publish):
+        if not store.finish_success(job_id, pid, manifest, publisher(settings, work / "out",
+                                                                     settings.datasets_dir / job_id, work)):
             logger.info("job %s is no longer ours (cancelled, deleted or re-queued); output discarded", job_id)
             return "discarded"
         crash_point(settings, "committed")
@@ -177,6 +93,24 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
         shutil.rmtree(work, ignore_errors=True)
     store.finish_failure(job_id, pid, kind, message)
     return "failed"
+
+
+def build_dataset(settings: Settings, store: JobStore, job_id: str, pid: int, request: dict[str, Any],
+                  tokenizers: TokenizerCache, work: Path, abandon: threading.Event | None) -> dict[str, Any]:
+    """Tokenize the job's one source into ``work/out``; returns its manifest."""
+    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+
+    source = Path(request["source_path"])
+    if not source.exists():
+        raise JobError("invalid_data", f"source {source} disappeared after the request was accepted; POST again")
+    ensure_free_space(settings, request["source_size"])
+    ensure_source_unchanged(source, request["source_sha256"], request.get("source_stat"), f"source {source}")
+    tok = tokenizer_for(tokenizers, request)
+    on_progress = progress_reporter(store, job_id, pid, abandon, delay_s=settings.debug_progress_delay_s)
+    return pretokenize(source, work / "out", PretokenizeConfig(**request["options"]), tokenizer=tok,
+                       num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
+                       source_fingerprint_value=request["source_sha256"], limits=settings.limits(),
+                       image_roots=(str(source.parent), *map(str, settings.data_roots)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
 
     threading.Thread(target=beat, daemon=True).start()
-    tokenizers = _TokenizerCache()
+    tokenizers = TokenizerCache()
     try:  # warm up: the imports and the default tokenizer cost seconds, once per worker
         import datasets  # noqa: F401
 

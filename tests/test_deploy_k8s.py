@@ -483,7 +483,7 @@ def test_service_deployment(tmp_path):
     assert {e["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})} == {"PF_SERVICE_TOKEN"}
     port = next(p for p in c["ports"] if p["name"] == "http")["containerPort"]
     assert port == args.port
-    routes = {r.path for r in create_app(Settings(cache_dir=tmp_path / "cache")).routes}
+    routes = set(create_app(Settings(cache_dir=tmp_path / "cache")).openapi()["paths"])  # routers: not flat in .routes
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and "/readyz" in routes
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and "/healthz" in routes
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}

@@ -179,15 +179,46 @@ def test_submit_is_idempotent_and_bounded(store_settings):
 
 
 def _request(settings, src: Path):
+    from pf_trl.data.pretokenize import source_fingerprint
     from pf_trl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from preprocess_service.submit import content_sha256
 
     tok = load_tokenizer()
     from pf_trl.data.pretokenize import PretokenizeConfig
 
-    return {"source_path": str(src), "source_size": src.stat().st_size, "source_sha256": content_sha256(src),
+    return {"source_path": str(src), "source_size": src.stat().st_size, "source_sha256": source_fingerprint(src),
             "tokenizer": "pf-trl/mistral-7b-v0.1", "tokenizer_sha256": tokenizer_fingerprint(tok)["sha256"],
             "options": PretokenizeConfig().to_dict()}
+
+
+def _mixture_request(settings, sources: list[Path]):
+    """A mixture job's request, as POST /v1/mixtures records it: every source with its hash, and the rule."""
+    from pf_trl.data.pretokenize import source_fingerprint
+
+    single = _request(settings, sources[0])
+    parts = [{"name": f"part{i}", "source_path": str(src), "source_shown": {"path": str(src)},
+              "source_sha256": source_fingerprint(src), "source_size": src.stat().st_size,
+              "options": single["options"], "weight": 1.0} for i, src in enumerate(sources)]
+    return {**single, "kind": "mixture", "sources": parts, "source_path": None,
+            "source_size": sum(p["source_size"] for p in parts),
+            "mixture": {"seed": 42, "sample_by": "examples", "stopping_strategy": "all_exhausted"}}
+
+
+def test_mixture_below_min_free_fails_before_tokenizing(tmp_path, monkeypatch, store_settings):
+    """The early free-space check of a single source holds for a mixture (all its sources counted)."""
+    import pf_trl.data.pretokenize as pt
+    from pf_trl.data.tokenizer import TokenizerCache
+    from preprocess_service.worker import run_job
+
+    settings, store = store_settings
+    sources = [write_rows(tmp_path / f"mix{i}.jsonl", generated_rows(10, f"mix{i}")) for i in range(2)]
+    job = _claimed(store, "d" * 32, os.getpid(), _mixture_request(settings, sources))
+    monkeypatch.setattr(pt, "pretokenize", lambda *a, **kw: pytest.fail("tokenized despite a full disk"))
+    settings.min_free_bytes = 1 << 62
+    assert run_job(settings, store, job, TokenizerCache(), os.getpid()) == "failed"
+    row = store.get("d" * 32)
+    assert row["state"] == "failed" and row["error_type"] == "disk_full", (row["error_type"], row["error"])
+    assert "disk full" in row["error"] and "free space" in row["error"]
+    assert not (settings.datasets_dir / ("d" * 32)).exists()
 
 
 @pytest.mark.parametrize("how", ["enospc-while-writing", "below-min-free"])
@@ -195,7 +226,8 @@ def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch
     import shutil
 
     import pf_trl.data.pretokenize as pt
-    from preprocess_service.worker import _TokenizerCache, run_job
+    from pf_trl.data.tokenizer import TokenizerCache
+    from preprocess_service.worker import run_job
 
     settings, store = store_settings
     other = settings.datasets_dir / ("0" * 32)
@@ -215,7 +247,7 @@ def test_disk_full_fails_the_job_and_leaves_other_datasets(tmp_path, monkeypatch
         assert real is not full_disk
     else:
         settings.min_free_bytes = 1 << 62
-    assert run_job(settings, store, job, _TokenizerCache(), os.getpid()) == "failed"
+    assert run_job(settings, store, job, TokenizerCache(), os.getpid()) == "failed"
     row = store.get("f" * 32)
     assert row["state"] == "failed" and row["error_type"] == "disk_full"
     assert "disk full" in row["error"] and "free space" in row["error"]
@@ -310,16 +342,21 @@ def _agree(settings, row) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dataset", "mixture"])
 @pytest.mark.parametrize("step,expected", [("claimed", "failed"), ("written", "failed"), ("renamed", "succeeded"),
                                            ("committed", "succeeded")])
-def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, tmp_path, step, expected):
+def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, tmp_path, step, expected, kind):
     """A worker SIGKILLs itself (TEST-ONLY hook) after claiming, after writing the shards, after the publish rename
     (before COMMIT), after COMMIT; the supervisor handles the dead worker. Then the same request again: a
-    succeeded job is not run again, a failed one is rebuilt (by a worker without the hook)."""
+    succeeded job is not run again, a failed one is rebuilt (by a worker without the hook). Mixture jobs pass
+    the same crash points."""
     settings, store = store_settings
-    src = write_rows(tmp_path / "rows.jsonl", generated_rows(40, step))
-    request = _request(settings, src)
-    job_id = f"{step:0>32}"[-32:]
+    if kind == "mixture":
+        request = _mixture_request(settings, [write_rows(tmp_path / f"rows{i}.jsonl", generated_rows(20, f"{step}{i}"))
+                                              for i in range(2)])
+    else:
+        request = _request(settings, write_rows(tmp_path / "rows.jsonl", generated_rows(40, step)))
+    job_id = f"{kind[0]}{step:0>31}"[-32:]
     store.submit(job_id, request, max_queued=10, exists_ok=lambda r: True)
     settings.debug_crash_at = step
     row = _run_workers(settings, store, job_id)

@@ -111,6 +111,15 @@ def _stat_key(path: Path) -> tuple:
     return (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
+def content_stat(path: str | Path) -> list[list]:
+    """The status (path, size, mtime, ctime, inode, device) of a file, or of every file under a directory, as JSON
+    lists: taken before hashing, an unchanged status later means unchanged bytes (any write or replacement changes
+    the ctime, which user space cannot set back), so the content need not be hashed again."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [list(_stat_key(f)) for f in files]
+
+
 def verify_checksums(directory: str | Path, checksums: dict[str, Any], *,
                      memo: MutableMapping[tuple, str] | None = None) -> int:
     """Check every file listed in ``checksums`` against the directory; returns the bytes verified.

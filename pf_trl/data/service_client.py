@@ -1,4 +1,6 @@
-"""Client of the pf-trl preprocessing service (``pf-trl serve``), standard library only (urllib).
+"""Client of the pf-trl preprocessing service (``pf-trl serve``), on ``httpx`` (HTTP) and ``httpx-sse`` (the event
+stream), both in the ``service`` extra: ``pip install 'pf-trl[service]'``. They are imported when a function is
+called, so ``import pf_trl`` never needs them; without them each function raises one line naming the extra.
 
 - :func:`submit_dataset`: ``POST /v1/datasets`` (what a k8s pretokenize Job runs), returns the status.
 - :func:`wait_for_dataset`: follow ``GET /v1/datasets/{id}/events`` (Server-Sent Events, resumed with
@@ -13,14 +15,12 @@ until the deadline (the service may be restarting); a service never reached with
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from pf_trl.data.shards import is_shards_dir
 from pf_trl.errors import PfTrlError
 
 _RETRYABLE = {502, 503, 504}
+_ACCEPT_JSON = "application/json, application/problem+json"
 
 
 class DatasetServiceError(PfTrlError, RuntimeError):
@@ -38,8 +39,44 @@ class DatasetServiceError(PfTrlError, RuntimeError):
         self.status, self.problem = status, problem or {}
 
 
+class ClientExtraMissing(DatasetServiceError, ImportError):
+    """httpx / httpx-sse are not installed: the ``service`` extra is missing."""
+
+
+def _http():
+    """``(httpx, httpx_sse)``, or :class:`ClientExtraMissing` saying which extra installs them."""
+    try:
+        import httpx
+        import httpx_sse
+    except ImportError as exc:
+        raise ClientExtraMissing(f"the dataset service client needs httpx and httpx-sse ({exc}); install the service "
+                                 "extra: pip install 'pf-trl[service]'") from None
+    return httpx, httpx_sse
+
+
 def _token(token: str | None) -> str | None:
     return token if token is not None else (os.environ.get("PF_SERVICE_TOKEN") or None)
+
+
+def _headers(token: str | None, extra: dict[str, str] | None = None, *, accept: str = _ACCEPT_JSON) -> dict[str, str]:
+    headers = {"Accept": accept, **(extra or {})}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _unreachable(url: str, exc: Exception) -> DatasetServiceError:
+    return DatasetServiceError(f"cannot reach the dataset service at {url} ({exc}); check the URL "
+                               "(--dataset_service_url) and that the service runs", status=None)
+
+
+def _payload(resp) -> dict[str, Any]:
+    """The JSON object of an answer (a problem+json for errors); text that is not one as ``{"detail": ...}``."""
+    try:
+        payload = resp.json()
+    except ValueError:
+        return {"detail": resp.text[:500]}
+    return payload if isinstance(payload, dict) else {"detail": str(payload)}
 
 
 def _request(method: str, url: str, *, body: Any = None, token: str | None = None, timeout: float = 30.0,
@@ -49,37 +86,22 @@ def _request(method: str, url: str, *, body: Any = None, token: str | None = Non
 
 
 def _request_full(method: str, url: str, *, body: Any = None, token: str | None = None, timeout: float = 30.0,
-                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Accept", "application/json, application/problem+json")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    for k, v in (headers or {}).items():
-        req.add_header(k, v)
+                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], Any]:
+    """``(status, JSON object, headers)``; :class:`DatasetServiceError` (status None) when nothing answered."""
+    httpx, _ = _http()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}"), dict(resp.headers)
-    except urllib.error.HTTPError as exc:
-        if exc.code == 304:
-            return 304, {}, dict(exc.headers)
-        status, payload = _http_error(exc)
-        return status, payload, dict(exc.headers)
-    except (urllib.error.URLError, OSError, ValueError) as exc:  # refused, reset, timeout, bad JSON
-        reason = getattr(exc, "reason", exc)
-        raise DatasetServiceError(f"cannot reach the dataset service at {url} ({reason}); check the URL "
-                                  "(--dataset_service_url) and that the service runs", status=None) from exc
-
-
-def _http_error(exc: urllib.error.HTTPError) -> tuple[int, dict[str, Any]]:
-    raw = exc.read()
-    try:
-        payload = json.loads(raw)
-    except ValueError:
-        payload = {"detail": raw.decode("utf-8", "replace")[:500]}
-    return exc.code, payload if isinstance(payload, dict) else {"detail": str(payload)}
+        resp = httpx.request(method, url, json=body, headers=_headers(token, headers), timeout=timeout)
+    except httpx.HTTPError as exc:  # refused, reset, timeout
+        raise _unreachable(url, exc) from exc
+    if resp.status_code == 304:
+        return 304, {}, resp.headers
+    if resp.is_success:
+        try:
+            payload = resp.json() if resp.content else {}
+        except ValueError as exc:  # not the service (a proxy's page...)
+            raise _unreachable(url, exc) from exc
+        return resp.status_code, payload, resp.headers
+    return resp.status_code, _payload(resp), resp.headers
 
 
 def _raise_for(status: int, payload: dict[str, Any], what: str) -> None:
@@ -130,54 +152,32 @@ def _get_status(url: str, dataset_id: str, token: str | None, etag: str | None =
     return payload, headers.get("ETag") or headers.get("etag")
 
 
-def _events(url: str, dataset_id: str, token: str | None, last_event_id: str | None, timeout: float):
-    """Yield ``(id, kind, data)`` from the SSE stream; returns when it ends. Raises
+def _events(url: str, dataset_id: str, token: str | None, last_event_id: str | None,
+            timeout: float) -> Iterator[tuple[str | None, str, dict[str, Any]]]:
+    """Yield ``(id, kind, data)`` from the SSE stream; returns when it ends or drops. Raises
     :class:`DatasetServiceError` (status 404/405/406 and others) when there is no stream to follow."""
+    httpx, httpx_sse = _http()
     quoted = urllib.parse.quote(dataset_id, safe="")
-    req = urllib.request.Request(f"{_base(url)}/v1/datasets/{quoted}/events")
-    req.add_header("Accept", "text/event-stream")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    if last_event_id:
-        req.add_header("Last-Event-ID", last_event_id)
+    where = f"{_base(url)}/v1/datasets/{quoted}/events"
+    headers = _headers(token, {"Last-Event-ID": last_event_id} if last_event_id else None)
     try:
-        resp = urllib.request.urlopen(req, timeout=timeout)
-    except urllib.error.HTTPError as exc:
-        status, payload = _http_error(exc)
-        _raise_for(status, payload, f"following dataset {dataset_id}")
-    except (urllib.error.URLError, OSError) as exc:
-        raise DatasetServiceError(f"cannot reach the dataset service at {url} ({getattr(exc, 'reason', exc)}); "
-                                  "check the URL (--dataset_service_url) and that the service runs") from exc
-    with resp:
-        if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            raise DatasetServiceError("the service answered the event stream with "
-                                      f"{resp.headers.get('Content-Type')!r}", status=406)
-        event_id, kind, data = None, "message", []
-        try:
-            for line in _lines(resp):
-                if not line:
-                    if data:
-                        yield event_id, kind, json.loads("\n".join(data))
-                    kind, data = "message", []
-                    continue
-                if line.startswith(":"):  # keep-alive comment
-                    continue
-                name, _, value = line.partition(":")
-                value = value[1:] if value.startswith(" ") else value
-                if name == "id":
-                    event_id = value
-                elif name == "event":
-                    kind = value
-                elif name == "data":
-                    data.append(value)
-        except (OSError, http.client.HTTPException, ValueError):
-            return  # dropped: the caller resumes with Last-Event-ID
-
-
-def _lines(resp):
-    """Lines of an SSE response without their line ends."""
-    for raw in resp:
-        yield raw.decode("utf-8").rstrip("\r\n")
+        with httpx.Client(timeout=timeout) as client, httpx_sse.connect_sse(client, "GET", where,
+                                                                            headers=headers) as source:
+            resp = source.response
+            if not resp.is_success:
+                resp.read()
+                _raise_for(resp.status_code, _payload(resp), f"following dataset {dataset_id}")
+            if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raise DatasetServiceError("the service answered the event stream with "
+                                          f"{resp.headers.get('Content-Type')!r}", status=406)
+            try:
+                for event in source.iter_sse():
+                    if event.data:  # a keep-alive comment carries none
+                        yield event.id or None, event.event, json.loads(event.data)
+            except (httpx.HTTPError, ValueError):
+                return  # dropped: the caller resumes with Last-Event-ID
+    except httpx.HTTPError as exc:
+        raise _unreachable(url, exc) from exc
 
 
 def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, timeout_s: float = 3600,
@@ -201,6 +201,7 @@ def wait_for_dataset(url: str, dataset_id: str, *, token: str | None = None, tim
             timeout, unreachable, or the reported shards directory is not visible here (mount the
             service's cache volume).
     """
+    _http()  # a missing extra is said at once, not retried as an unreachable service
     base, token = _base(url), _token(token)
     start = time.monotonic()
     deadline = start + timeout_s

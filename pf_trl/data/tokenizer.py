@@ -86,11 +86,9 @@ def _config_digest(path: Path) -> str:
 
 
 def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    from pf_trl.data.integrity import file_digest
+
+    return file_digest(path, "sha256")
 
 
 def _embedded_tokenizer_dir() -> Path:
@@ -235,6 +233,46 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+
+
+def tokenizer_files_key(name_or_path: str) -> tuple:
+    """What changes when a tokenizer folder's files change: each file's name, size, mtime and ctime (ctime moves on
+    any write or replacement and cannot be set back), or ``("embedded",)`` for a name that is not a folder."""
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return ("embedded",)
+    return tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                 for p in sorted(folder.iterdir()) if p.is_file() for st in (p.stat(),))
+
+
+class TokenizerCache:
+    """Loaded tokenizers and their fingerprints by name, kept while the folder's files are unchanged
+    (:func:`tokenizer_files_key`: a ``stat`` per file), so a long-lived process loads and hashes a tokenizer once
+    per version of its files. The preprocessing service's workers and preflight sandboxes hold one each."""
+
+    def __init__(self, loader: Any = None):
+        self._load = loader or load_tokenizer
+        self._cache: dict[str, tuple[tuple, Any, dict[str, Any] | None]] = {}
+
+    def get(self, name: str):
+        """The tokenizer ``name`` (loaded again when its files changed since it was cached)."""
+        return self._entry(name)[1]
+
+    def fingerprint(self, name: str) -> dict[str, Any]:
+        """:func:`tokenizer_fingerprint` of :meth:`get` ``(name)``, computed once per version of its files."""
+        key, tok, fingerprint = self._entry(name)
+        if fingerprint is None:
+            fingerprint = tokenizer_fingerprint(tok)
+            self._cache[name] = (key, tok, fingerprint)
+        return fingerprint
+
+    def _entry(self, name: str) -> tuple[tuple, Any, dict[str, Any] | None]:
+        key = tokenizer_files_key(name)
+        hit = self._cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = (key, self._load(name), None)
+            self._cache[name] = hit
+        return hit
 
 
 def _template_state(sha: str | None) -> str:
