@@ -189,6 +189,27 @@ def test_gemma3_needs_pf_trl_image_masks(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_padded_mode_is_trls_vision_path(tmp_path, caplog):
+    """padding_free=False through PaddingFreeSFTTrainer: the image rows go to TRL's own vision collator, and loss and
+    gradients are TRL's. Negative control: left unset, assistant_only_loss trains every token there (TRL's default),
+    which moves the loss, and a warning says so."""
+    ref = trl_reference("qwen2_vl")
+    trainer = pf_trainer("qwen2_vl", False, tmp_path, per_device_train_batch_size=4, assistant_only_loss=True)
+    batch = trainer.data_collator([dict(r) for r in trainer.train_dataset])
+    assert batch["input_ids"].shape[0] == 4 and "cu_seq_lens_q" not in batch, "padded: one row per example"
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    assert abs(float(loss) - ref["loss"]) < LOSS_ATOL, (float(loss), ref["loss"])
+    assert grad_error(_grads(trainer.model), ref["grads"]) < GRAD_RTOL
+
+    with caplog.at_level("WARNING", logger="pf_trl"):
+        unset = pf_trainer("qwen2_vl", False, tmp_path / "unset", per_device_train_batch_size=4)
+    assert "unset assistant_only_loss trains every token" in caplog.text
+    every_token = unset.data_collator([dict(r) for r in unset.train_dataset])
+    assert abs(loss_of(unset, every_token) - ref["loss"]) > 1e-3
+
+
+@pytest.mark.slow
 def test_gemma3_images_refused_in_internal_mode(tmp_path):
     from pf_trl.attention.errors import UnsupportedFeatureError
 

@@ -162,7 +162,13 @@ def _prepare_rows(dataset, *, tokenizer, model, args, options, what: str):
 
         if isinstance(dataset, datasets.IterableDataset):
             return dataset  # streamed rows: left to TRL
-        if args.padding_free == "none" and image_column(getattr(dataset, "column_names", None) or []):
+        if args.padding_free_mode == "none" and image_column(getattr(dataset, "column_names", None) or []):
+            if args.assistant_only_loss is None:
+                logger.warning(
+                    "pf-trl: %s data: padded vision-language rows are processed by TRL's own collator, where an unset "
+                    "assistant_only_loss trains every token (TRL's default) while pf-trl's padding-free modes train "
+                    "the assistant turns. Pass assistant_only_loss=True (or False) so both train the same tokens.",
+                    what)
             return dataset  # padded vision-language rows: TRL's own collator processes them on the fly
         check_vocab_fits(tokenizer, vocab)
         dataset = sources.load_training_data(dataset, tokenizer, options, num_proc=args.dataset_num_proc or 1,
