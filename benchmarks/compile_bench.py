@@ -21,6 +21,10 @@ own tokenizer). Writes ``compile_<name>.json`` and prints a markdown table.
 
 from __future__ import annotations
 
+from offline import REPO  # noqa: F401  (before any HF import: offline hub, the checkout's import path)
+
+# isort: split
+
 import argparse
 import copy
 import json
@@ -33,11 +37,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 GEMMA = "gemma3-270m"
 _LOADED: dict[str, tuple] = {}

@@ -20,6 +20,10 @@ Prints a markdown table; writes ``benchmarks/results/pretokenize_throughput.json
 
 from __future__ import annotations
 
+from offline import REPO
+
+# isort: split
+
 import argparse
 import json
 import multiprocessing as mp
@@ -30,15 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
 
 _TOK = None
 
@@ -83,7 +78,7 @@ def run_pretokenize(src: Path, work: Path, procs: int, tok) -> tuple[float, int]
 def run_service(src: Path, work: Path, procs: int) -> tuple[float, int]:
     import httpx
 
-    from test_service_support import Server
+    from test_service_support import Server, wait_state
 
     cache = work / f"svc-{procs}-{time.time_ns()}"  # a fresh cache: content addressing would make a rerun free
     server = Server(cache, [src.parent], args=["--workers", "1", "--num-proc", str(procs)]).start()
@@ -93,11 +88,7 @@ def run_service(src: Path, work: Path, procs: int) -> tuple[float, int]:
             r = c.post("/v1/datasets", json={"source": {"path": src.name}})
             assert r.status_code == 202, r.text
             dataset_id = r.json()["id"]
-            while True:
-                status = c.get(f"/v1/datasets/{dataset_id}").json()
-                if status["state"] in ("succeeded", "failed"):
-                    break
-                time.sleep(0.05)
+            status = wait_state(c, dataset_id, timeout=3600, interval=0.05)
             elapsed = time.perf_counter() - t0
             assert status["state"] == "succeeded", status
             return elapsed, status["manifest"]["counts"]["tokens"]

@@ -13,6 +13,10 @@ Prints a table; writes ``benchmarks/results/service_probes_<label>.json``.
 
 from __future__ import annotations
 
+from offline import REPO
+
+# isort: split
+
 import argparse
 import json
 import os
@@ -27,19 +31,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
+import httpx
+import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
-
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from test_service_support import Postgres, Server, generated_rows, postgres_bin, write_rows  # noqa: E402
+from test_service_support import (
+    Postgres,
+    Server,
+    fill_disk,
+    generated_rows,
+    post_concurrently,
+    postgres_bin,
+    write_rows,
+)
 
 SECRET = "TOP-SECRET-PAYLOAD-4242"
 
@@ -305,21 +308,7 @@ def probe_startup_race(ctx) -> dict[str, Any]:
             p = ctx.root / f"race_{i:03d}.jsonl"
             write_rows(p, generated_rows(3, f"race{i}"))
             paths.append(p.name)
-        results: list[tuple[int, str]] = []
-        lock = threading.Lock()
-
-        def go(names):
-            with server.client() as c:
-                for n in names:
-                    r = c.post("/v1/datasets", json={"source": {"path": n}})
-                    with lock:
-                        results.append((r.status_code, r.text[:200]))
-
-        threads = [threading.Thread(target=go, args=(paths[k::10],)) for k in range(10)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = post_concurrently(server, paths)
         refused = [t for s, t in results if s >= 400]
         return {"posts": len(results), "refused": len(refused), "examples": refused[:2]}
     finally:
@@ -353,14 +342,7 @@ def probe_uploads_and_disk_full(ctx) -> dict[str, Any]:
         d = httpx.delete(server.url + f"/v1/uploads/{first}", headers=server.headers, timeout=30)
         out["delete_upload"] = d.status_code
         # Fill the disk to the brim, then ask for work.
-        filler = mnt / "filler"
-        with open(filler, "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 2**20)
-                    f.flush()
-            except OSError:
-                pass
+        fill_disk(mnt / "filler")
         write_rows(ctx.root / "small_disk.jsonl", generated_rows(50, "disk"))
         status, answer, _ = _post(server, {"source": {"path": "small_disk.jsonl"}}, 60)
         out["post_when_full"] = _describe(status, answer)

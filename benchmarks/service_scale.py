@@ -11,6 +11,10 @@ worker (with its tokenizer processes) and of the preflight sandboxes. Prints a t
 
 from __future__ import annotations
 
+from offline import REPO
+
+# isort: split
+
 import argparse
 import json
 import os
@@ -22,19 +26,10 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
+import httpx
+import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
-
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from test_service_support import Server  # noqa: E402
+from test_service_support import Server, wait_state
 
 
 def generate(path: Path, rows: int, seed: int = 0) -> int:
@@ -102,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 post_s = time.time() - t0
                 assert r.status_code == 202, r.text
                 dataset_id = r.json()["id"]
-                while True:
-                    status = c.get(f"/v1/datasets/{dataset_id}").json()
-                    if status["state"] in ("succeeded", "failed"):
-                        break
-                    time.sleep(2)
+                status = wait_state(c, dataset_id, timeout=6 * 3600, interval=2)
                 total_s = time.time() - t0
         finally:
             sampler.stop.set()

@@ -16,6 +16,10 @@ Prints a table of seconds per GB and GB/s; writes ``benchmarks/results/shard_che
 
 from __future__ import annotations
 
+from offline import REPO
+
+# isort: split
+
 import argparse
 import json
 import os
@@ -25,12 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-from pf_trl.data.integrity import HASHERS, file_digest  # noqa: E402
+from pf_trl.data.integrity import HASHERS, file_digest
 
 
 def make_shard(where: Path, gib: float) -> Path:

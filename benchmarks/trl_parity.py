@@ -10,22 +10,22 @@ Printed as a markdown table; the JSON holds the same rows.
 
 from __future__ import annotations
 
+from offline import REPO  # noqa: F401  (before any HF import: offline hub, the checkout's import path)
+
+# isort: split
+
 import argparse
 import contextlib
 import io
 import json
 import logging
-import os
-import random
 import warnings
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
 import datasets
 import torch
+from trl_parity_support import fields, model, pf_trainer, trl_trainer
+from trl_parity_support import rows as token_rows
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.INFO)
@@ -47,58 +47,6 @@ logging.getLogger("pf_trl").addHandler(SAID)
 logging.getLogger("pf_trl").propagate = False
 datasets.disable_progress_bars()
 torch.set_num_threads(2)
-
-TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-
-
-def _model(seed: int = 0):
-    from pf_trl.models import build_model
-
-    return build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=seed, **TINY)
-
-
-def _rows(lengths, *, prompt=None, seed=0, mask_column=None, labels=True):
-    rng = random.Random(seed)
-    out = []
-    for n in lengths:
-        ids = [1] + [rng.randrange(3, 32000) for _ in range(n - 1)]
-        row = {"input_ids": ids}
-        p = prompt(n) if prompt else 0
-        if labels:
-            row["labels"] = [-100] * p + ids[p:]
-        if mask_column:
-            row[mask_column] = [0] * p + [1] * (n - p)
-        out.append(row)
-    return out
-
-
-def _base(tmp, **fields):
-    common = dict(output_dir=str(tmp), report_to=[], save_strategy="no", use_cpu=True, bf16=False,
-                  dataloader_num_workers=0, disable_tqdm=True, seed=0, logging_steps=1)
-    common.update(fields)
-    return common
-
-
-def trl_trainer(rows, tmp, eval_rows=None, **fields):
-    from trl import SFTConfig, SFTTrainer
-
-    from pf_trl.data.tokenizer import load_tokenizer
-
-    args = SFTConfig(**_base(tmp, **fields))
-    return SFTTrainer(_model(), args=args, train_dataset=datasets.Dataset.from_list(rows),
-                      eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-                      processing_class=load_tokenizer())
-
-
-def pf_trainer(rows, tmp, eval_rows=None, **fields):
-    from pf_trl.data.tokenizer import load_tokenizer
-    from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
-
-    args = PaddingFreeConfig(**_base(tmp, padding_free_mode="huggingface", **fields))
-    return PaddingFreeSFTTrainer(_model(), args=args, train_dataset=datasets.Dataset.from_list(rows),
-                                 eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-                                 processing_class=load_tokenizer())
-
 
 def walk(loader) -> dict:
     """Examples, tokens and supervised (shifted) labels one epoch of ``loader`` feeds the loss."""
@@ -143,7 +91,7 @@ def attempt(build):
 
 
 def case_truncation_40(tmp):
-    rows = _rows([64, 90, 70, 66, 81, 70], prompt=lambda n: 10)  # 441 tokens, max_length 40
+    rows = token_rows([64, 90, 70, 66, 81, 70], [10] * 6)  # 441 tokens, max_length 40
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         kw = dict(max_length=40, per_device_train_batch_size=6, max_steps=1, learning_rate=1e-2)
@@ -159,7 +107,7 @@ def case_truncation_40(tmp):
         out[name + "_params"] = [p.detach().clone() for p in tr.model.parameters()]
     if "trl_params" in out and "pf_params" in out:
         num = sum(float((a - b).pow(2).sum()) for a, b in zip(out["trl_params"], out["pf_params"]))
-        den = sum(float((a - p0).pow(2).sum()) for a, p0 in zip(out["trl_params"], _model().parameters()))
+        den = sum(float((a - p0).pow(2).sum()) for a, p0 in zip(out["trl_params"], model().parameters()))
         out["param_update_rel_diff"] = (num / den) ** 0.5
     out.pop("trl_params", None)
     out.pop("pf_params", None)
@@ -167,7 +115,7 @@ def case_truncation_40(tmp):
 
 
 def case_truncation_default(tmp):
-    rows = _rows([1300, 200, 50], prompt=lambda n: 5)
+    rows = token_rows([1300, 200, 50], [5] * 3)
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, per_device_train_batch_size=3))
@@ -178,8 +126,8 @@ def case_truncation_default(tmp):
 
 
 def case_eval_truncation(tmp):
-    rows = _rows([64, 90, 70, 66, 81, 70], prompt=lambda n: 10)
-    evals = _rows([80, 100, 77, 96], prompt=lambda n: 4, seed=1)
+    rows = token_rows([64, 90, 70, 66, 81, 70], [10] * 6)
+    evals = token_rows([80, 100, 77, 96], [4] * 4, seed=1)
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, eval_rows=evals, max_length=40, per_device_eval_batch_size=4))
@@ -188,7 +136,7 @@ def case_eval_truncation(tmp):
 
 
 def case_completion_mask_unset(tmp):
-    rows = _rows([30, 40, 50, 43], prompt=lambda n: n // 2, mask_column="completion_mask", labels=False)
+    rows = token_rows([30, 40, 50, 43], [15, 20, 25, 21], mask_column="completion_mask", labels=False)
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, per_device_train_batch_size=4))
@@ -197,7 +145,7 @@ def case_completion_mask_unset(tmp):
 
 
 def case_drop_last(tmp):
-    rows = _rows([20 + (i * 7) % 30 for i in range(23)])
+    rows = token_rows([20 + (i * 7) % 30 for i in range(23)], [0] * 23)
     out = {}
     for name, make in (("trl", trl_trainer), ("pf", pf_trainer)):
         tr, err = attempt(lambda: make(rows, tmp / name, dataloader_drop_last=True, per_device_train_batch_size=4))
@@ -207,7 +155,7 @@ def case_drop_last(tmp):
 
 def case_sampling(strategy):
     def run(tmp):
-        rows = _rows([20 + (i * 7) % 30 for i in range(16)])
+        rows = token_rows([20 + (i * 7) % 30 for i in range(16)], [0] * 16)
         for i, r in enumerate(rows):  # token 1 of each example is its index: the order is readable from the batches
             r["input_ids"][1] = r["labels"][1] = 3 + i
         out = {}
@@ -227,15 +175,15 @@ def case_sampling(strategy):
 
 
 def case_resume_same_lengths(tmp):
-    rows = _rows([24] * 16)
+    rows = token_rows([24] * 16, [0] * 16)
     other = list(reversed(rows))  # the same lengths in the same positions, other examples
     from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
     def make(data, out):
-        args = PaddingFreeConfig(**_base(out, padding_free_mode="huggingface", max_steps=3, save_strategy="steps",
+        args = PaddingFreeConfig(**fields(out, padding_free_mode="huggingface", max_steps=3, save_strategy="steps",
                                          save_steps=2, per_device_train_batch_size=4))
-        return PaddingFreeSFTTrainer(_model(), args=args, train_dataset=datasets.Dataset.from_list(data),
+        return PaddingFreeSFTTrainer(model(), args=args, train_dataset=datasets.Dataset.from_list(data),
                                      processing_class=load_tokenizer())
 
     with contextlib.redirect_stdout(io.StringIO()):

@@ -13,9 +13,7 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from pf_trl._lazy import lazy_exports
 from pf_trl._version import __version__
 from pf_trl.errors import PfTrlError
 
@@ -42,10 +40,4 @@ _EXPORTS = {
 __all__ = ["__version__", "PfTrlError", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pf_trl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

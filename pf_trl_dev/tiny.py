@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The hand-written Llama-family shape the attention tests build their models from (vocabulary 128; plain Python, so
+# the legacy suite on an old transformers imports it as well)
+LLAMA_SHAPE: dict[str, int] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 VOCAB = 256
 WIDTH = 64
 HEAD_DIM = 16

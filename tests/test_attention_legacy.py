@@ -16,20 +16,13 @@ from pf_trl.attention import PackedAttentionMaskError, UnsupportedModelError, en
 from pf_trl.attention.enable import native_packing_supported  # noqa: E402
 from pf_trl.attention.hf import has_attention_interface  # noqa: E402
 from pf_trl.collator import PaddingFreeCollator  # noqa: E402
+from pf_trl_dev.tiny import LLAMA_SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 LEGACY = not has_attention_interface()
 
-VOCAB = 128
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = LLAMA_SHAPE
+VOCAB = TINY["vocab_size"]
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),

@@ -25,17 +25,10 @@ from pf_trl.attention import (  # noqa: E402
 )
 from pf_trl.attention.hf import hf_varlen_attention  # noqa: E402
 from pf_trl.collator import PaddingFreeCollator  # noqa: E402
+from pf_trl_dev.tiny import LLAMA_SHAPE  # noqa: E402
 
-VOCAB = 128
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = LLAMA_SHAPE
+VOCAB = TINY["vocab_size"]
 LENGTHS = [9, 1, 14, 5, 11]  # uneven, with a 1-token example
 
 

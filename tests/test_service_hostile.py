@@ -19,7 +19,16 @@ import httpx
 import psutil
 import pytest
 
-from test_service_support import Postgres, Server, generated_rows, postgres_bin, wait_state, write_rows
+from test_service_support import (
+    Postgres,
+    Server,
+    fill_disk,
+    generated_rows,
+    post_concurrently,
+    postgres_bin,
+    wait_state,
+    write_rows,
+)
 
 pytestmark = pytest.mark.slow
 TOKEN = "hostile-token"
@@ -330,13 +339,7 @@ def test_full_disk_answers_507_and_readiness_503_and_a_burst_answers_429(tmp_pat
     try:
         with server.client() as c:
             filler = mnt / "filler"
-            with open(filler, "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 2**20)
-                        f.flush()
-                except OSError:
-                    pass
+            fill_disk(filler)
             _refused(c.post("/v1/datasets", json={"source": {"path": "rows.jsonl"}}), 507, "not enough disk space")
             _refused(c.post("/v1/uploads?format=jsonl", content=b'{"a": 1}\n' * 1000), 507, "disk")
             r = httpx.get(server.url + "/readyz")
@@ -390,22 +393,8 @@ def test_no_valid_file_is_refused_right_after_start_up(tmp_path):
     root.mkdir()
     names = [write_rows(root / f"race_{i:03d}.jsonl", generated_rows(3, f"race{i}")).name for i in range(100)]
     server = Server(tmp_path / "cache", [root], token=TOKEN, args=["--max-queued", "1000"]).start()
-    results: list[tuple[int, str]] = []
-    lock = threading.Lock()
-
-    def go(batch):
-        with server.client() as c:
-            for n in batch:
-                r = c.post("/v1/datasets", json={"source": {"path": n}})
-                with lock:
-                    results.append((r.status_code, r.text[:300]))
-
     try:
-        threads = [threading.Thread(target=go, args=(names[k::10],)) for k in range(10)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = post_concurrently(server, names)
     finally:
         server.stop()
     assert len(results) == 100

@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from conftest import write_jsonl as write_rows  # noqa: F401  (the tests' one JSONL writer, re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,7 +86,9 @@ class Server:
 
 
 def wait_state(client: httpx.Client, dataset_id: str, states=("succeeded", "failed"), timeout: float = 240.0,
-               predicate=None) -> dict:
+               predicate=None, interval: float = 0.1) -> dict:
+    """The dataset's status once its state is one of ``states`` (and ``predicate`` holds), polled every
+    ``interval`` seconds; AssertionError after ``timeout``."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         r = client.get(f"/v1/datasets/{dataset_id}")
@@ -92,15 +96,40 @@ def wait_state(client: httpx.Client, dataset_id: str, states=("succeeded", "fail
         body = r.json()
         if body["state"] in states and (predicate is None or predicate(body)):
             return body
-        time.sleep(0.1)
+        time.sleep(interval)
     raise AssertionError(f"dataset {dataset_id} not in {states} after {timeout}s: {body}")
 
 
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
+def post_concurrently(server: Server, names: list[str], threads: int = 10) -> list[tuple[int, str]]:
+    """POST each of ``names`` (files under the server's data root) as a dataset, from ``threads`` threads at once;
+    the (status, start of body) of every response."""
+    results: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def post(batch: list[str]) -> None:
+        with server.client() as client:
+            for name in batch:
+                r = client.post("/v1/datasets", json={"source": {"path": name}})
+                with lock:
+                    results.append((r.status_code, r.text[:300]))
+
+    workers = [threading.Thread(target=post, args=(names[k::threads],)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return results
+
+
+def fill_disk(path: Path) -> None:
+    """Write zeros to ``path`` until its file system is full (a small tmpfs in the disk-full tests)."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 2**20)
+                f.flush()
+        except OSError:
+            pass
 
 
 def generated_rows(n: int, tag: str = "") -> list[dict]:

@@ -6,8 +6,7 @@ CLI's early checks without importing TRL and torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pf_trl._lazy import lazy_exports
 
 _EXPORTS = {
     "PaddingFreeConfig": "pf_trl.trainer.config",
@@ -20,10 +19,4 @@ _EXPORTS = {
 __all__ = ["PaddingFreeConfig", "PaddingFreeSFTTrainer", "PADDING_FREE_MODES", "derive_token_budget", "to_padding_free_config"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pf_trl.trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
