@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from pf_trl.data.image_tokens import IMAGE_KEYS
+from pf_trl.data.image_tokens import IMAGE_KEYS, TOKEN_TYPE_KEYS
 from pf_trl.errors import PackingError
 from pf_trl.packing import (
     IGNORE_INDEX,
@@ -75,7 +75,7 @@ __all__ = [
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 PACKED_KEYS = ("input_ids", "labels", "position_ids", *FLASH_KWARGS)
 # vision-language features: one value per token / one row per image (video inputs are not packed)
-TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+TOKEN_KEYS = TOKEN_TYPE_KEYS  # per-token modality ids, concatenated like input_ids
 
 
 class PaddingFreeCollator:

@@ -13,6 +13,7 @@ import numpy as np
 from pf_trl.cli.flags import normalize_flags, one_line
 from pf_trl.data.shards import load_shards
 from pf_trl.errors import PfTrlError
+from pf_trl.packing import IGNORE_INDEX
 
 LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def marked_text(tokenizer, input_ids: list[int], labels: list[int]) -> str:
     """The example decoded run by run, supervised runs (labels != -100) between ⟦ and ⟧."""
     parts, start = [], 0
-    supervised = [label != -100 for label in labels]
+    supervised = [label != IGNORE_INDEX for label in labels]
     for i in range(1, len(input_ids) + 1):
         if i == len(input_ids) or supervised[i] != supervised[start]:
             text = tokenizer.decode(input_ids[start:i])
@@ -94,7 +95,7 @@ def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:
     print(f"supervised tokens are shown between {LOSS_OPEN} and {LOSS_CLOSE}")
     for i in range(min(count, ds.num_rows)):
         row = ds[i]
-        n = sum(1 for label in row["labels"] if label != -100)
+        n = sum(1 for label in row["labels"] if label != IGNORE_INDEX)
         images = f", {len(row['images'])} images" if "images" in row else ""
         print(f"--- example {i}: {row['length']} tokens, {n} supervised{images}")
         print(marked_text(tokenizer, row["input_ids"], row["labels"]))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pf_trl._compat import stream_shuffling
+from pf_trl.data.bookkeeping import KEEP
 from pf_trl.data.pretokenize import PretokenizeConfig, PretokenizeError
 from pf_trl.errors import PfTrlError
 
@@ -161,7 +162,7 @@ def _preflight_lengths(first, tokenizer, config, input_format, columns) -> list[
     table = _tokenize_batch({c: [r.get(c) for r in first] for c in columns}, list(range(len(first))),
                             tokenizer=tokenizer, input_format=input_format, config=config, index_offset=0)
     drop = table.column("_drop").to_pylist()
-    return [n for n, d in zip(table.column("length").to_pylist(), drop) if d == 0]
+    return [n for n, d in zip(table.column("length").to_pylist(), drop) if d == KEEP]
 
 
 def _open_stream(path: Path):

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import TrainerMemoryTracker
 
-from pf_trl.packing import IGNORE_INDEX
+from pf_trl.packing import IGNORE_INDEX, cu_seqlens_from_starts, segment_lengths
 
 REAL_TOKENS_KEY = "_pf_real_tokens"
 
@@ -201,9 +201,7 @@ class TokenMeter:
             else:
                 pos = inputs.get("position_ids")
                 if isinstance(pos, torch.Tensor):
-                    flat = pos.reshape(-1)
-                    starts = torch.nonzero(flat == 0).reshape(-1).tolist() + [flat.numel()]
-                    seg = torch.tensor([b - a for a, b in zip(starts[:-1], starts[1:])], dtype=torch.float64)
+                    seg = segment_lengths(cu_seqlens_from_starts(pos.reshape(-1) == 0)).double()
                 else:
                     seg = torch.full((ids.shape[0],), float(ids.shape[-1]), dtype=torch.float64)
             real = processed if real_tokens is None else int(real_tokens)
