@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -137,6 +138,31 @@ def test_tokenizer_defaults_to_the_model_folder(model_dir, my_tok, tmp_path):
 
 
 @pytest.mark.slow
+def test_tokenizer_files_are_hashed_once_per_version(model_dir, tmp_path, monkeypatch):
+    """A command fingerprints its tokenizer several times (cache key, manifest, trainer check): each file is read
+    once while unchanged. Negative control: a file rewritten (same bytes, or new ones) is read again, and new bytes
+    give a new fingerprint."""
+    import pf_trl.data.integrity as integrity
+    from pf_trl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    reads: list[str] = []
+    real = integrity.file_digest
+    monkeypatch.setattr(integrity, "file_digest", lambda path, *a, **k: reads.append(Path(path).name) or real(path, *a, **k))
+    folder = Path(shutil.copytree(model_dir, tmp_path / "model"))  # its own files: fresh and free to change
+    tok = load_tokenizer(str(folder))
+    first = tokenizer_fingerprint(tok)
+    hashed = len(reads)
+    assert sorted(reads) == sorted(f for f in first["files"] if f != "tokenizer_config.json") and hashed > 0
+    assert tokenizer_fingerprint(tok) == first and len(reads) == hashed, "unchanged files: no second read"
+    tok_json = folder / "tokenizer.json"
+    tok_json.write_bytes(tok_json.read_bytes())  # same bytes, new ctime: read again, same digest
+    assert tokenizer_fingerprint(tok) == first and reads[hashed:] == ["tokenizer.json"]
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        template.write_text(template.read_text() + " ")
+        assert tokenizer_fingerprint(tok)["sha256"] != first["sha256"]
+
+
 def test_train_cli_tokenizes_with_the_model_folder_tokenizer(model_dir, my_tok, tmp_path, capsys):
     from pf_trl.data.tokenizer import tokenizer_fingerprint
 

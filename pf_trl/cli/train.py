@@ -50,9 +50,17 @@ def _parser():
     return parser
 
 
-def normalize_argv(argv: list[str]) -> list[str]:
+class NormalizedArgv(list):
+    """A ``pf-trl train`` command line already through :func:`normalize_argv`: the checks and parsers that follow
+    read it as it is, so a command line is normalized (and its deprecations warned about) once."""
+
+
+def normalize_argv(argv: list[str]) -> NormalizedArgv:
     """Underscored flag names, the aliases of :data:`pf_trl.cli.flags.FLAG_ALIASES` mapped onto TRL's / pf-trl's
-    names (``--padding_free internal``: ``--padding_free_mode internal``, one FutureWarning). Idempotent."""
+    names (``--padding_free internal``: ``--padding_free_mode internal``, one FutureWarning). Idempotent; a
+    :class:`NormalizedArgv` is returned as it is."""
+    if isinstance(argv, NormalizedArgv):
+        return argv
     try:
         argv = normalize_flags(argv, command="train")
     except FlagAliasError as exc:
@@ -62,7 +70,7 @@ def normalize_argv(argv: list[str]) -> list[str]:
             _check_padding_free_value(argv[i + 1])
         elif arg.startswith("--padding_free="):
             _check_padding_free_value(arg.partition("=")[2])
-    return argv
+    return NormalizedArgv(argv)
 
 
 def _check_padding_free_value(value: str) -> None:

@@ -91,6 +91,26 @@ def file_digest(path: str | Path, algorithm: str = DEFAULT_ALGORITHM, *, block_b
     return hasher.hexdigest()
 
 
+_DIGESTS: dict[tuple, str] = {}  # (file status, algorithm) -> digest, for files read again within one process
+_DIGESTS_MAX = 1024
+
+
+def unchanged_file_digest(path: str | Path, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """:func:`file_digest`, remembered per process for as long as the file's status (size, mtime, ctime, inode,
+    device: :func:`content_stat`) is unchanged; any write or replacement changes the ctime, so a changed file is
+    always hashed again. For small files read several times by one command (a tokenizer's files)."""
+    path = Path(path)
+    key = (_stat_key(path), algorithm)
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        digest = file_digest(path, algorithm)
+        if _stat_key(path) == key[0]:  # not written while it was read
+            if len(_DIGESTS) >= _DIGESTS_MAX:
+                _DIGESTS.clear()
+            _DIGESTS[key] = digest
+    return digest
+
+
 def _data_files(directory: Path, exclude: tuple[str, ...]) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in exclude)
 

@@ -86,9 +86,9 @@ def _config_digest(path: Path) -> str:
 
 
 def _sha256_file(path: Path) -> str:
-    from pf_trl.data.integrity import file_digest
+    from pf_trl.data.integrity import unchanged_file_digest
 
-    return file_digest(path, "sha256")
+    return unchanged_file_digest(path, "sha256")  # fingerprinted several times per command: each file read once
 
 
 def _embedded_tokenizer_dir() -> Path:
