@@ -29,7 +29,6 @@ from preprocess_service.uploads import touch
 from pf_trl.data.pretokenize import SOURCE_SUFFIXES
 
 ID_VERSION = 1
-EMBEDDED_NAMES = ("pf-trl/mistral-7b-v0.1", "default")
 
 
 def content_address(key: dict[str, Any]) -> str:
@@ -134,9 +133,9 @@ class Submitter:
     # -------------------------------------------------------------------------------- tokenizer
     def tokenizer(self, raw: str) -> tuple[str, dict[str, Any]]:
         """``(name to load, fingerprint)``; fingerprinted in the sandbox, once per version of the folder's files."""
-        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_files_key
+        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, EMBEDDED_TOKENIZER_NAMES, tokenizer_files_key
 
-        if raw in EMBEDDED_NAMES:
+        if raw in EMBEDDED_TOKENIZER_NAMES:
             name = DEFAULT_TOKENIZER
         else:
             unknown = (f"tokenizer: {raw!r} is neither the embedded {DEFAULT_TOKENIZER!r} nor a tokenizer folder "

@@ -19,7 +19,7 @@ from typing import Any
 from pf_trl.errors import PfTrlError
 
 DEFAULT_TOKENIZER = "pf-trl/mistral-7b-v0.1"
-_EMBEDDED_ALIASES = {DEFAULT_TOKENIZER, "default", "mistral-7b-v0.1"}
+EMBEDDED_TOKENIZER_NAMES = frozenset({DEFAULT_TOKENIZER, "default", "mistral-7b-v0.1"})  # the embedded one, by any name
 
 # Mistral-instruct v0.1 style template. The assistant turn (with its leading space, which sentencepiece folds into
 # the first answer token, and EOS) sits in a `{% generation %}` block: the spans pf-trl supervises and TRL's
@@ -123,7 +123,7 @@ def _embedded_tokenizer_dir() -> Path:
 
 def resolve_tokenizer_path(name_or_path: str) -> tuple[str, Path]:
     """Map a tokenizer name to ``(display name, local folder)``; never touches a hub."""
-    if name_or_path in _EMBEDDED_ALIASES:
+    if name_or_path in EMBEDDED_TOKENIZER_NAMES:
         return DEFAULT_TOKENIZER, _embedded_tokenizer_dir()
     path = Path(name_or_path).expanduser()
     if not path.exists():
