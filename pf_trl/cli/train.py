@@ -175,6 +175,17 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def check_model_name(name: str) -> None:
+    """An embedded model name or a local folder (pf-trl never downloads); raises TrainCLIError otherwise."""
+    from pf_trl.models import is_embedded_model
+
+    if not is_embedded_model(name) and not Path(name).expanduser().is_dir():
+        raise TrainCLIError(
+            f"--model_name_or_path {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...) "
+            "nor a local folder; pf-trl never downloads models"
+        )
+
+
 def _positive_int(value: Any, flag: str) -> int:
     try:
         number = int(value)
@@ -262,7 +273,6 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.data.shards import is_shards_dir, read_manifest
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
-    from pf_trl.models import is_embedded_model
     from pf_trl.trainer.output_dir import OutputDirError, check_output_dir
 
     args = _light_args(argv)
@@ -294,11 +304,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     if given is not None:
         check_combinations(lambda flag, default=None: getattr(given, flag, default))
     name = args.model_name_or_path
-    if not is_embedded_model(name) and not Path(name).expanduser().is_dir():
-        raise TrainCLIError(
-            f"--model_name_or_path {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...) "
-            "nor a local folder; pf-trl never downloads models"
-        )
+    check_model_name(name)
     positions = _max_positions(name)
     if positions is not None and max_seq_len is not None and max_seq_len > positions:
         raise TrainCLIError(
@@ -549,18 +555,14 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     import torch
 
     from pf_trl.data.tokenizer import TokenizerLoadError, resolve_tokenizer
-    from pf_trl.models import build_model, is_embedded_model
+    from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeSFTTrainer
 
     _check_data_choice(data_args)
     if data_args.dataset_service_url and not data_args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
     name = model_args.model_name_or_path
-    if not is_embedded_model(name) and not Path(name).is_dir():
-        raise TrainCLIError(
-            f"--model_name_or_path {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...) "
-            "nor a local folder; pf-trl never downloads models"
-        )
+    check_model_name(name)
     check_combinations(lambda flag, default=None: next(
         (getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)), default))
     overrides = _parse_overrides(model_args.model_overrides)
