@@ -191,3 +191,18 @@ def test_shape_validation():
         varlen_attention(q, k, v, cu_q, cu_k, mq, mk)
     with pytest.raises(ValueError, match="total_tokens"):
         varlen_attention(q[None], k, v, cu_q, cu_k, mq, mk)
+
+
+def test_auto_on_cuda_skips_flex_for_a_softcap(monkeypatch):
+    """The compiled flex kernel fails with the softcap score_mod on CUDA (seen on an H200, torch 2.11): `auto` passes
+    to sdpa there, and an explicit flex says why. Negative control: without a softcap, flex is chosen."""
+    from pf_trl.attention import dispatch
+
+    here = {"flex", "sdpa"}  # as on a CUDA machine without flash-attn, where torch_varlen has no softcap anyway
+    monkeypatch.setattr(dispatch, "_unavailable", lambda name, device, dtype: None if name in here else "absent")
+    cuda = torch.device("cuda")
+    assert dispatch.resolve_backend("auto", device=cuda, dtype=torch.bfloat16, requires_grad=True) == "flex"
+    assert dispatch.resolve_backend("auto", device=cuda, dtype=torch.bfloat16, softcap=30.0, requires_grad=True) == "sdpa"
+    with pytest.raises(UnsupportedFeatureError, match="softcap"):
+        dispatch.resolve_backend("flex", device=cuda, dtype=torch.bfloat16, softcap=30.0)
+    assert dispatch.resolve_backend("flex", device=torch.device("cpu"), dtype=torch.float32, softcap=30.0) == "flex"

@@ -66,6 +66,10 @@ def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=Non
         return "FlexAttention has no attention dropout"
     if requires_grad and device is not None and device.type != "cuda":
         return "uncompiled FlexAttention has no backward off CUDA (forward/eval only)"
+    if softcap and device is not None and device.type == "cuda":
+        # seen on an H200 (torch 2.11, benchmarks/gpu/attention_check.py): the compiled kernel with the tanh
+        # score_mod fails inside torch.compile ("all unwrapped values must be FakeTensor..."); sdpa serves it exactly
+        return "compiled FlexAttention fails with a logit softcap on CUDA (torch.compile error); use sdpa or flash_attn"
     return None
 
 
