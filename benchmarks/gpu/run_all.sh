@@ -38,7 +38,11 @@ T0=$SECONDS
 stage() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
 want() { [[ "$STAGES" == *" $1 "* ]] && (( SECONDS < DEADLINE_S - 20 )); }
 left() { local t=$((DEADLINE_S - SECONDS)); (( t < $1 )) && echo "$t" || echo "$1"; }  # a stage's timeout, capped
-pack() { (cd "$OUT" && ls *.log *.png long_row >/dev/null 2>&1 && tar czf logs.tgz --remove-files $(ls -d *.log *.png long_row 2>/dev/null); true); }
+pack() {  # every log, plot and folder into logs.tgz (added to it), so that one JSON per stage + logs.tgz come back
+  (cd "$OUT" || exit 0; shopt -s nullglob; files=(./*.log ./*.png ./*/); (( ${#files[@]} )) || exit 0
+   if [[ -f logs.tgz ]]; then gunzip -c logs.tgz > logs.tar; fi
+   tar rf logs.tar "${files[@]}" && gzip -c logs.tar > logs.tgz && rm -rf logs.tar "${files[@]}") || true
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 "$PY" -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
 "$PY" -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || echo "trl/datasets missing: stages 2-3 will fail (prepare_carry.sh)"
@@ -94,8 +98,8 @@ s_3() {
     timeout 150 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/tiny_test.yaml --modes pf-trl --examples 8 \
       --output-dir "$OUT" --timeout 140 2>&1 | tee "$OUT/bench.log" | tail -15
   else
-    timeout "$(left 100)" "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 200 --output-dir "$OUT" \
-      --timeout 30 2>&1 | tee "$OUT/bench.log" | tail -30
+    timeout "$(left 300)" "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 120 --output-dir "$OUT" \
+      --timeout 90 2>&1 | tee "$OUT/bench.log" | tail -30
   fi
 }
 s_4() {

@@ -4,6 +4,8 @@
 # mamba-ssm come as sources (prepare_carry.sh) and are built here when nvcc exists, each within its own time limit
 # (BUILD_TIMEOUT_S, default 150 s; mamba-ssm's Mamba-1 scan takes longer: only with PF_TRL_BUILD_MAMBA=1). A
 # family whose kernels are missing is reported as such and checked on pf-trl's segments path.
+# Each family runs in a process of its own, stopped after FAMILY_TIMEOUT_S (default 75 s: the first Triton
+# compilations of flash-linear-attention take long), and its row is printed and saved as soon as it is known.
 # `--dry-run`: CPU, three families, segments path only.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,4 +35,4 @@ else
   echo "no nvcc: causal-conv1d / mamba-ssm not built (their layers use pf-trl's segments path)"
 fi
 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout "${CHECK_TIMEOUT_S:-120}" \
-  "$PY" benchmarks/gpu/stateful_check.py --out "$OUT"
+  "$PY" benchmarks/gpu/stateful_check.py --out "$OUT" --isolate "${FAMILY_TIMEOUT_S:-75}"

@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # pf_trl_dev (the tiny models) is in the checkout, not in the installed package
     sys.path.insert(0, str(ROOT))
 
-FAMILIES = [  # (model_type, tiny variant)
-    ("qwen3_5_text", None), ("kimi_linear", None), ("granitemoehybrid", "attention"), ("bamba", "attention"),
-    ("mamba2", None), ("nemotron_h", None), ("falcon_h1", None), ("lfm2_moe", None), ("jamba", None), ("mamba", None),
-    ("minimax", None), ("recurrent_gemma", None),
+FAMILIES = [  # (model_type, tiny variant), the most fine-tuned first: a run cut short still covers them
+    ("qwen3_5_text", None), ("qwen3_next", None), ("granitemoehybrid", "attention"), ("nemotron_h", None),
+    ("mamba2", None), ("lfm2_moe", None), ("falcon_h1", None), ("bamba", "attention"), ("kimi_linear", None),
+    ("jamba", None), ("mamba", None), ("minimax", None), ("recurrent_gemma", None),
 ]
 DRY_FAMILIES = [("qwen3_5_text", None), ("mamba2", None), ("lfm2_moe", None)]
 LENGTHS = (9, 1, 14, 5, 11, 40, 70)
@@ -144,10 +144,42 @@ def check_family(model_type: str, variant: str | None, device: torch.device) -> 
     return row
 
 
+def _isolated(model_type: str, variant, args) -> dict:
+    """One family checked by a child process of this script, stopped after ``args.isolate`` seconds."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, __file__, "--families", model_type, "--out", tmp, *(["--dry-run"] if args.dry_run else [])]
+        try:
+            subprocess.run(cmd, capture_output=True, text=True, timeout=args.isolate)
+        except subprocess.TimeoutExpired:
+            return {"type": model_type, "variant": variant, "error": f"not done after {args.isolate:.0f} s"}
+        result = Path(tmp) / "stateful_check.json"
+        rows = json.loads(result.read_text())["rows"] if result.is_file() else []
+    return rows[0] if rows else {"type": model_type, "variant": variant, "error": "the child process wrote no row"}
+
+
+def _table_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['type']} | error: {r['error']} | | | | | | {r['seconds']} |"
+    kern = r.get("kernels_error") or (f"{r['kernels_err']:.2e} ({'exact' if r['kernels_exact'] else 'NOT EXACT'})"
+                                      if "kernels_err" in r else r.get("kernels", "-"))
+    return (f"| {r['type']}{'/' + r['variant'] if r['variant'] else ''} | {', '.join(r['kinds'])} | "
+            f"{', '.join(r['kernel_packages']) or '-'} | {kern} | {r['segments_err']:.2e} "
+            f"({'exact' if r['segments_exact'] else 'NOT EXACT'}) | {r['leak']:.2e}"
+            f"{'' if r['leak_conclusive'] else ' (too small to tell)'} | "
+            + (f"{r['kernels_grad_rel']:.2e}" if "kernels_grad_rel" in r else "-") + f" | {r['seconds']} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--dry-run", action="store_true", help="CPU, three families, segments only")
+    parser.add_argument("--families", default=None, help="comma-separated model types (default: all, in order)")
+    parser.add_argument("--isolate", type=float, default=0, metavar="SECONDS",
+                        help="check each family in a process of its own, stopped after SECONDS (first kernel "
+                        "compilations can take minutes): one slow family does not cost the others")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     import transformers
@@ -156,35 +188,31 @@ def main(argv=None) -> int:
     logging.getLogger("pf_trl").setLevel(logging.ERROR)  # "no sweep evidence": judged here on its own
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 comparisons: no TF32 rounding in the reference
-    rows = []
-    for model_type, variant in DRY_FAMILIES if args.dry_run else FAMILIES:
-        t0 = time.time()
-        try:
-            row = check_family(model_type, variant, device)
-        except Exception as exc:
-            row = {"type": model_type, "variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        row["seconds"] = round(time.time() - t0, 1)
-        rows.append(row)
-    header = "| type | kind | kernel packages | kernels vs alone | segments vs alone | leak (no boundaries) | kernels grad rel vs segments |"
-    lines = [header, "|" + "---|" * 7]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['type']} | error: {r['error']} | | | | | |")
-            continue
-        kern = r.get("kernels_error") or (f"{r['kernels_err']:.2e} ({'exact' if r['kernels_exact'] else 'NOT EXACT'})"
-                                          if "kernels_err" in r else r.get("kernels", "-"))
-        lines.append(
-            f"| {r['type']}{'/' + r['variant'] if r['variant'] else ''} | {', '.join(r['kinds'])} | "
-            f"{', '.join(r['kernel_packages']) or '-'} | {kern} | {r['segments_err']:.2e} "
-            f"({'exact' if r['segments_exact'] else 'NOT EXACT'}) | {r['leak']:.2e}"
-            f"{'' if r['leak_conclusive'] else ' (too small to tell)'} | "
-            + (f"{r['kernels_grad_rel']:.2e} |" if "kernels_grad_rel" in r else "- |")
-        )
-    print(f"device: {device}")
-    print("\n".join(lines))
+    families = DRY_FAMILIES if args.dry_run else FAMILIES
+    if args.families:
+        wanted = args.families.split(",")
+        families = [f for f in families if f[0] in wanted]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "stateful_check.json").write_text(json.dumps({"device": str(device), "rows": rows}, indent=1))
+    # each row printed and saved as soon as it is known: a run stopped by its time limit keeps what it measured
+    print(f"device: {device}")
+    print("| type | kind | kernel packages | kernels vs alone | segments vs alone | leak (no boundaries) | "
+          "kernels grad rel vs segments | seconds |")
+    print("|" + "---|" * 8, flush=True)
+    rows = []
+    for model_type, variant in families:
+        t0 = time.time()
+        if args.isolate:
+            row = _isolated(model_type, variant, args)
+        else:
+            try:
+                row = check_family(model_type, variant, device)
+            except Exception as exc:
+                row = {"type": model_type, "variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        row["seconds"] = round(time.time() - t0, 1)
+        rows.append(row)
+        print(_table_row(row), flush=True)
+        (out / "stateful_check.json").write_text(json.dumps({"device": str(device), "rows": rows}, indent=1))
     bad = [r["type"] for r in rows if "error" in r or not r.get("segments_exact") or r.get("kernels_exact") is False]
     if bad:
         print(f"NOT EXACT or failed: {bad}")
