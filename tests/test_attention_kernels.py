@@ -201,8 +201,9 @@ def test_auto_on_cuda_skips_flex_for_a_softcap(monkeypatch):
     here = {"flex", "sdpa"}  # as on a CUDA machine without flash-attn, where torch_varlen has no softcap anyway
     monkeypatch.setattr(dispatch, "_unavailable", lambda name, device, dtype: None if name in here else "absent")
     cuda = torch.device("cuda")
-    assert dispatch.resolve_backend("auto", device=cuda, dtype=torch.bfloat16, requires_grad=True) == "flex"
-    assert dispatch.resolve_backend("auto", device=cuda, dtype=torch.bfloat16, softcap=30.0, requires_grad=True) == "sdpa"
+    bf16 = torch.bfloat16
+    assert dispatch.resolve_backend("auto", device=cuda, dtype=bf16, requires_grad=True) == "flex"
+    assert dispatch.resolve_backend("auto", device=cuda, dtype=bf16, softcap=30.0, requires_grad=True) == "sdpa"
     with pytest.raises(UnsupportedFeatureError, match="softcap"):
         dispatch.resolve_backend("flex", device=cuda, dtype=torch.bfloat16, softcap=30.0)
     assert dispatch.resolve_backend("flex", device=torch.device("cpu"), dtype=torch.float32, softcap=30.0) == "flex"
