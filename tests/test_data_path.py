@@ -176,6 +176,21 @@ def test_train_cli_tokenizes_with_the_model_folder_tokenizer(model_dir, my_tok, 
     assert load_shards(shards).pf_manifest["tokenizer"]["sha256"] == tokenizer_fingerprint(my_tok)["sha256"]
 
 
+def test_train_cli_model_folder_under_home(model_dir, tmp_path, monkeypatch, capsys):
+    """`--model_name_or_path ~/my-model` is the folder in the home directory, in the early checks and when the model
+    loads. Negative control: a missing folder there is refused in one line, exit status 2."""
+    home = tmp_path / "home"
+    shutil.copytree(model_dir, home / "my-model")
+    monkeypatch.setenv("HOME", str(home))
+    src = write_jsonl(tmp_path / "a.jsonl", ALPACA)
+    args = ["--training_data_path", src, "--max_steps", 1, "--output_dir", tmp_path / "o", "--report_to", "none",
+            "--save_strategy", "no", "--max_seq_len", 256]
+    assert run_main(["train", "--model_name_or_path", "~/my-model", *args]) == 0, capsys.readouterr().err
+    assert f"tokenizer {home / 'my-model'}" in capsys.readouterr().out
+    assert run_main(["train", "--model_name_or_path", "~/no-such-model", *args]) == 2
+    assert "'~/no-such-model' is neither an embedded model" in capsys.readouterr().err
+
+
 def test_data_made_with_another_tokenizer_is_refused(model_dir, tmp_path, capsys):
     src = write_jsonl(tmp_path / "a.jsonl", ALPACA)
     mistral = tmp_path / "mistral-shards"

@@ -175,15 +175,20 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_model_name(name: str) -> None:
-    """An embedded model name or a local folder (pf-trl never downloads); raises TrainCLIError otherwise."""
+def check_model_name(name: str) -> str:
+    """``--model_name_or_path`` as pf-trl loads it: an embedded model name, or a local folder (``~`` expanded);
+    raises TrainCLIError for anything else (pf-trl never downloads)."""
     from pf_trl.models import is_embedded_model
 
-    if not is_embedded_model(name) and not Path(name).expanduser().is_dir():
+    if is_embedded_model(name):
+        return name
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
         raise TrainCLIError(
             f"--model_name_or_path {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...) "
             "nor a local folder; pf-trl never downloads models"
         )
+    return str(folder)
 
 
 def _positive_int(value: Any, flag: str) -> int:
@@ -303,8 +308,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     given = fast_parse(argv)  # every other flag and value (None: no flag table for these versions)
     if given is not None:
         check_combinations(lambda flag, default=None: getattr(given, flag, default))
-    name = args.model_name_or_path
-    check_model_name(name)
+    name = check_model_name(args.model_name_or_path)
     positions = _max_positions(name)
     if positions is not None and max_seq_len is not None and max_seq_len > positions:
         raise TrainCLIError(
@@ -561,8 +565,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     _check_data_choice(data_args)
     if data_args.dataset_service_url and not data_args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
-    name = model_args.model_name_or_path
-    check_model_name(name)
+    name = check_model_name(model_args.model_name_or_path)
     check_combinations(lambda flag, default=None: next(
         (getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)), default))
     overrides = _parse_overrides(model_args.model_overrides)
