@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IGNORE_INDEX",
+    "count_targets",
     "cu_seqlens_from_lengths",
     "cu_seqlens_from_position_ids",
     "cu_seqlens_from_positions",
@@ -227,3 +228,10 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[..., :-1] = labels[..., 1:]
     return shifted
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The supervised targets of ``labels`` (rows or one packed row): labels after each row's first position that are
+    not :data:`IGNORE_INDEX` (with the causal shift, position ``t`` predicts label ``t + 1``). A 0-d tensor, no host
+    read; what the loss is divided by and what the token metrics count."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()

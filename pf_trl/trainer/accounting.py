@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from transformers.trainer_utils import TrainerMemoryTracker
 
+from pf_trl.packing import count_targets
 from pf_trl.trainer.callbacks import TokenMetricsCallback
 from pf_trl.trainer.metrics import (
-    IGNORE_INDEX,
     REAL_TOKENS_KEY,
     LightMemoryTracker,
     TokenMeter,
@@ -72,7 +72,7 @@ class TokenAccountingMixin:
         training = self.model.training
         labels = inputs.get("labels")
         scored = not training and isinstance(labels, torch.Tensor)
-        count = int((labels[..., 1:] != IGNORE_INDEX).sum()) if scored else 0
+        count = int(count_targets(labels)) if scored else 0
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
         if not training and num_items_in_batch is None:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from pf_trl.errors import ConfigError, ModelSupportError
-from pf_trl.packing import IGNORE_INDEX
+from pf_trl.packing import IGNORE_INDEX, count_targets
 from pf_trl.packing import shift_labels as shift
 from pf_trl.sharding import full_shape, gathered_forward, is_zero3_partitioned
 
@@ -469,8 +469,8 @@ def _liger_terms(head, hidden, targets, plan: HeadPlan) -> LossTerms:
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     with _gather_ctx(head.weight, head.bias):  # ZeRO-3: Liger computes its gradients in the forward (as TRL does)
-        out = LigerFusedLinearCrossEntropyFunction.apply(hidden, head.weight, targets, head.bias, None, IGNORE_INDEX, 0.0, 0.0,
-                                                         "none")
+        out = LigerFusedLinearCrossEntropyFunction.apply(hidden, head.weight, targets, head.bias, None, IGNORE_INDEX,
+                                                         0.0, 0.0, "none")
     nll = (out[0] if isinstance(out, tuple) else out).float()
     # Liger returns no logits: token accuracy is not available on this path
     return LossTerms(nll=nll, top1=torch.zeros_like(targets, dtype=torch.bool))
@@ -676,6 +676,6 @@ def custom_loss(trainer, model, inputs, return_outputs: bool, num_items_in_batch
     if args.average_tokens_across_devices and num_items_in_batch is not None and args.world_size > 1:
         loss = loss * trainer.accelerator.num_processes
     if not trainer.model.training:
-        n_tok = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        n_tok = int(count_targets(labels))
         trainer._pf_eval_add(loss.detach().float() * n_tok, n_tok)
     return (loss, outputs) if return_outputs else loss

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import TrainerMemoryTracker
 
-from pf_trl.packing import IGNORE_INDEX, cu_seqlens_from_starts, segment_lengths
+from pf_trl.packing import count_targets, cu_seqlens_from_starts, segment_lengths
 
 REAL_TOKENS_KEY = "_pf_real_tokens"
 
@@ -211,7 +211,7 @@ class TokenMeter:
                 sum_sq -= float(seg[-1] ** 2)  # the dummy pad segment is the last one
                 examples -= 1
         labels = inputs.get("labels")
-        supervised = int((labels[..., 1:] != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else 0
+        supervised = int(count_targets(labels)) if isinstance(labels, torch.Tensor) else 0
         for d in (self.totals, self.interval):
             d["real"] += real
             d["processed"] += processed

@@ -37,7 +37,7 @@ from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.data.prepare import is_tokenized, prepare_dataset, prepare_train_and_eval, resolve_processing_class
 from pf_trl.data.vision import text_tokenizer
 from pf_trl.errors import ConfigError, ResumeError, TrainingDataError
-from pf_trl.packing import IGNORE_INDEX
+from pf_trl.packing import count_targets
 from pf_trl.parallel import check_parallelism
 from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer import data_inputs, sequence_parallel
@@ -235,7 +235,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         # shifted supervised labels of the whole accumulation window (a packed row's first label is -100 anyway)
-        count = sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in batch_samples)
+        count = sum(count_targets(b["labels"]) for b in batch_samples)
         count = torch.as_tensor(count, device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
