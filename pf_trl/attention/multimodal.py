@@ -27,7 +27,7 @@ import torch
 
 import pf_trl.attention.mrope as mrope
 from pf_trl.attention.errors import UnsupportedFeatureError
-from pf_trl.packing import cu_seqlens_from_position_ids
+from pf_trl.packing import cu_seqlens_from_starts
 
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -118,7 +118,7 @@ def _complete_mrope(rope_index: mrope.RopeIndex, kwargs: dict[str, Any], input_i
     if types is None:
         types = torch.zeros_like(input_ids)
     cu = kwargs.get("cu_seq_lens_q")
-    cu = cu if isinstance(cu, torch.Tensor) else cu_seqlens_from_position_ids(text)[0]
+    cu = cu if isinstance(cu, torch.Tensor) else cu_seqlens_from_starts(text.reshape(-1) == 0)
     kwargs["position_ids"] = mrope.positions_for_packed_row(
         rope_index, input_ids, types, cu, image_grid_thw=kwargs.get("image_grid_thw"),
         video_grid_thw=kwargs.get("video_grid_thw")).to(input_ids.device)
