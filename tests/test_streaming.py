@@ -79,6 +79,18 @@ def _trainer(tokenizer, tmp_path, train, **kw):
                                  train_dataset=train, eval_dataset=eval_dataset, processing_class=tokenizer)
 
 
+def test_padded_training_on_a_stream_gets_token_columns_only(alpaca_file, tokenizer, tmp_path):
+    """padding_free=False on a stream: pf-trl tokenizes it and hands TRL rows of input_ids and labels, none of the
+    tokenizing pass's bookkeeping columns (the list lives in pf_trl.data.bookkeeping), and TRL trains them."""
+    from pf_trl.data.bookkeeping import BOOKKEEPING_COLUMNS
+
+    trainer = _trainer(tokenizer, tmp_path, _stream(alpaca_file), padding_free_mode="none", max_tokens_per_batch=None,
+                       per_device_train_batch_size=2, max_steps=1)
+    first = next(iter(trainer.train_dataset))
+    assert set(first) == {"input_ids", "labels"}, sorted(set(first) & set(BOOKKEEPING_COLUMNS))
+    assert trainer.train().global_step == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["raw", "shards", "data_config"])
 def test_stream_trains_padding_free_at_the_budget(alpaca_file, tokenizer, tmp_path, kind, sample_rows):

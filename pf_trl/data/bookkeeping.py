@@ -19,6 +19,7 @@ KEEP, TOO_LONG, NO_LOSS = 0, 1, 2
 # column -> its Arrow type: why a row is dropped, whether it was cut, its supervised tokens and those lost, whether
 # it was tokenized from a prefix
 _COLUMNS = {"_drop": "int8", "_truncated": "bool", "_loss": "int32", "_lost": "int32", "_cut": "bool"}
+BOOKKEEPING_COLUMNS = tuple(_COLUMNS)  # removed before rows reach a trainer or a shard
 
 
 def bookkeeping_features() -> dict:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pf_trl.data.bookkeeping import BOOKKEEPING_COLUMNS, KEEP
 from pf_trl.data.streaming import StreamError
 
 __all__ = ["eval_subset", "finish", "prepare", "rank_and_world", "stream_budget"]
@@ -78,8 +79,8 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
         if args.padding_free_mode == "none" and training:
             # padded training: the same tokens (pf-trl's formats and masks), batched and padded by TRL
             tokenized = prepare_stream(dataset, tokenizer, config, what=what).dataset
-            return tokenized.filter(lambda row: row["_drop"] == 0).remove_columns(
-                ["_drop", "_truncated", "_loss", "length"]), True
+            return tokenized.filter(lambda row: row["_drop"] == KEEP).remove_columns(
+                [*BOOKKEEPING_COLUMNS, "length"]), True
         if not training:
             # evaluation reads the whole set every time: a stream is read once, here (eval_max_examples rows)
             rows = materialize(dataset, args.eval_max_examples, what)

@@ -29,7 +29,16 @@ import pyarrow as pa
 from pf_trl._compat import dataset_fingerprint, dataset_indices
 from pf_trl._version import __version__
 from pf_trl.data import formats, identity
-from pf_trl.data.bookkeeping import KEEP, NO_LOSS, TOO_LONG, append_row, bookkeeping_features, new_batch, supervised
+from pf_trl.data.bookkeeping import (
+    BOOKKEEPING_COLUMNS,
+    KEEP,
+    NO_LOSS,
+    TOO_LONG,
+    append_row,
+    bookkeeping_features,
+    new_batch,
+    supervised,
+)
 from pf_trl.data.formats import FormatError
 from pf_trl.data.options import TRUNCATION_POLICIES, PretokenizeConfig, PretokenizeError  # noqa: F401 (re-exported)
 from pf_trl.data.processor import is_processor
@@ -480,7 +489,7 @@ def pretokenize(
                                                   limit_name="max_seq_len", at_least=bool(prefix_only[first])))
         # An index mapping, not a rewrite: save_to_disk below writes the kept rows once.
         kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
-        kept = kept.remove_columns(list(bookkeeping_features()))
+        kept = kept.remove_columns(list(BOOKKEEPING_COLUMNS))
         if kept.num_rows == 0:
             raise PretokenizeError(
                 f"no example left after tokenization ({int((drop == TOO_LONG).sum())} too long, "
