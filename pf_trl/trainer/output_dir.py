@@ -31,7 +31,9 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def wants_resume(resume_from_checkpoint) -> bool:
-    """True when ``resume_from_checkpoint`` asks for a resume (``True``, ``"true"`` or a checkpoint path)."""
+    """True when ``resume_from_checkpoint`` asks for a resume (``True``, ``"true"``, ``"auto"`` or a checkpoint path):
+    ``"auto"`` is a job that restarts itself, whose output directory holds its own checkpoints
+    (:mod:`pf_trl.trainer.checkpoints`)."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return False
     if isinstance(resume_from_checkpoint, str):
@@ -56,9 +58,9 @@ def check_output_dir(output_dir: str | Path, *, resume_from_checkpoint=None, ove
         return found
     latest = found[-1]
     if cli:
-        resume, overwrite = "--resume_from_checkpoint True", "--overwrite_output_dir True"
+        resume, overwrite = "--resume_from_checkpoint True (or auto)", "--overwrite_output_dir True"
     else:
-        resume = "trainer.train(resume_from_checkpoint=True)"
+        resume = "trainer.train(resume_from_checkpoint=True) (or \"auto\")"
         overwrite = "PaddingFreeConfig(overwrite_output_dir=True)"
     raise OutputDirError(
         f"output_dir {output_dir} already holds {len(found)} checkpoint(s), the latest {latest} (step "

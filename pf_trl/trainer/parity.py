@@ -188,7 +188,8 @@ FIELDS: dict[str, FieldParity] = {
         "fixed from the data. Set max_tokens_per_batch lower instead.", refuse_if=_is_true, example=True),
     "resume_from_checkpoint": FieldParity(
         HONOURED, "Resumes at the exact batch; refused, naming what changed, when the data (content, not only "
-        "lengths), the budget, the seed or the world size differ.",
+        "lengths), the budget, the seed or the world size differ. \"auto\" (pf-trl's addition): the latest complete "
+        "checkpoint (its marker written last), or a fresh start when there is none.",
         evidence="tests/test_trl_parity.py::test_resume_refuses_other_examples_with_the_same_lengths"),
     "ignore_data_skip": _trainer("Trainer's meaning: the resumed epoch starts again from its first batch."),
     "dataloader_num_workers": _trainer("Passed to the padding-free DataLoader."),

@@ -31,7 +31,8 @@ from transformers import TrainerCallback
 from pf_trl.data.inputs import rank_and_world
 from pf_trl.errors import ResumeError
 
-__all__ = ["SAMPLER_STATE_NAME", "SamplerStateCallback", "data_identity", "describe_change", "load_stream_state",
+__all__ = ["SAMPLER_STATE_NAME", "CheckpointCompleteCallback", "SamplerStateCallback", "data_identity",
+           "describe_change", "load_stream_state",
            "restore_sampler", "sampler_position", "write_sampler_state", "write_stream_state"]
 
 logger = logging.getLogger("pf_trl.trainer")
@@ -111,6 +112,28 @@ class SamplerStateCallback(TrainerCallback):
                            "a resume from it restarts the epoch's batches from Trainer's step count only")
             return
         write_sampler_state(self.trainer, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+
+
+class CheckpointCompleteCallback(TrainerCallback):
+    """Writes the completion marker of :mod:`pf_trl.trainer.checkpoints` at the end of each save: every rank waits
+    until all have written their part (rng states, a stream's position), then the main process writes the marker.
+    Added after :class:`SamplerStateCallback`, so the sampler state is in before the marker."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from pf_trl.trainer.checkpoints import write_complete_marker
+
+        if state.is_hyper_param_search:  # per-trial folders that callbacks are not told
+            return
+        if args.world_size > 1:
+            self.trainer.accelerator.wait_for_everyone()
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if args.should_save and os.path.isdir(folder):
+            write_complete_marker(folder, state.global_step, args.world_size)
 
 
 def sampler_position(trainer) -> dict[str, int]:

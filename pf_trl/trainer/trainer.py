@@ -60,7 +60,7 @@ from pf_trl.trainer.loss import (
     resolve_fused_loss,
 )
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY
-from pf_trl.trainer.resume import SamplerStateCallback, restore_sampler
+from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback, restore_sampler
 
 logger = logging.getLogger("pf_trl.trainer")
 
@@ -153,6 +153,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         self._pf_pretokenize_options = pretokenize_config
         self._pf_init_metrics()
         self.add_callback(SamplerStateCallback(self))
+        self.add_callback(CheckpointCompleteCallback(self))  # after the sampler state: the marker comes last
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_resume_dir: str | None = None
         self._pf_stream, self._pf_packer = pf_stream, None  # a streamed train set and its packer (data_inputs)
@@ -336,6 +337,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 remove_checkpoints(stale)
                 print(f"pf-trl: overwrite_output_dir: removed {len(stale)} checkpoint(s) of an earlier run from "
                       f"{self.args.output_dir}", flush=True)
+            from pf_trl.trainer.shared_output import agree_on_output_dir
+
+            # every rank sees output_dir (else one line naming the volume), and "auto" is rank 0's reading for all
+            resume_from_checkpoint = agree_on_output_dir(self.args.output_dir, resume_from_checkpoint,
+                                                         save_on_each_node=self.args.save_on_each_node)
         if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true"):
             from transformers.trainer_utils import get_last_checkpoint
 
