@@ -84,7 +84,7 @@ def main() -> None:
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(header)
         for line in yaml.dump(crd, Dumper=_Dumper, sort_keys=False, width=10**6).splitlines():
-            # one scalar per line (a comment after a folded line would end up inside it); long rules and patterns are marked
+            # one scalar per line (a comment after a folded line would land inside it): long rules are marked
             f.write(line + ("  # yamllint disable-line rule:line-length\n" if len(line) > 130 else "\n"))
 
 
