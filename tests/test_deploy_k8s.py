@@ -1006,6 +1006,52 @@ def test_merge_shards_equals_pretokenizing_the_whole_source(parts, tokenizer):
     assert merge_shards.main([str(parts / "parts"), str(out), "--overwrite"]) == 0
 
 
+@pytest.mark.slow
+def test_merged_counts_of_cut_rows_equal_one_process(tmp_path, tokenizer):
+    """Slices whose rows --max_seq_len cuts: the merged manifest keeps every count one process writes (the supervised
+    tokens lost, its lower-bound flag, too_long, ...), so the trainer reports the same truncation line."""
+    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+    from pf_trl.data.shards import load_shards, read_manifest
+    from pf_trl.data.truncation import report_from_manifest
+
+    from conftest import write_jsonl
+
+    def row(i: int, repeat: int) -> dict:
+        return {"prompt": f"### Instruction:\nCount to {i}.\n\n### Response:\n", "completion": f"{i}, " * repeat}
+
+    # rows of ~10 to ~90 tokens, cut at 48; one text so long that it is tokenized only as far as the limit needs
+    # (its loss lost is then a lower bound)
+    slices = [[row(i, 3 + 3 * (i % 12)) for i in range(s, s + 15)] for s in (0, 15, 30)]
+    slices[1].append(row(99, 8000))
+    config = PretokenizeConfig(max_seq_len=48)
+    for i, rows in enumerate(slices):
+        pretokenize(write_jsonl(tmp_path / f"part-{i}.jsonl", rows), tmp_path / "parts" / f"part-{i}", config,
+                    tokenizer=tokenizer, progress=False)
+    whole = write_jsonl(tmp_path / "whole.jsonl", [r for rows in slices for r in rows])
+    pretokenize(whole, tmp_path / "whole", config, tokenizer=tokenizer, progress=False)
+    merge_shards.merge(tmp_path / "parts", tmp_path / "merged")
+    merged, one = load_shards(tmp_path / "merged").pf_manifest, read_manifest(tmp_path / "whole")
+    counts = one["counts"]
+    assert counts["loss_tokens_lost"] > 0 and counts["too_long"] > 0 and counts["loss_tokens_lost_at_least"] is True
+    assert merged["counts"] == counts
+    assert merged["truncation"] == one["truncation"] and merged["max_seq_len"] == one["max_seq_len"] == 48
+    line = report_from_manifest(one).summary("training data", limit_name="--max_seq_len")
+    assert line and "at least" in line
+    assert report_from_manifest(merged).summary("training data", limit_name="--max_seq_len") == line
+    per_part = [read_manifest(tmp_path / "parts" / f"part-{i}")["counts"] for i in range(3)]
+    assert [p["loss_tokens_lost_at_least"] for p in per_part] == [False, True, False]  # one part's bound: the sum's
+    assert [r["counts"] for r in merged["sources"]] == per_part
+
+
+def test_merge_counts_sums_ors_and_refuses():
+    parts = [{"counts": {"examples": 2, "loss_tokens_lost": 5, "loss_tokens_lost_at_least": False}},
+             {"counts": {"examples": 3, "loss_tokens_lost": 1, "loss_tokens_lost_at_least": True, "too_long": 1}}]
+    assert merge_shards.merge_counts(parts) == {"examples": 5, "loss_tokens_lost": 6, "loss_tokens_lost_at_least": True,
+                                                "too_long": 1}
+    with pytest.raises(merge_shards.MergeError, match="counts.policy differs"):
+        merge_shards.merge_counts([{"counts": {"policy": "a"}}, {"counts": {"policy": "b"}}])
+
+
 def test_merge_shards_refuses_bad_parts(parts, tokenizer, tmp_path):
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
 
