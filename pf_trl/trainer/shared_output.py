@@ -50,7 +50,10 @@ def _sees(path: str, wait_s: float) -> bool:
             return True
         if time.monotonic() >= deadline:
             return False
-        os.listdir(os.path.dirname(path) or ".")  # a fresh listing revalidates a cached one (NFS)
+        try:
+            os.listdir(os.path.dirname(path) or ".")  # a fresh listing revalidates a cached one (NFS)
+        except OSError:
+            pass  # the folder itself is not there (yet): not shared, unless it appears in time
         time.sleep(0.5)
 
 

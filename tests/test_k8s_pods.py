@@ -1,0 +1,233 @@
+"""The multi-node PyTorchJob as a cluster runs it: rendered (kustomize when installed), then each replica started
+as its pod would be (the container's command and args, the environment the Kubeflow training-operator injects:
+MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE; every volume a folder:
+the claims shared between the pods, ConfigMaps filled from their generator files, emptyDirs per pod), two
+``torchrun --nnodes 2`` processes on 127.0.0.1, CPU, gloo, a tiny model.
+
+The job's args are edited only as docs/kubernetes.md tells a platform engineer to: the merged shards of the Indexed
+Job instead of the service, and flags appended to the job's args (which override the ConfigMap's) to make the run
+tiny. Each pod is its own process group, killed as a whole (SIGKILL) like a preempted pod.
+
+- killed after a checkpoint, restarted with the same command line: it resumes by itself and ends with the same step,
+  tokens seen and weights as an uninterrupted run; a checkpoint cut short (no completion marker) is not taken;
+- a pod whose output volume is not the other's: refused at start, on both pods, with one line naming the volume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+TINY = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
+MAX_STEPS, SAVE_STEPS = 12, 3
+
+
+def _rendered_pytorchjob() -> dict:
+    kubectl = shutil.which("kubectl") or shutil.which("kubectl", path=os.path.dirname(sys.executable))
+    if kubectl:
+        out = subprocess.run([kubectl, "kustomize", str(K8S / "multinode")], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    else:
+        out = (K8S / "multinode" / "pytorchjob.yaml").read_text(encoding="utf-8")
+    (job,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PyTorchJob"]
+    return job
+
+
+def _configmap_files() -> dict[str, dict[str, Path]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text(encoding="utf-8"))
+    out: dict[str, dict[str, Path]] = {}
+    for gen in kustomization["configMapGenerator"]:
+        out[gen["name"]] = {key: K8S / src for key, _, src in (e.partition("=") for e in gen["files"])}
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Folders for the volumes of the PyTorchJob's pods, and the pods' processes."""
+
+    def __init__(self, root: Path, shards: Path):
+        self.root = root
+        self.job = _rendered_pytorchjob()
+        self.claims = root / "claims"
+        for name, files in _configmap_files().items():
+            folder = root / "configmaps" / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for key, src in files.items():
+                shutil.copy(src, folder / key)
+        (self.claims / "pf-trl-cache" / "merged").mkdir(parents=True)
+        shutil.copytree(shards, self.claims / "pf-trl-cache" / "merged" / "big")  # the merge Job's output
+
+    def pod(self, rtype: str, rank: int, port: int, *, own_outputs: bool = False) -> tuple[list[str], dict]:
+        """(argv, env) of the pod of replica ``rtype`` (node rank ``rank``)."""
+        spec = self.job["spec"]["pytorchReplicaSpecs"][rtype]["template"]["spec"]
+        (c,) = spec["containers"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {}
+        for m in c["volumeMounts"]:
+            v = volumes[m["name"]]
+            if "configMap" in v:
+                host = self.root / "configmaps" / v["configMap"]["name"]
+            elif "persistentVolumeClaim" in v:
+                claim = v["persistentVolumeClaim"]["claimName"]
+                # a claim each pod gets its own copy of (a ReadWriteOnce volume, a node's disk)
+                host = self.claims / (f"{claim}-pod{rank}" if own_outputs and m["mountPath"] == "/outputs" else claim)
+            else:
+                host = self.root / f"pod{rank}" / m["name"]
+            host.mkdir(parents=True, exist_ok=True)
+            mounts[m["mountPath"]] = host
+
+        def host_path(value: str) -> str:
+            at = "@" if value.startswith("@/") else ""
+            path = value[len(at):]
+            for mount in sorted(mounts, key=len, reverse=True):
+                if path == mount or path.startswith(mount + "/"):
+                    return at + str(mounts[mount]) + path[len(mount):]
+            return value
+
+        injected = {  # the operator, nprocPerNode 1 (one CPU process per pod)
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+            "PET_NNODES": "2", "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": "1",
+        }
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "MASTER_", "TORCHELASTIC"))}
+        env.update(injected)
+        for e in c["env"]:
+            env[e["name"]] = host_path(e["value"]) if "value" in e else f"<{e['name']}>"
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                   PF_TRL_SHARED_DIR_WAIT_S="2")
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in [*c["command"], *c["args"]]]
+        # docs/kubernetes.md: the Indexed-Job route replaces the two --dataset_* flags with the merged shards
+        i = argv.index("--dataset_service_url")
+        assert argv[i + 2] == "--dataset_id"
+        argv[i:i + 4] = ["--training_data_path", "/cache/merged/big"]
+        # flags appended to the job's args override the ConfigMap's: a tiny CPU run
+        argv += ["--model_overrides", TINY, "--max_steps", str(MAX_STEPS), "--save_steps", str(SAVE_STEPS),
+                 "--logging_steps", "1", "--use_cpu", "True", "--include_num_input_tokens_seen", "true",
+                 "--gradient_checkpointing", "False", "--dataloader_num_workers", "0"]
+        argv = [host_path(a) for a in argv]
+        assert argv[:2] == ["python", str(mounts["/etc/pf-trl/scripts"] / "with_args_file.py")]
+        assert argv[2] == "torchrun"
+        argv[0] = sys.executable
+        argv[2] = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+        return argv, env
+
+    def outputs(self, rank: int = 0, *, own: bool = False) -> Path:
+        """The host folder of the job's --output_dir (rank's own copy of the claim with ``own``)."""
+        (c,) = self.job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+        name = Path(c["args"][c["args"].index("--output_dir") + 1]).name
+        return self.claims / (f"pf-trl-outputs-pod{rank}" if own else "pf-trl-outputs") / name
+
+    def start(self, *, own_outputs: bool = False, tag: str) -> list[subprocess.Popen]:
+        port = _free_port()
+        procs = []
+        for rank, rtype in enumerate(("Master", "Worker")):
+            argv, env = self.pod(rtype, rank, port, own_outputs=own_outputs)
+            log = open(self.root / f"{tag}-pod{rank}.log", "w")
+            # its own process group: the pod, killed as a whole
+            procs.append(subprocess.Popen(argv, env=env, cwd=str(self.root), stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        return procs
+
+    def log(self, tag: str, rank: int) -> str:
+        return (self.root / f"{tag}-pod{rank}.log").read_text(encoding="utf-8", errors="replace")
+
+
+def _wait(procs, tag, cluster, timeout=240) -> list[int]:
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            pytest.fail(f"{tag} did not finish:\n" + cluster.log(tag, 0)[-3000:])
+    return [p.returncode for p in procs]
+
+
+def _final(out: Path) -> dict:
+    state = json.loads((out / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
+    return {"global_step": state["global_step"], "num_input_tokens_seen": state["num_input_tokens_seen"],
+            "losses": [h["loss"] for h in state["log_history"] if "loss" in h]}
+
+
+def _weights(out: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, sample_shards):
+    if sys.platform != "linux":
+        pytest.skip("process groups and loopback gloo: Linux")
+    return Cluster(tmp_path_factory.mktemp("cluster"), sample_shards)
+
+
+@pytest.mark.slow
+def test_killed_pods_restarted_with_the_same_command_resume_exactly(cluster):
+    import torch
+
+    out = cluster.outputs()
+    victim = cluster.start(tag="killed")
+    # SIGKILL both pods (a preemption) once a complete checkpoint is on the shared volume
+    deadline = time.time() + 240
+    while not list(out.glob("checkpoint-*/pf_trl_checkpoint_complete.json")):
+        assert time.time() < deadline and all(p.poll() is None for p in victim), cluster.log("killed", 0)[-3000:]
+        time.sleep(0.05)
+    for p in victim:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    done = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert done and max(done) < MAX_STEPS and not (out / "train_results.json").exists(), "killed too late"
+    # a save cut short by the kill: a newer checkpoint folder without its marker (and a rank's file missing)
+    latest = out / f"checkpoint-{max(done)}"
+    cut = out / f"checkpoint-{max(done) + SAVE_STEPS}"
+    if not cut.exists():
+        shutil.copytree(latest, cut)
+        (cut / "pf_trl_checkpoint_complete.json").unlink()
+        (cut / "rng_state_1.pth").unlink()
+    # the operator restarts the pods: the same command line
+    assert _wait(cluster.start(tag="restarted"), "restarted", cluster) == [0, 0], cluster.log("restarted", 0)[-3000:]
+    said = cluster.log("restarted", 0)
+    assert f"{cut} is not complete" in said and "resuming from" in said
+    resumed_from = int(re.search(r"resuming from \S*checkpoint-(\d+)", said).group(1))
+    assert resumed_from < max(done) + SAVE_STEPS
+    # the uninterrupted run, into a fresh output folder
+    shutil.move(str(out), str(out.with_name("restarted")))
+    assert _wait(cluster.start(tag="whole"), "whole", cluster) == [0, 0], cluster.log("whole", 0)[-3000:]
+    whole, restarted = _final(out), _final(out.with_name("restarted"))
+    assert restarted["global_step"] == whole["global_step"] == MAX_STEPS
+    assert restarted["num_input_tokens_seen"] == whole["num_input_tokens_seen"] > 0
+    assert restarted["losses"][-(MAX_STEPS - resumed_from):] == pytest.approx(whole["losses"][resumed_from:], rel=1e-4)
+    a, b = _weights(out), _weights(out.with_name("restarted"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+@pytest.mark.slow
+def test_an_output_volume_that_is_not_shared_is_refused_at_start(cluster):
+    codes = _wait(cluster.start(own_outputs=True, tag="rwo"), "rwo", cluster)
+    assert codes == [2, 2] or (codes[0] != 0 and codes[1] != 0), codes
+    for rank in (0, 1):
+        lines = [line for line in cluster.log("rwo", rank).splitlines() if "is not shared" in line]
+        assert lines, cluster.log("rwo", rank)[-3000:]
+        assert "pf-trl-outputs" in lines[0] and "ReadWriteMany" in lines[0]
+    assert not list(cluster.outputs(0, own=True).glob("checkpoint-*")), "refused before the first step"
