@@ -6,7 +6,7 @@ the claims shared between the pods, ConfigMaps filled from their generator files
 
 The job's args are edited only as docs/kubernetes.md tells a platform engineer to: the merged shards of the Indexed
 Job instead of the service, and flags appended to the job's args (which override the ConfigMap's) to make the run
-tiny. Each pod is its own process group, killed as a whole (SIGKILL) like a preempted pod.
+tiny. A pod is killed as a whole (SIGKILL to its torchrun and every process under it) like a preempted pod.
 
 - killed after a checkpoint, restarted with the same command line: it resumes by itself and ends with the same step,
   tokens seen and weights as an uninterrupted run; a checkpoint cut short (no completion marker) is not taken;
@@ -26,13 +26,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 TINY = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
-MAX_STEPS, SAVE_STEPS = 12, 3
+MAX_STEPS, SAVE_STEPS = 6, 2
 
 
 def _rendered_pytorchjob() -> dict:
@@ -66,6 +67,7 @@ class Cluster:
     def __init__(self, root: Path, shards: Path):
         self.root = root
         self.job = _rendered_pytorchjob()
+        self.procs: dict[str, list[subprocess.Popen]] = {}
         self.claims = root / "claims"
         for name, files in _configmap_files().items():
             folder = root / "configmaps" / name
@@ -75,8 +77,10 @@ class Cluster:
         (self.claims / "pf-trl-cache" / "merged").mkdir(parents=True)
         shutil.copytree(shards, self.claims / "pf-trl-cache" / "merged" / "big")  # the merge Job's output
 
-    def pod(self, rtype: str, rank: int, port: int, *, own_outputs: bool = False) -> tuple[list[str], dict]:
-        """(argv, env) of the pod of replica ``rtype`` (node rank ``rank``)."""
+    def pod(self, rtype: str, rank: int, port: int, *, outputs: str = "pf-trl-outputs",
+            own_outputs: bool = False) -> tuple[list[str], dict]:
+        """(argv, env) of the pod of replica ``rtype`` (node rank ``rank``); ``outputs``: the folder standing for
+        the output claim, ``own_outputs``: one such folder per pod."""
         spec = self.job["spec"]["pytorchReplicaSpecs"][rtype]["template"]["spec"]
         (c,) = spec["containers"]
         volumes = {v["name"]: v for v in spec["volumes"]}
@@ -87,8 +91,11 @@ class Cluster:
                 host = self.root / "configmaps" / v["configMap"]["name"]
             elif "persistentVolumeClaim" in v:
                 claim = v["persistentVolumeClaim"]["claimName"]
-                # a claim each pod gets its own copy of (a ReadWriteOnce volume, a node's disk)
-                host = self.claims / (f"{claim}-pod{rank}" if own_outputs and m["mountPath"] == "/outputs" else claim)
+                if m["mountPath"] == "/outputs":
+                    assert claim == "pf-trl-outputs"
+                    # own_outputs: each pod its own copy (a ReadWriteOnce volume, a node's disk)
+                    claim = f"{outputs}-pod{rank}" if own_outputs else outputs
+                host = self.claims / claim
             else:
                 host = self.root / f"pod{rank}" / m["name"]
             host.mkdir(parents=True, exist_ok=True)
@@ -122,7 +129,8 @@ class Cluster:
         # flags appended to the job's args override the ConfigMap's: a tiny CPU run
         argv += ["--model_overrides", TINY, "--max_steps", str(MAX_STEPS), "--save_steps", str(SAVE_STEPS),
                  "--logging_steps", "1", "--use_cpu", "True", "--include_num_input_tokens_seen", "true",
-                 "--gradient_checkpointing", "False", "--dataloader_num_workers", "0"]
+                 "--gradient_checkpointing", "False", "--dataloader_num_workers", "0",
+                 "--per_device_train_batch_size", "1"]
         argv = [host_path(a) for a in argv]
         assert argv[:2] == ["python", str(mounts["/etc/pf-trl/scripts"] / "with_args_file.py")]
         assert argv[2] == "torchrun"
@@ -130,22 +138,40 @@ class Cluster:
         argv[2] = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
         return argv, env
 
-    def outputs(self, rank: int = 0, *, own: bool = False) -> Path:
-        """The host folder of the job's --output_dir (rank's own copy of the claim with ``own``)."""
+    def outputs(self, claim: str = "pf-trl-outputs") -> Path:
+        """The host folder of the job's --output_dir on the folder ``claim`` standing for the output claim."""
         (c,) = self.job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
-        name = Path(c["args"][c["args"].index("--output_dir") + 1]).name
-        return self.claims / (f"pf-trl-outputs-pod{rank}" if own else "pf-trl-outputs") / name
+        return self.claims / claim / Path(c["args"][c["args"].index("--output_dir") + 1]).name
 
-    def start(self, *, own_outputs: bool = False, tag: str) -> list[subprocess.Popen]:
+    def start(self, tag: str, **kw) -> list[subprocess.Popen]:
+        """The two pods of the job (Master: node rank 0, Worker: 1), started at once."""
         port = _free_port()
-        procs = []
+        procs = self.procs[tag] = []
         for rank, rtype in enumerate(("Master", "Worker")):
-            argv, env = self.pod(rtype, rank, port, own_outputs=own_outputs)
+            argv, env = self.pod(rtype, rank, port, **kw)
             log = open(self.root / f"{tag}-pod{rank}.log", "w")
-            # its own process group: the pod, killed as a whole
-            procs.append(subprocess.Popen(argv, env=env, cwd=str(self.root), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(argv, env=env, cwd=str(self.root), stdout=log, stderr=subprocess.STDOUT))
         return procs
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        """SIGKILL a pod: its torchrun and every process under it (torchrun starts its workers in their own
+        sessions, as a container's processes are all killed with it)."""
+        try:
+            tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        except psutil.NoSuchProcess:
+            tree = []
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGSTOP)  # frozen first: none of them can start another process meanwhile
+            except ProcessLookupError:
+                pass
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
     def log(self, tag: str, rank: int) -> str:
         return (self.root / f"{tag}-pod{rank}.log").read_text(encoding="utf-8", errors="replace")
@@ -158,7 +184,7 @@ def _wait(procs, tag, cluster, timeout=240) -> list[int]:
             p.wait(timeout=max(1, deadline - time.time()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
+                cluster.kill(q)
             pytest.fail(f"{tag} did not finish:\n" + cluster.log(tag, 0)[-3000:])
     return [p.returncode for p in procs]
 
@@ -175,27 +201,40 @@ def _weights(out: Path):
     return load_file(str(out / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, sample_shards):
-    if sys.platform != "linux":
-        pytest.skip("process groups and loopback gloo: Linux")
-    return Cluster(tmp_path_factory.mktemp("cluster"), sample_shards)
-
-
 @pytest.mark.slow
-def test_killed_pods_restarted_with_the_same_command_resume_exactly(cluster):
+def test_pods_killed_and_restarted_resume_exactly_and_a_volume_not_shared_is_refused(tmp_path, sample_shards):
     import torch
 
+    if sys.platform != "linux":
+        pytest.skip("loopback gloo and /proc: Linux")
+    cluster = Cluster(tmp_path, sample_shards)
+    try:
+        _kill_restart_and_refuse(cluster, torch)
+    finally:  # no pod outlives the test
+        for procs in cluster.procs.values():
+            for p in procs:
+                if p.poll() is None:
+                    cluster.kill(p)
+
+
+def _kill_restart_and_refuse(cluster: Cluster, torch) -> None:
     out = cluster.outputs()
-    victim = cluster.start(tag="killed")
+    # three jobs at once (2 CPU cores: their start-up is what costs): the one to kill, the same job uninterrupted
+    # on another output folder, and one whose pods do not share their output volume
+    victim = cluster.start("killed")
+    whole = cluster.start("whole", outputs="whole")
+    rwo = cluster.start("rwo", outputs="rwo", own_outputs=True)
     # SIGKILL both pods (a preemption) once a complete checkpoint is on the shared volume
-    deadline = time.time() + 240
+    deadline = time.time() + 300
     while not list(out.glob("checkpoint-*/pf_trl_checkpoint_complete.json")):
         assert time.time() < deadline and all(p.poll() is None for p in victim), cluster.log("killed", 0)[-3000:]
         time.sleep(0.05)
     for p in victim:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        cluster.kill(p)
+    time.sleep(0.5)
+    assert not [c for c in psutil.process_iter(["cmdline"]) if str(cluster.root) in " ".join(c.info["cmdline"] or [])
+                and "pf_trl.cli.main" in " ".join(c.info["cmdline"] or [])
+                and "pf-trl-outputs/" in " ".join(c.info["cmdline"] or [])], "a process of a killed pod survived"
     done = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     assert done and max(done) < MAX_STEPS and not (out / "train_results.json").exists(), "killed too late"
     # a save cut short by the kill: a newer checkpoint folder without its marker (and a rank's file missing)
@@ -206,28 +245,25 @@ def test_killed_pods_restarted_with_the_same_command_resume_exactly(cluster):
         (cut / "pf_trl_checkpoint_complete.json").unlink()
         (cut / "rng_state_1.pth").unlink()
     # the operator restarts the pods: the same command line
-    assert _wait(cluster.start(tag="restarted"), "restarted", cluster) == [0, 0], cluster.log("restarted", 0)[-3000:]
-    said = cluster.log("restarted", 0)
-    assert f"{cut} is not complete" in said and "resuming from" in said
-    resumed_from = int(re.search(r"resuming from \S*checkpoint-(\d+)", said).group(1))
-    assert resumed_from < max(done) + SAVE_STEPS
-    # the uninterrupted run, into a fresh output folder
-    shutil.move(str(out), str(out.with_name("restarted")))
-    assert _wait(cluster.start(tag="whole"), "whole", cluster) == [0, 0], cluster.log("whole", 0)[-3000:]
-    whole, restarted = _final(out), _final(out.with_name("restarted"))
-    assert restarted["global_step"] == whole["global_step"] == MAX_STEPS
-    assert restarted["num_input_tokens_seen"] == whole["num_input_tokens_seen"] > 0
-    assert restarted["losses"][-(MAX_STEPS - resumed_from):] == pytest.approx(whole["losses"][resumed_from:], rel=1e-4)
-    a, b = _weights(out), _weights(out.with_name("restarted"))
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
-
-
-@pytest.mark.slow
-def test_an_output_volume_that_is_not_shared_is_refused_at_start(cluster):
-    codes = _wait(cluster.start(own_outputs=True, tag="rwo"), "rwo", cluster)
-    assert codes == [2, 2] or (codes[0] != 0 and codes[1] != 0), codes
+    restarted = cluster.start("restarted")
+    # meanwhile: the pods without a shared output volume stopped at start, both, with one line naming the volume
+    assert _wait(rwo, "rwo", cluster) == [1, 1]  # torchrun's status when its worker failed
     for rank in (0, 1):
-        lines = [line for line in cluster.log("rwo", rank).splitlines() if "is not shared" in line]
-        assert lines, cluster.log("rwo", rank)[-3000:]
-        assert "pf-trl-outputs" in lines[0] and "ReadWriteMany" in lines[0]
-    assert not list(cluster.outputs(0, own=True).glob("checkpoint-*")), "refused before the first step"
+        log = cluster.log("rwo", rank)
+        assert re.search(r"exitcode\s*: 2 ", log), log[-3000:]  # the worker's: pf-trl's "bad input"
+        lines = [line for line in log.splitlines() if "is not shared" in line]
+        assert lines, log[-3000:]
+        assert "pf-trl-outputs" in lines[0] and "ReadWriteMany" in lines[0] and lines[0].startswith("pf-trl train: ")
+    assert not list((cluster.claims / "rwo-pod0").rglob("checkpoint-*")), "refused before the first step"
+    assert _wait(restarted, "restarted", cluster) == [0, 0], cluster.log("restarted", 0)[-3000:]
+    said = cluster.log("restarted", 0)
+    assert f"{cut} is not complete" in said
+    resumed_from = int(re.search(r"auto: resuming from \S*checkpoint-(\d+)", said).group(1))
+    assert 0 < resumed_from < MAX_STEPS
+    assert _wait(whole, "whole", cluster) == [0, 0], cluster.log("whole", 0)[-3000:]
+    a, b = _final(cluster.outputs("whole")), _final(out)
+    assert b["global_step"] == a["global_step"] == MAX_STEPS
+    assert b["num_input_tokens_seen"] == a["num_input_tokens_seen"] > 0
+    assert b["losses"][-(MAX_STEPS - resumed_from):] == pytest.approx(a["losses"][resumed_from:], rel=1e-4)
+    wa, wb = _weights(cluster.outputs("whole")), _weights(out)
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6) for k in wa)
