@@ -38,6 +38,7 @@ def test_marker_lists_the_files_and_names_what_is_wrong(tmp_path):
         checkpoint_problem,
         is_auto,
         latest_complete_checkpoint,
+        resolve_auto,
         write_complete_marker,
     )
 
@@ -63,6 +64,12 @@ def test_marker_lists_the_files_and_names_what_is_wrong(tmp_path):
     (tmp_path / "checkpoint-8" / "pf_trl_checkpoint_complete.json").write_text(
         (tmp_path / "checkpoint-6" / "pf_trl_checkpoint_complete.json").read_text())
     assert "is for step 6" in checkpoint_problem(tmp_path / "checkpoint-8")  # a copied folder is not step 8
+    said = []
+    assert resolve_auto(tmp_path, say=said.append, save_total_limit=1) == str(tmp_path / "checkpoint-6")
+    assert "keep 2" in said[0] and "checkpoint-8 is not complete" in said[1] and "resuming from" in said[-1]
+    said.clear()
+    resolve_auto(tmp_path, say=said.append, save_total_limit=2)
+    assert not any("save_total_limit" in line for line in said)
 
 
 @pytest.mark.slow

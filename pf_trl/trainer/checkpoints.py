@@ -86,8 +86,12 @@ def latest_complete_checkpoint(output_dir: str | Path) -> tuple[Path | None, lis
     return None, skipped
 
 
-def resolve_auto(output_dir: str | Path, *, say=print) -> str | None:
-    """``"auto"`` made concrete: the latest complete checkpoint's path, or None (a fresh start); says which."""
+def resolve_auto(output_dir: str | Path, *, say=print, save_total_limit: int | None = None) -> str | None:
+    """``"auto"`` made concrete: the latest complete checkpoint's path, or None (a fresh start); says which (and
+    warns about ``save_total_limit=1``: the one checkpoint kept is deleted before the next is marked complete)."""
+    if save_total_limit == 1:
+        say("pf-trl: --resume_from_checkpoint auto with --save_total_limit 1: a pod killed during a save may leave "
+            "no complete checkpoint (the older one is deleted before the new one is marked complete); keep 2")
     found, skipped = latest_complete_checkpoint(output_dir)
     for folder, why in skipped:
         say(f"pf-trl: --resume_from_checkpoint auto: {folder} is not complete ({why}); not resumed from")

@@ -57,7 +57,8 @@ def _sees(path: str, wait_s: float) -> bool:
         time.sleep(0.5)
 
 
-def agree_on_output_dir(output_dir: str, resume_from_checkpoint, *, save_on_each_node: bool = False):
+def agree_on_output_dir(output_dir: str, resume_from_checkpoint, *, save_on_each_node: bool = False,
+                        save_total_limit: int | None = None):
     """``resume_from_checkpoint`` as every rank will use it (``"auto"`` resolved), after checking that all ranks of
     the process group share ``output_dir``. A single process only resolves ``"auto"``.
 
@@ -69,12 +70,14 @@ def agree_on_output_dir(output_dir: str, resume_from_checkpoint, *, save_on_each
 
     auto = is_auto(resume_from_checkpoint)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return resolve_auto(output_dir) if auto else resume_from_checkpoint
+        return resolve_auto(output_dir, save_total_limit=save_total_limit) if auto else resume_from_checkpoint
     rank, world = dist.get_rank(), dist.get_world_size()
     host = socket.gethostname()
     say = print if rank == 0 else (lambda *_: None)
     if save_on_each_node:
-        choice = resolve_auto(output_dir, say=say) if auto else resume_from_checkpoint
+        choice = resume_from_checkpoint
+        if auto:
+            choice = resolve_auto(output_dir, say=say, save_total_limit=save_total_limit)
         choices: list = [None] * world
         dist.all_gather_object(choices, (rank, host, os.path.basename(str(choice)) if choice else None))
         if len({c[2] for c in choices}) > 1:
@@ -91,7 +94,8 @@ def agree_on_output_dir(output_dir: str, resume_from_checkpoint, *, save_on_each
         with open(probe, "w", encoding="utf-8") as f:
             f.write(host)
         payload = [{"probe": os.path.basename(probe), "host": host,
-                    "choice": resolve_auto(output_dir) if auto else resume_from_checkpoint}]
+                    "choice": resolve_auto(output_dir, save_total_limit=save_total_limit) if auto
+                    else resume_from_checkpoint}]
     dist.broadcast_object_list(payload, src=0)
     sent = payload[0]
     seen = True if rank == 0 else _sees(os.path.join(output_dir, sent["probe"]), _wait_s())

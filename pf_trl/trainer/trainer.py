@@ -341,7 +341,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
             # every rank sees output_dir (else one line naming the volume), and "auto" is rank 0's reading for all
             resume_from_checkpoint = agree_on_output_dir(self.args.output_dir, resume_from_checkpoint,
-                                                         save_on_each_node=self.args.save_on_each_node)
+                                                         save_on_each_node=self.args.save_on_each_node,
+                                                         save_total_limit=self.args.save_total_limit)
         if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true"):
             from transformers.trainer_utils import get_last_checkpoint
 
