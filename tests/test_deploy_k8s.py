@@ -816,6 +816,8 @@ def test_multinode_templates_run_one_command_line():
             else env["PET_MASTER_ADDR"]
         assert targs.nnodes == "2" and targs.node_rank == 1 and targs.nproc_per_node == "8"
         assert targs.master_addr == master
+        port = env.get("PET_MASTER_PORT") or injected.get("PET_MASTER_PORT") or injected["MASTER_PORT"]
+        assert targs.master_port == int(port)
         script_args = targs.training_script_args
         assert script_args[0] == "train" and "train" in COMMANDS
         assert_exact_flags(train.normalize_argv(script_args[1:]), train._parser())

@@ -237,13 +237,13 @@ def _kill_restart_and_refuse(cluster: Cluster, torch) -> None:
                 and "pf-trl-outputs/" in " ".join(c.info["cmdline"] or [])], "a process of a killed pod survived"
     done = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     assert done and max(done) < MAX_STEPS and not (out / "train_results.json").exists(), "killed too late"
-    # a save cut short by the kill: a newer checkpoint folder without its marker (and a rank's file missing)
-    latest = out / f"checkpoint-{max(done)}"
+    # a save cut short by the kill (the kill may also have cut one itself): a newer checkpoint folder without its
+    # marker and without a rank's file
+    complete = max(int(p.parent.name.split("-")[1]) for p in out.glob("checkpoint-*/pf_trl_checkpoint_complete.json"))
     cut = out / f"checkpoint-{max(done) + SAVE_STEPS}"
-    if not cut.exists():
-        shutil.copytree(latest, cut)
-        (cut / "pf_trl_checkpoint_complete.json").unlink()
-        (cut / "rng_state_1.pth").unlink()
+    shutil.copytree(out / f"checkpoint-{complete}", cut)
+    (cut / "pf_trl_checkpoint_complete.json").unlink()
+    (cut / "rng_state_1.pth").unlink()
     # the operator restarts the pods: the same command line
     restarted = cluster.start("restarted")
     # meanwhile: the pods without a shared output volume stopped at start, both, with one line naming the volume

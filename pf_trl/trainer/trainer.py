@@ -18,7 +18,9 @@ What changes against ``SFTTrainer`` (``padding_free_mode`` != ``"none"``, i.e. `
 - eval loss: token-weighted mean over all supervised tokens (the padded mode of this trainer reports it too).
 - epochs: the sampler yields the same number of batches in every epoch (fixed once from the lengths), so Trainer's
   step count, taken from the first ``len()``, covers every example of every epoch exactly once.
-- resume: the sampler state in each checkpoint, checked and restored on resume (:mod:`pf_trl.trainer.resume`).
+- resume: the sampler state in each checkpoint, checked and restored on resume (:mod:`pf_trl.trainer.resume`); a
+  completion marker written last, ``resume_from_checkpoint="auto"`` (:mod:`pf_trl.trainer.checkpoints`); every rank
+  sees the same ``output_dir`` (:mod:`pf_trl.trainer.shared_output`).
 
 This module orchestrates: data preparation is :func:`pf_trl.data.prepare.prepare_dataset`, batching
 :mod:`pf_trl.trainer.data_inputs`, the loss :mod:`pf_trl.trainer.loss`, the parallelism checks
