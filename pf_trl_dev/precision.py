@@ -182,10 +182,36 @@ def run_trl(family: Family, precision: str) -> Run:
 
     store: dict = {}
     args = SFTConfig(**_common_fields(family, tempfile.mkdtemp(prefix="pf-trl-prec-"), precision))
-    trainer = SFTTrainer(_cast(family.model, precision), args=args, train_dataset=datasets.Dataset.from_list(family.rows),
+    trainer = SFTTrainer(_cast(family.model, precision), args=args,
+                         train_dataset=datasets.Dataset.from_list(family.rows),
                          processing_class=family.processing_class, callbacks=[_grad_callback(store)])
     loss = trainer.train().training_loss
     return Run(float(loss), store["grads"])
+
+
+def run_model_padded(family: Family, precision: str) -> Run:
+    """The model's own padded forward and loss (``labels=``: transformers' token-mean cross-entropy in float32), one
+    batch of all rows, under the autocast ``bf16=True`` / ``fp16=True`` would apply: the reference for a head that
+    TRL's fused LM head cannot run (it multiplies the last hidden state by the output embeddings directly)."""
+    model = _cast(family.model, precision).train()
+    width = max(len(r["input_ids"]) for r in family.rows)
+    ids = torch.zeros(len(family.rows), width, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(family.rows):
+        n = len(row["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(row["input_ids"]), torch.tensor(row["labels"]), 1
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    with torch.autocast(device, dtype=half or torch.float32, enabled=half is not None):
+        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device),
+                     use_cache=False).loss
+    loss.backward()
+    named = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    grads = torch.cat([(p.grad.double().reshape(-1) if p.grad is not None
+                        else torch.zeros(p.numel(), dtype=torch.float64)).cpu() for _, p in named])
+    return Run(float(loss.detach()), grads)
 
 
 def pf_trainer(family: Family, precision: str, mode: str, backend: str = "auto", **config):
@@ -209,13 +235,13 @@ def pf_trainer(family: Family, precision: str, mode: str, backend: str = "auto",
 def run_pf(family: Family, precision: str, mode: str, backend: str = "auto", *, corrupt=None) -> Run:
     """One step of pf-trl; ``corrupt(batch) -> batch`` alters each collated batch (the negative controls)."""
     trainer = pf_trainer(family, precision, mode, backend)
-    if corrupt is not None:
-        collate = trainer.data_collator
+    if corrupt is not None:  # wrap the collator the packed dataloader calls
+        collate = trainer._pf_collator
 
         def corrupted(features):
             return corrupt(collate(features))
 
-        trainer.data_collator = corrupted
+        trainer._pf_collator = corrupted
     loss = trainer.train().training_loss
     return Run(float(loss), trainer.pf_captured["grads"])
 
