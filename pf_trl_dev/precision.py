@@ -345,9 +345,13 @@ def markdown(cells: list[Cell]) -> str:
     lines = ["| model | precision | mode | backend | loss err pf-trl | loss err TRL | ratio | grad err pf-trl | "
              "grad err TRL | ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        lines.append(f"| {c.family} | {c.precision} | {c.mode} | {c.backend} | {c.loss_err_pf:.2g} | "
-                     f"{c.loss_err_trl:.2g} | {c.loss_ratio:.2f} | {c.grad_err_pf:.2g} | {c.grad_err_trl:.2g} | "
-                     f"{c.grad_ratio:.2f} |")
+        if c.precision in ("float32", "float64"):  # exact cells: the reference is TRL's run in that precision
+            trl_loss = trl_grad = loss_ratio = grad_ratio = "ref."
+        else:
+            trl_loss, trl_grad = f"{c.loss_err_trl:.2g}", f"{c.grad_err_trl:.2g}"
+            loss_ratio, grad_ratio = f"{c.loss_ratio:.2f}", f"{c.grad_ratio:.2f}"
+        lines.append(f"| {c.family} | {c.precision} | {c.mode} | {c.backend} | {c.loss_err_pf:.2g} | {trl_loss} | "
+                     f"{loss_ratio} | {c.grad_err_pf:.2g} | {trl_grad} | {grad_ratio} |")
     return "\n".join(lines)
 
 
