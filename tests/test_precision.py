@@ -130,23 +130,25 @@ def _sdpa_reference(q, k, v, cu, *, window=None):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_varlen_attention_takes_autocast_inputs_as_sdpa_does(window):
-    """Under CPU autocast: float32 q/k next to a bfloat16 v (what a rotary model hands over) -> the output in
-    bfloat16, as sdpa returns it, and within bfloat16 rounding of sdpa's own result; gradients reach all three in
-    their own dtypes. Outside autocast the same mixed inputs are refused by name (sdpa refuses them too)."""
+def test_varlen_attention_takes_autocast_inputs_as_sdpa_does(window, half):
+    """Under CPU autocast (bfloat16, and float16: the dtype fp16=True casts to on CUDA): float32 q/k next to a
+    half-precision v (what a rotary model hands over) -> the output in the autocast dtype, as sdpa returns it, and
+    within its rounding of sdpa's own result; gradients reach all three in their own dtypes. Outside autocast the
+    same mixed inputs are refused by name (sdpa refuses them too)."""
     from pf_trl.attention import varlen_attention
     from pf_trl.errors import AttentionArgumentError
 
-    q, k, v = _qkv()
+    q, k, v = _qkv(dtype_v=half)
     cu = torch.tensor([0, 9, 10, 23], dtype=torch.int32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=half):
         out = varlen_attention(q, k, v, cu, cu, 13, 13, sliding_window=window)
         ref = _sdpa_reference(q, k, v, cu, window=window)
-    assert out.dtype == ref.dtype == torch.bfloat16
+    assert out.dtype == ref.dtype == half
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     out.float().square().sum().backward()
-    assert q.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16 and bool(q.grad.abs().sum() > 0)
+    assert q.grad.dtype == torch.float32 and v.grad.dtype == half and bool(q.grad.abs().sum() > 0)
     with pytest.raises(AttentionArgumentError, match="different dtypes"):
         varlen_attention(q, k, v, cu, cu, 13, 13)
 
