@@ -272,22 +272,28 @@ def test_a_head_with_a_transform_takes_the_models_own_head(mode):
 
 @SLOW
 def test_python_api_bf16_trains_in_both_modes(tmp_path, monkeypatch):
-    """The README's Python API with bf16=True on CPU (a chat JSONL, the default tiny model), both modes: one step
-    trains, and bf16 was on (the loss differs from the float32 run's, by bfloat16 rounding only)."""
+    """The README's Python API with bf16=True on CPU (a chat JSONL, the default tiny model), both modes: evaluation
+    (autocast, and bf16_full_eval's bfloat16 weights) and one training step run, and bf16 was on (each loss differs
+    from the float32 run's, by bfloat16 rounding only)."""
     from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
 
     path = chat_jsonl(tmp_path)
     losses = {}
     for mode in pm.MODES:
-        for bf16 in (False, True):
-            args = PaddingFreeConfig(output_dir=str(tmp_path / f"out-{mode}-{bf16}"), padding_free_mode=mode,
-                                     bf16=bf16, use_cpu=True, max_steps=1, report_to=[], save_strategy="no",
-                                     disable_tqdm=True, seed=0)
-            trainer = PaddingFreeSFTTrainer("pf-trl/tiny-llama", args=args, train_dataset=str(path))
-            losses[mode, bf16] = trainer.train().training_loss
+        for name, precision in (("fp32", {}), ("bf16", {"bf16": True}),
+                                ("bf16_full_eval", {"bf16": True, "bf16_full_eval": True})):
+            args = PaddingFreeConfig(output_dir=str(tmp_path / f"out-{mode}-{name}"), padding_free_mode=mode,
+                                     use_cpu=True, max_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+                                     seed=0, **precision)
+            trainer = PaddingFreeSFTTrainer("pf-trl/tiny-llama", args=args, train_dataset=str(path),
+                                            eval_dataset=str(path))
+            losses[mode, name, "eval"] = trainer.evaluate()["eval_loss"]
+            if name != "bf16_full_eval":
+                losses[mode, name, "train"] = trainer.train().training_loss
     for mode in pm.MODES:
-        fp32, bf16 = losses[mode, False], losses[mode, True]
-        assert bf16 != fp32 and abs(bf16 - fp32) < 1e-2 * fp32, losses
+        for name, what in (("bf16", "train"), ("bf16", "eval"), ("bf16_full_eval", "eval")):
+            fp32, half = losses[mode, "fp32", what], losses[mode, name, what]
+            assert half != fp32 and abs(half - fp32) < 1e-2 * fp32, losses
 
 
 def chat_jsonl(tmp_path, n: int = 24):
