@@ -41,6 +41,7 @@ import torch
 # Qwen2-VL (mRoPE, images)
 FAMILIES = ("llama", "gemma2", "mistral", "gpt_oss", "qwen3_5", "qwen2_vl")
 PRECISIONS = ("float32", "bf16", "bf16_weights", "fp16", "float64")
+FLOAT64_FAMILIES = ("llama", "mistral", "qwen3_5")
 MODES = ("huggingface", "internal")
 # internal mode's kernels; flash_attn, torch_varlen and flex (which has no backward uncompiled off CUDA) train on
 # CUDA only
@@ -63,6 +64,8 @@ def cell_skip_reason(family: str, precision: str, mode: str, backend: str) -> st
         return "transformers' own Gemma 2 (eager attention, soft-capped) returns NaN logits in float64: no reference"
     if family == "gpt_oss" and precision == "float64":
         return "transformers' gpt-oss experts run torch's grouped_mm, which takes no float64"
+    if precision == "float64" and family not in FLOAT64_FAMILIES:
+        return "float64, the reference precision, is checked on Llama, Mistral (windows) and Qwen3.5 (hybrid)"
     if backend in CUDA_BACKENDS and not cuda:
         return f"the {backend} kernel trains on CUDA only"
     if backend in ("flash_attn", "torch_varlen") and precision in ("float32", "float64"):
