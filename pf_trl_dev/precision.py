@@ -361,7 +361,7 @@ def markdown(cells: list[Cell]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pf_trl_dev.precision", description=__doc__.split("\n")[0])
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--precisions", nargs="*", default=["bf16", "bf16_weights"], choices=PRECISIONS)
+    parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--json", help="also write the cells to this JSON file")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
