@@ -56,6 +56,19 @@ def test_model_forward_has_no_graph_break(name, mode):
     assert explained.graph_count == 1
 
 
+@pytest.mark.parametrize("mode", ["internal", "huggingface"])
+def test_autocast_forward_has_no_graph_break(mode):
+    """bf16=True: the kernel entry's cast to the autocast dtype and its autocast-off region trace with the layer (no
+    graph break), and the compiled output is the autocast dtype, as eager's."""
+    model = tiny("pf-trl/tiny-mistral", mode)
+    batch = packed((7, 12, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)(**batch)
+        eager = model(**batch).logits
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+    assert eager.dtype == torch.bfloat16
+
+
 def test_explain_sees_a_host_sync():
     # negative control: the position_ids-only path of pf_varlen sizes its segments on the host (documented as
     # eager-only); explain must report that, or the zeros above would prove nothing

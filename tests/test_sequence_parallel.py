@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent(
             return self.samplers[0].state_dict()
 
     def run(case):
-        model_key, pf_mode, skew = case.split(":")
+        model_key, pf_mode, skew, *precision = case.split(":")
         name, heads = MODELS[model_key]
         single = os.environ.get("WORLD_SIZE") is None
 
@@ -91,7 +91,8 @@ SCRIPT = textwrap.dedent(
             output_dir=os.path.join(out, case.replace(":", "_")), report_to=[], save_strategy="no", logging_steps=1,
             disable_tqdm=True, learning_rate=1e-3, seed=0, max_steps=3, padding_free=pf_mode, max_length=None,
             use_cpu=True, max_tokens_per_batch=200, dataloader_num_workers=0,
-            gradient_accumulation_steps=groups if single else 1, sequence_parallel_size=1 if single else sp)
+            gradient_accumulation_steps=groups if single else 1, sequence_parallel_size=1 if single else sp,
+            bf16=precision == ["bf16"])
         model = build_model(name, attn_implementation="sdpa", seed=0, **BASE, **heads)
         tr = T(model, args=args, train_dataset=ds, eval_dataset=ds.select(range(12)))
         tr.train()
@@ -196,3 +197,26 @@ def test_group_with_different_rows_is_refused_and_detected(tmp_path, reference):
     assert "error" not in res, res
     assert not np.allclose(res["losses"], ref["losses"], rtol=2e-6, atol=2e-6)
     assert _max_param_diff(weights, ref_weights) > 1e-4
+
+
+@pytest.mark.slow
+def test_sequence_parallel_under_autocast(tmp_path):
+    """bf16=True (autocast): q/k/v cross the all-to-all in bfloat16 (the dtype the kernel casts them to) and the row
+    trains as one process does: losses and parameters after 3 steps (2 ranks, sp 2) are at most twice as far from the
+    float32 single process as the bf16 single process is, plus float32 rounding. Negative control: the comparison
+    tells bf16 from float32 (the gap it allows is not a rounding floor alone)."""
+    cases = ["llama:internal:same:bf16", "qwen2_gqa:internal:same:bf16"]
+    single = _launch(tmp_path, None, 1, 1, cases + [c.rsplit(":", 1)[0] for c in cases])
+    got = _launch(tmp_path, 2, 2, 1, cases)
+    for case in cases:
+        (res, weights), (ref, ref_weights) = got[case], single[case]
+        fp32, fp32_weights = single[case.rsplit(":", 1)[0]]
+        assert "error" not in res, res
+        bf16_gap = np.abs(np.subtract(ref["losses"], fp32["losses"])).max()
+        sp_gap = np.abs(np.subtract(res["losses"], fp32["losses"])).max()
+        assert bf16_gap > 1e-5, (case, bf16_gap)  # autocast was on in both runs
+        assert sp_gap <= 2 * bf16_gap + 2e-6, (case, sp_gap, bf16_gap)
+        param_gap = _max_param_diff(weights, fp32_weights)
+        assert param_gap <= 2 * _max_param_diff(ref_weights, fp32_weights) + 1.5e-5, (case, param_gap)
+        print(f"{case}: loss gap to float32 sp {sp_gap:.3g} single {bf16_gap:.3g}; sp vs single bf16 "
+              f"{np.abs(np.subtract(res['losses'], ref['losses'])).max():.3g}")

@@ -36,6 +36,7 @@ import torch
 
 from pf_trl.attention.backends import BACKEND_MODULES
 from pf_trl.attention.errors import BackendUnavailableError, UnsupportedFeatureError
+from pf_trl.attention.precision import autocast_off, autocast_qkv
 from pf_trl.errors import AttentionArgumentError
 
 logger = logging.getLogger("pf_trl.attention")
@@ -204,8 +205,11 @@ def varlen_attention(
             gets one more term ``exp(sinks[h])`` in its denominator, whose value is zero
             (:mod:`pf_trl.attention.backends._sinks`). ``None`` = no sinks.
 
+    Under autocast q/k/v are cast to the autocast dtype first (as ``scaled_dot_product_attention`` casts them) and
+    the kernel runs with autocast off: its softmax statistics stay float32 (:mod:`pf_trl.attention.precision`).
+
     Returns:
-        ``(total_q, heads, head_dim)`` in q's dtype.
+        ``(total_q, heads, head_dim)`` in q's dtype (the autocast dtype under autocast).
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise AttentionArgumentError(
@@ -226,6 +230,9 @@ def varlen_attention(
         raise AttentionArgumentError(
             f"sinks must be 1-D with one value per query head ({q.shape[1]}), got {tuple(sinks.shape)}"
         )
+    # under autocast: q/k/v in the autocast dtype, as sdpa casts them; the kernel then runs with autocast off so its
+    # float32 statistics stay float32 (pf_trl.attention.precision)
+    q, k, v = autocast_qkv(q, k, v)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     window = flash_window(causal, sliding_window)
     cap = float(softcap or 0.0)
@@ -243,18 +250,19 @@ def varlen_attention(
         sinks=sinks is not None,
     )
     extra = {} if sinks is None else {"sinks": sinks}  # a backend's forward need not know sinks to serve calls without
-    return _module(name).forward(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        _as_size(max_seqlen_q),
-        _as_size(max_seqlen_k),
-        causal=causal,
-        scale=scale,
-        window=window,
-        softcap=cap,
-        dropout_p=float(dropout_p),
-        **extra,
-    )
+    with autocast_off(q.device.type):
+        return _module(name).forward(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            _as_size(max_seqlen_q),
+            _as_size(max_seqlen_k),
+            causal=causal,
+            scale=scale,
+            window=window,
+            softcap=cap,
+            dropout_p=float(dropout_p),
+            **extra,
+        )

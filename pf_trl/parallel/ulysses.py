@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pf_trl.attention.errors import PaddingFreeError
+from pf_trl.attention.precision import autocast_dtype, autocast_qkv
 from pf_trl.packing import shift_labels
 
 ULYSSES = "pf_ulysses"
@@ -135,6 +136,10 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None or query.shape[0] != 1:
         raise SequenceParallelError("sequence parallelism runs on one packed row without attention_mask")
     heads = query.shape[1]
+    # under autocast, exchange q/k/v in the dtype attention computes in (half the bytes of a float32 rotary output;
+    # the kernel would cast them the same way on arrival)
+    if autocast_dtype(query.device.type) is not None:
+        query, key, value = autocast_qkv(query, key, value)
     q = sequence_to_heads(query, sp)
     k = sequence_to_heads(_repeat_kv_for(key, sp.size), sp)
     v = sequence_to_heads(_repeat_kv_for(value, sp.size), sp)

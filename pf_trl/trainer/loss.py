@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 import types
 from contextlib import nullcontext
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pf_trl.attention.precision import autocast_dtype, autocast_off
 from pf_trl.errors import ConfigError, ModelSupportError
 from pf_trl.packing import IGNORE_INDEX, count_targets
 from pf_trl.packing import shift_labels as shift
@@ -185,10 +187,20 @@ def probe_head(model, scale: float, softcap: float | None, *, length: int = 8, s
             # the backbone called as the pf-trl loss path calls it (a forward hook would miss models whose forward
             # calls an inner module of the backbone directly, e.g. OPT's decoder)
             hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
+            if head_in_features(head) not in (None, hidden.shape[-1]):
+                return math.inf  # a transform maps the hidden state to the head's width first (Electra): not linear
             mine = apply_head_transform(head(hidden), scale, softcap).float()
     finally:
         model.train(was_training)
     return float((logits - mine).abs().max() / logits.abs().max().clamp(min=1e-6))
+
+
+def head_in_features(head) -> int | None:
+    """The width the head's vocabulary projection reads (``None`` when it has no 2-D weight to tell)."""
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(full_shape(weight)[1])
+    return None
 
 
 def plan_head(model, *, label_smoothing: float = 0.0, probe: bool = True) -> HeadPlan:
@@ -218,9 +230,11 @@ def _plan_from_probe(model, head, scale: float, softcap: float | None, diff: flo
                     "no logits_to_keep to run its own head on the supervised positions only. Train it with "
                     "padding_free=False (padded)."
                 )
+            what = ("its head does not read the last hidden state as it is (a transform before the vocabulary "
+                    "projection)" if math.isinf(diff) else
+                    f"the model's logits differ from transform(lm_head(hidden)) by {diff:.3g}")
             return HeadPlan("model", scale, softcap,
-                            f"the model's logits differ from transform(lm_head(hidden)) by {diff:.3g}: its own forward "
-                            "computes the logits at the supervised positions (logits_to_keep)")
+                            f"{what}: its own forward computes the logits at the supervised positions (logits_to_keep)")
     if not _is_plain_linear(head):
         return HeadPlan("module", scale, softcap, f"the head is a {type(head).__name__}: it is called chunk by chunk")
     if label_smoothing > 0:
@@ -267,6 +281,9 @@ def _chunk_terms(head, weight, bias, scale, softcap, with_smooth, hidden, target
     # a plain linear head is applied functionally (its weight possibly gathered from FSDP2 shards), any other head
     # module is called as the model calls it
     logits = head(hidden) if weight is None else F.linear(hidden, weight, bias)
+    # the head's matmul in the model's precision (autocast's dtype under autocast, as the model runs its head), the
+    # transform and the log-softmax in the loss dtype (float32)
+    logits = logits.to(loss_dtype(logits.dtype))
     return _terms_from_logits(apply_head_transform(logits, scale, softcap), targets, with_smooth)
 
 
@@ -335,19 +352,29 @@ class _LinearTokenChunks(torch.autograd.Function):
     logits), and the weight gradient of all chunks accumulates into one ``[vocab, hidden]`` buffer, in place: the
     generic autograd of a chunk (``F.linear`` + ``log_softmax`` + ``gather``) allocated a new ``[vocab, hidden]``
     gradient per chunk plus three ``[chunk, vocab]`` buffers in its backward (the extra ~0.8 GB peak on a tied
-    262k-vocabulary head). Float math in :func:`loss_dtype` of the weight.
+    262k-vocabulary head). The projection runs in the model's precision (the autocast dtype under autocast, as the
+    model's own head and TRL's kernel run it; recorded for the backward, which autocast does not reach), everything
+    after it in :func:`loss_dtype` of the weight, with autocast off.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk, with_smooth):
+        mm = autocast_dtype(hidden.device.type) or weight.dtype
+        with autocast_off(hidden.device.type):
+            return _LinearTokenChunks._forward(ctx, mm, hidden, weight, bias, targets, scale, softcap, chunk,
+                                               with_smooth)
+
+    @staticmethod
+    def _forward(ctx, mm, hidden, weight, bias, targets, scale, softcap, chunk, with_smooth):
         ct = loss_dtype(weight.dtype)
         n, vocab = hidden.shape[0], weight.shape[0]
+        w, b = weight.to(mm), None if bias is None else bias.to(mm)
         nll = torch.empty(n, dtype=ct, device=hidden.device)
         smooth = torch.empty(n, dtype=ct, device=hidden.device) if with_smooth else None
         top1 = torch.empty(n, dtype=torch.bool, device=hidden.device)
         for s in range(0, n, chunk):
             t = targets[s:s + chunk]
-            y = apply_head_transform(F.linear(hidden[s:s + chunk], weight, bias).to(ct), scale, softcap)
+            y = apply_head_transform(F.linear(hidden[s:s + chunk].to(mm), w, b).to(ct), scale, softcap)
             lse = torch.logsumexp(y, dim=-1)
             nll[s:s + chunk] = lse - y.gather(1, t[:, None]).squeeze(1)
             if with_smooth:
@@ -355,14 +382,20 @@ class _LinearTokenChunks(torch.autograd.Function):
             top1[s:s + chunk] = y.argmax(-1) == t
             del y
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.params = (scale, softcap, chunk, with_smooth)
+        ctx.params = (scale, softcap, chunk, with_smooth, mm)
         ctx.mark_non_differentiable(top1)
         return nll, smooth, top1
 
     @staticmethod
     def backward(ctx, g_nll, g_smooth, _g_top1):
+        with autocast_off(ctx.saved_tensors[0].device.type):
+            return _LinearTokenChunks._backward(ctx, g_nll, g_smooth)
+
+    @staticmethod
+    def _backward(ctx, g_nll, g_smooth):
         hidden, weight, bias, targets = ctx.saved_tensors
-        scale, softcap, chunk, with_smooth = ctx.params
+        scale, softcap, chunk, with_smooth, mm = ctx.params
+        w, b = weight.to(mm), None if bias is None else bias.to(mm)
         ct = loss_dtype(weight.dtype)
         n, vocab = hidden.shape[0], weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -373,7 +406,7 @@ class _LinearTokenChunks(torch.autograd.Function):
         for s in range(0, n, chunk):
             h, t = hidden[s:s + chunk], targets[s:s + chunk]
             rows = torch.arange(t.shape[0], device=t.device)
-            z = F.linear(h, weight, bias).to(ct)
+            z = F.linear(h.to(mm), w, b).to(ct)
             y = apply_head_transform(z, scale, softcap)
             # d/dy of nll = softmax - onehot(target); of smooth (sum_v -log p_v) = vocab * softmax - 1
             gy = torch.softmax(y, dim=-1)
@@ -390,7 +423,7 @@ class _LinearTokenChunks(torch.autograd.Function):
                 gy.mul_(scale)
             del y, z
             if need_h:
-                grad_h[s:s + chunk] = (gy.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[s:s + chunk] = (gy.to(mm) @ w).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(gy.t(), h.to(ct))
             if grad_b is not None:

@@ -78,6 +78,20 @@ _HUB = _trainer("Hub upload: transformers' Trainer, unchanged (pf-trl itself nev
 _OPT = _trainer("Optimizer and schedule: transformers' Trainer, unchanged (the gradients are the padded run's).")
 _PREC = _trainer("Precision: transformers' Trainer, unchanged. PaddingFreeConfig defaults bf16 on only with CUDA "
                  "(TRL's default, which transformers refuses on CPU).")
+_PRECISION_EVIDENCE = "tests/test_precision.py::test_precision_cell"
+_AUTOCAST = FieldParity(
+    HONOURED, "Autocast, as in TRL (transformers' Trainer); pf-trl's attention kernels cast their inputs to the "
+    "autocast dtype as sdpa does and keep softmax statistics and the loss in float32. One step's loss and gradient "
+    "errors against float32 are within twice TRL's padded run's, both modes, on CPU: Llama, Gemma 2, Mistral, "
+    "gpt-oss, Qwen3.5, Qwen2-VL (docs/training.md, Mixed precision). PaddingFreeConfig defaults bf16 on only with "
+    "CUDA (TRL's default, which transformers refuses on CPU).", evidence=_PRECISION_EVIDENCE)
+_FP16 = FieldParity(
+    HONOURED, "Autocast in float16 with the grad scaler (transformers' Trainer, CUDA only): the bf16 path in float16 "
+    "(the same kernel entry and float32 statistics); the float16 cells of the precision matrix run on CUDA only.",
+    evidence=_PRECISION_EVIDENCE)
+_FULL_EVAL = FieldParity(
+    HONOURED, "transformers' Trainer casts the model for evaluation; half-precision weights without autocast are "
+    "the precision matrix's bf16_weights cells.", evidence=_PRECISION_EVIDENCE)
 _DIST = _trainer("Passed to accelerate / torch.distributed as in TRL; pf-trl's sampler gives every rank the same "
                  "number of token-balanced batches.")
 _EVAL = _trainer("Evaluation schedule and loop: transformers' Trainer, unchanged; predictions of a padding-free batch "
@@ -243,7 +257,7 @@ FIELDS: dict[str, FieldParity] = {
     "learning_rate": _OPT, "lr_scheduler_type": _OPT, "lr_scheduler_kwargs": _OPT, "warmup_steps": _OPT,
     "optim": _OPT, "optim_args": _OPT, "weight_decay": _OPT, "adam_beta1": _OPT, "adam_beta2": _OPT,
     "adam_epsilon": _OPT, "max_grad_norm": _OPT,
-    "bf16": _PREC, "fp16": _PREC, "bf16_full_eval": _PREC, "fp16_full_eval": _PREC, "tf32": _PREC,
+    "bf16": _AUTOCAST, "fp16": _FP16, "bf16_full_eval": _FULL_EVAL, "fp16_full_eval": _FULL_EVAL, "tf32": _PREC,
     "torch_empty_cache_steps": _T, "full_determinism": _T, "use_cpu": _T,
     # ---------------------------------------------------------------- evaluation
     "eval_strategy": _EVAL, "eval_steps": _EVAL, "eval_delay": _EVAL, "eval_on_start": _EVAL,
