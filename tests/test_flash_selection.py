@@ -52,7 +52,7 @@ def packages(tmp_path, monkeypatch):
     """Install stand-in packages by name ("fa4": namespace ``flash_attn`` + ``flash_attn/cute``; "fa2":
     ``flash_attn/__init__.py`` with ``flash_attn_varlen_func``) and forget every cached import."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.") or m == "flash_attn_interface"]:
+    for name in [m for m in sys.modules if m.split(".")[0] in ("flash_attn", "flash_attn_interface")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(fa_backend, "_IMPORTS", {})
     monkeypatch.setattr(fa_backend, "_MAJOR", {})
