@@ -119,7 +119,9 @@ def build_trainer(arm: str, setup: BenchSetup, rows: list[dict], *, budget: int,
     ds = Dataset.from_list(rows)
     described: dict[str, Any] = {"arm": arm, "attn_implementation": attn}
     if arm.startswith("trl-"):
+        # both spellings: TRL defaults the deprecated `gradient_checkpointing` to True
         args = SFTConfig(per_device_train_batch_size=setup.batch_size, max_length=None,
+                         activation_checkpointing=setup.activation_checkpointing,
                          padding_free=arm != "trl-padded", dataset_kwargs={"skip_prepare_dataset": True}, **common)
         trainer = MeasuredSFTTrainer(model, args=args, train_dataset=ds, callbacks=callbacks,
                                      processing_class=pad_only_tokenizer())

@@ -75,6 +75,8 @@ def run_arm(arm: str, setup: BenchSetup, rows: list[dict], *, budget: int, cuda:
     timer = StepTimer(lambda: held["trainer"].pf_metrics.meter, warmup_steps=warmup_steps, min_steps=min_steps,
                       min_seconds=min_seconds, cuda=cuda)
     started = time.perf_counter()
+    # what an earlier arm left allocated (should be ~0): it would also sit inside this arm's peak
+    leftover = int(torch.cuda.memory_allocated()) if cuda else 0
     try:
         steps = max_steps if max_steps is not None else warmup_steps + min_steps
         with tempfile.TemporaryDirectory(prefix=f"pf-e2e-{arm}-") as out:
@@ -85,6 +87,7 @@ def run_arm(arm: str, setup: BenchSetup, rows: list[dict], *, budget: int, cuda:
             peak = detect_peak_tflops(torch.device("cuda"), getattr(torch, setup.dtype)) if cuda else None
             result = trainer.train()
         record = {**described, **timer.record(), "flop_params": list(flop_params), "peak_tflops": peak,
+                  "gpu_allocated_before_build_bytes": leftover,
                   "train_runtime_s": round(float(result.metrics.get("train_runtime", 0.0)), 3),
                   "wall_s": round(time.perf_counter() - started, 2),
                   "final_loss": result.metrics.get("train_loss")}
