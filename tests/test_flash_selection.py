@@ -109,6 +109,10 @@ def test_backend_kernel_choice_by_gpu_generation(packages, monkeypatch):
     name, reason, _ = fa_backend.kernel_for(cuda)
     assert name is None and "SM90" in reason
     assert fa_backend.unavailable(torch.device("cpu"), torch.bfloat16).startswith("flash-attn runs on CUDA only")
+    monkeypatch.setattr(fa_backend, "_MAJOR", {0: 9})
+    features = dict(causal=True, window=(-1, -1), softcap=0.0, dropout_p=0.0, head_dim=128, gqa=True, device=cuda)
+    assert fa_backend.unsupported(**features, sinks=True) is None  # FA4 returns its log-sum-exp (return_lse)
+    assert "divisible by 8" in fa_backend.unsupported(**{**features, "head_dim": 36})
 
 
 def test_backend_without_any_package_says_not_installed(packages):

@@ -101,7 +101,7 @@ def unsupported(*, causal, window, softcap, dropout_p, head_dim, gqa, device=Non
         return fn
     if sinks and softcap:
         return "attention sinks together with softcap (the sink rescale's gradient assumes uncapped scores)"
-    if sinks and "return_attn_probs" not in params:
+    if sinks and "return_attn_probs" not in params and "return_lse" not in params:
         return "this flash-attn cannot return its log-sum-exp (return_attn_probs), which attention sinks need"
     if window != (-1, -1) and "window_size" not in params:
         return "this flash-attn has no window_size (needs >= 2.3)"
