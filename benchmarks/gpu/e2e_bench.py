@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-steps", type=int, default=100)
     parser.add_argument("--min-seconds", type=float, default=60.0)
     parser.add_argument("--arms", default=None, help="comma-separated subset for the ShareGPT set (default: all)")
+    parser.add_argument("--repeat-arms", default=None,
+                        help="comma-separated arms that run in the rounds after the first (default: every arm)")
     parser.add_argument("--datasets", default="sharegpt_multiturn,alpaca_template",
                         help="llama1b: which row-shape sets, comma-separated (one JSON each)")
     parser.add_argument("--dry-run", action="store_true")
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
               f"{report.get('same_tokens')}")
         return 0 if "speedup_runtime" in report else 1
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(ARMS)
-    every = {"sharegpt_multiturn": arms, "alpaca_template": ["trl-padded", "trl-pf-sdpa", "pf-trl"]}
+    every = {"sharegpt_multiturn": arms, "alpaca_template": ["trl-padded", "pf-trl", "trl-pf-sdpa"]}
+    repeat_arms = [a.strip() for a in args.repeat_arms.split(",")] if args.repeat_arms else None
     failed = []
     for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
         if name not in every:
@@ -81,12 +84,12 @@ def main(argv=None) -> int:
                                compile_backend="eager")  # dynamo's tracing without inductor's minute of CPU codegen
             report = bench(setup, datasets={name: every[name]}, repeats=args.repeats, rows_per_dataset=24,
                            warmup_steps=1, min_steps=2, min_seconds=60.0, cuda=False, out_path=out_path,
-                           deadline=deadline, max_len=128)
+                           deadline=deadline, max_len=128, repeat_arms=repeat_arms)
         else:
             setup = BenchSetup(model="pf-trl/llama-1b", batch_size=8)
             report = bench(setup, datasets={name: every[name]}, repeats=args.repeats, rows_per_dataset=2000,
                            warmup_steps=3, min_steps=args.min_steps, min_seconds=args.min_seconds, cuda=cuda,
-                           out_path=out_path, deadline=deadline)
+                           out_path=out_path, deadline=deadline, repeat_arms=repeat_arms)
         print(report["table_markdown"])
         failed += [f"{r['dataset']}/{r['arm']}: {r['error']}" for r in report["runs"] if "error" in r]
     for line in failed:

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The GPU run book: from the repository root on the lent GPU machine. docs/gpu.md ("How to run") has the two calls
-# that fit one 15-minute device window (each < 10 min, back to back so that the machine stays up between them):
-#   call 1: run(command="STAGES='fa4stash seed 5 alpaca' bash benchmarks/gpu/run_all.sh",
-#               carry=[".stage/common", ".stage/fa4-1"], timeout_s=590)
-#   call 2: run(command="STAGES='fa4 1 sharegpt' bash benchmarks/gpu/run_all.sh",
-#               carry=[".stage/common", ".stage/fa4-2"], timeout_s=590)
+# that fit one 15-minute device window (the machine's start, both calls and its idle time together; back to back so
+# that the machine stays up between them):
+#   call 1: run(command="STAGES='fa4stash seed 5 alpaca' DEADLINE_S=290 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-1"], timeout_s=320)
+#   call 2: run(command="STAGES='fa4 1 sharegpt' DEADLINE_S=430 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-2"], timeout_s=460)   then give_back()
 # Before them, HERE: bash benchmarks/gpu/stage_wheels.sh (writes .stage/: the wheels the image lacks, FA4 in 2 parts).
 # Stages, each with its own timeout (seconds, capped by DEADLINE_S), results in $OUT (tables on stdout):
 #   fa4stash  keep FA4 part 1 on the machine for the next call (benchmarks/gpu/fa4_install.sh stash)
 #   fa4       join, check and unpack FA4 (parts 1 + 2) into /tmp/site; without it the benches use the next kernel
 #   seed      the seed's experiment: Mistral-7B shape, Alpaca-template rows, batch 4, 100 steps, checkpointing,
 #             padded vs pf-trl on the same rows (e2e_bench.py --preset seed7b) (240)
-#   alpaca    end-to-end bench, ~1.1B Llama, Alpaca-template rows: TRL padded / TRL padding_free / pf-trl (150)
-#   sharegpt  end-to-end bench, ~1.1B Llama, ShareGPT multi-turn rows: every arm (e2e_bench.py) (to the deadline)
-#   1. attention kernel table: flash_attn (FA4 when installed) and sdpa vs the float32 reference, kernel times (150)
+#   alpaca    end-to-end bench, ~1.1B Llama, Alpaca-template rows: TRL padded / pf-trl / TRL padding_free, with
+#             the time call 1 has left (150)
+#   sharegpt  end-to-end bench, ~1.1B Llama, ShareGPT multi-turn rows: every arm once, then the four main arms
+#             (TRL padded, pf-trl, TRL padding_free sdpa and best attention) again in rotated order (to the deadline)
+#   1. attention kernel table: flash_attn (FA4 when installed) vs the float32 reference, kernel times (100; the
+#      other backends were measured before: benchmarks/results/gpu_h200_attention_check.json)
 #   1b. attention sinks (gpt-oss): every backend with sinks vs the exact reference (100)
 #   2. torch.compile on/off through PaddingFreeSFTTrainer: real Gemma 3 270M when staged, else the tiny Llama (200)
 #   4. hybrid / state-space layers: the kernels transformers calls, given pf-trl's boundaries (150 + 120; needs the
@@ -77,7 +81,8 @@ s_alpaca() {
 s_sharegpt() {
   stage "sharegpt: end-to-end bench, ShareGPT multi-turn rows, every arm"
   local t; t=$(left 480)
-  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --deadline-s "$(( t - 45 ))" 2>&1 \
+  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --deadline-s "$(( t - 45 ))" \
+    --repeat-arms trl-padded,pf-trl,trl-pf-sdpa,trl-pf-best 2>&1 \
     | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_sharegpt.log" | tail -14
 }
 s_1() {
@@ -85,7 +90,7 @@ s_1() {
   if [[ $DRY == 1 ]]; then
     timeout 150 "$PY" benchmarks/gpu/attention_check.py --out "$OUT" --dry-run 2>&1 | tee "$OUT/attention_check.log" | tail -25
   else  # torch_varlen / flex were measured before (benchmarks/results/gpu_h200_attention_check.json): FA4 and the reference
-    CHECK_TIMEOUT_S=$(left 150) bash benchmarks/gpu/run_attention_check.sh --backends flash_attn,sdpa --no-model-check \
+    CHECK_TIMEOUT_S=$(left 100) bash benchmarks/gpu/run_attention_check.sh --backends flash_attn --no-model-check \
       2>&1 | tail -30
   fi
 }

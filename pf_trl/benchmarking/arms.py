@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ARMS = ("trl-padded", "trl-pf-sdpa", "trl-pf-best", "pf-trl", "pf-trl-hf", "pf-trl-compile", "pf-trl-liger")
+# in order of priority: a run cut short by its deadline loses the last ones
+ARMS = ("trl-padded", "pf-trl", "trl-pf-sdpa", "trl-pf-best", "pf-trl-hf", "pf-trl-compile", "pf-trl-liger")
 
 
 @dataclass

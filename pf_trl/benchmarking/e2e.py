@@ -156,14 +156,20 @@ def format_table(table: list[dict[str, Any]]) -> str:
 
 def bench(setup: BenchSetup, *, datasets: dict[str, list[str]], repeats: int, rows_per_dataset: int,
           warmup_steps: int, min_steps: int, min_seconds: float, cuda: bool, out_path: Path,
-          deadline: float | None = None, max_len: int | None = None) -> dict[str, Any]:
-    """Run every (dataset, round, arm); write ``out_path`` after each arm; return the report."""
+          deadline: float | None = None, max_len: int | None = None,
+          repeat_arms: list[str] | None = None) -> dict[str, Any]:
+    """Run every (dataset, round, arm); write ``out_path`` after each arm; return the report.
+
+    ``repeat_arms``: the arms of the rounds after the first (default: all), for a run that has time for every arm
+    once but for the main ones only twice; the table says how many runs each figure is the median of.
+    """
     from pf_trl.data.prepare import derive_token_budget
 
     report: dict[str, Any] = {
         "bench": "pf-trl end-to-end, steady state", "setup": asdict(setup), "versions": versions(),
         "machine": machine(cuda), "repeats": repeats, "warmup_steps": warmup_steps, "min_steps": min_steps,
-        "min_seconds": min_seconds, "peak_tflops_note": f"dense bf16 peak, H200: {H200_BF16_DENSE_TFLOPS} TFLOP/s",
+        "min_seconds": min_seconds, "repeat_arms": repeat_arms,
+        "peak_tflops_note": f"dense bf16 peak, H200: {H200_BF16_DENSE_TFLOPS} TFLOP/s",
         "mfu_formula": "(6 * P * real_tokens + 7 * layers * hidden * sum(example_length^2)) / seconds / peak; "
                        "P = parameters without the input embedding; attention forward+backward = 3.5x forward",
         "datasets": {}, "runs": [], "table": [],
@@ -185,7 +191,8 @@ def bench(setup: BenchSetup, *, datasets: dict[str, list[str]], repeats: int, ro
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "rows_used": len(rows),
             "mean_length_used": round(float(lengths.mean()), 1), "pf_trl_token_budget": int(budget)}
         for rnd in range(repeats):
-            for arm in arm_order(list(arms), rnd):
+            this_round = list(arms) if rnd == 0 or repeat_arms is None else [a for a in arms if a in repeat_arms]
+            for arm in arm_order(this_round, rnd):
                 if deadline is not None and time.time() > deadline:
                     report["cut_short"] = f"deadline reached before {ds_name} round {rnd + 1} {arm}"
                     break
