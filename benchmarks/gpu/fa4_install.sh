@@ -26,7 +26,9 @@ case "${1:-}" in
     (cd "$work" && cat fa4.tar.xz.part-00 fa4.tar.xz.part-01 > fa4.tar.xz && sha256sum -c SHA256SUMS) || {
       echo "fa4: checksum mismatch: no FA4"; exit 3; }
     mkdir -p "$SITE" && tar -C "$SITE" -xJf "$work/fa4.tar.xz" && rm -rf "$work"
-    python3 -c "import flash_attn.cute as c; print('fa4: installed', c.__file__)" || { echo "fa4: import failed"; exit 3; }
+    # nvidia_cutlass_dsl_packages.pth adds dsl_packages in a site directory only: run_all.sh puts it on PYTHONPATH
+    PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -c \
+      "import flash_attn.cute as c; print('fa4: installed', c.__file__)" || { echo "fa4: import failed"; exit 3; }
     ;;
   *) echo "usage: fa4_install.sh stash|install"; exit 2 ;;
 esac

@@ -40,7 +40,8 @@ WHEELS=$(ls .stage/common/*.whl .whl/*.whl 2>/dev/null)
 if [[ $DRY == 0 && -n "$WHEELS" ]]; then
   # shellcheck disable=SC2086
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS || exit 1
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # the CuTe DSL's own packages: its wheel adds them with a .pth file, which Python reads only in site directories
+  export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
