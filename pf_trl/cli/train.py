@@ -584,12 +584,12 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
 
     attn = None  # transformers picks: sdpa where the architecture supports it, else eager
     if config.use_flash_attn:
-        attn, why = flash_attn_implementation() if cuda else (None, "training on CPU")
+        attn, why = flash_attn_implementation() if cuda else (None, "training on CPU; it runs on CUDA only")
         if attn is None:
             if config.padding_free_mode == "huggingface":
                 config.padding_free_mode = "internal"
-            print(f"pf-trl: --use_flash_attn True but no usable flash-attention ({why}): using pf-trl's varlen "
-                  f"attention (padding_free_mode=internal, backend={config.attention_backend})", flush=True)
+            print(f"pf-trl: --use_flash_attn True but flash-attention is not usable here ({why}): using pf-trl's "
+                  f"varlen attention (padding_free_mode=internal, backend={config.attention_backend})", flush=True)
         elif not quiet:
             print(f"pf-trl: --use_flash_attn: {why}", flush=True)
     model_ref = name
