@@ -51,6 +51,13 @@ EMBEDDED_MODELS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
+    # Mistral-7B v0.1 shape (7.24B parameters) for the seed's single-GPU experiment, random init; no sliding window
+    # (v0.1's is 4096, the longest row here, so it never masks anything).
+    "pf-trl/mistral-7b": dict(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
 }
 
 

@@ -7,7 +7,8 @@ One run:
   2. kernel time per backend (``triton.testing.do_bench`` median, CUDA events if triton is missing) at total
      tokens 16k and 32k, 32 heads, 8 KV heads, head dim 128, ShareGPT-like segment lengths (lognormal, mean
      ~470, clipped to [8, 1024]), forward and forward+backward, with TFLOP/s counted on causal FLOPs
-     (fwd: 4 * sum(L_i^2) / 2 * H * D; fwd+bwd: 2.5x fwd);
+     (fwd: 4 * sum(L_i^2) / 2 * H * D; fwd+bwd: 3.5x fwd, FlashAttention's convention: the backward does
+     2.5x the forward's matmul work);
   3. if transformers is importable: a tiny Llama in bf16 with ``enable_padding_free(mode="internal")`` vs the
      padded run (per-example loss difference).
 
@@ -33,6 +34,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from pf_trl.attention import varlen_attention
 from pf_trl.attention.dispatch import BACKENDS, backend_status, resolve_backend
+
+FWD_BWD_FACTOR = 3.5  # forward + backward FLOPs / forward FLOPs (FlashAttention's benchmark convention)
 
 
 def sharegpt_lengths(total: int, *, mean: float = 470.0, sigma: float = 0.8, lo: int = 8, hi: int = 1024, seed: int = 0):
@@ -160,7 +163,7 @@ def check_speed(backends, status, device, dtype, sizes, results, backward: bool)
                         qg.grad = kg.grad = vg.grad = None
 
                     ms = bench(step, device)
-                    row.update(fwd_bwd_ms=round(ms, 3), fwd_bwd_tflops=round(2.5 * flops / ms / 1e9, 1))
+                    row.update(fwd_bwd_ms=round(ms, 3), fwd_bwd_tflops=round(FWD_BWD_FACTOR * flops / ms / 1e9, 1))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             entry[key] = row
@@ -285,7 +288,15 @@ def main(argv=None):
             env[mod] = getattr(m, "__version__", "installed")
         except Exception:
             env[mod] = None
-    report = {"env": env, "availability": status, "sizes": {k: v for k, v in sizes.items() if k != "lengths"}, "backends": {}}
+    from pf_trl.attention.backends.flash_attn import kernel_for
+    from pf_trl.attention.flash_packages import installed_flash_kernels
+    from pf_trl.benchmarking.e2e import versions
+
+    env["versions"] = versions()
+    env["flash_packages"] = installed_flash_kernels()  # which flash_attn_varlen_func imports (fa2 / fa3 / fa4)
+    env["flash_attn_backend_kernel"] = kernel_for(device)[0]  # what the flash_attn rows below ran
+    report = {"env": env, "availability": status, "sizes": {k: v for k, v in sizes.items() if k != "lengths"},
+              "fwd_bwd_flops": f"{FWD_BWD_FACTOR}x the forward's", "backends": {}}
     t0 = time.time()
     results = report["backends"]
     # CPU dry run: flex forward only

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run HERE (CPU machine) before a device session: fetch the wheels the GPU image lacks or has older into .whl/
+# Run HERE (CPU machine) before a device session for stages 2 and 4 of run_all.sh (compile, hybrid kernels): fetch
+# the wheels the GPU image lacks or has older into .whl/
 # (ignored by git, carried by the device tool; together with the working tree under the 64 MiB a call carries).
 # The image (2026-11) has torch 2.11, transformers 5.17, accelerate 1.15, huggingface_hub 1.33, tokenizers 0.23.2,
 # pyarrow, pandas; not trl, datasets (+ multiprocess, dill), mistral-common (the embedded tokenizer), gguf.
@@ -27,4 +28,5 @@ CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE .venv/bin/python -
   --no-build-isolation --no-binary=:all: -d .whl "${SDISTS[@]}"
 du -sh .whl
 echo 'optional, the real Gemma 3 270M: bash benchmarks/gpu/stage_gemma.sh (prints the staging calls)'
-echo 'then: run(command="bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=540)'
+echo "then, for stages 2 and 4: run(command=\"STAGES='2 4' bash benchmarks/gpu/run_all.sh\", carry=[\".whl\"], timeout_s=540)"
+echo '(the end-to-end benches, the seed experiment, the long row and FA4: stage_wheels.sh and docs/gpu.md "How to run")'

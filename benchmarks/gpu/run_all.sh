@@ -1,36 +1,47 @@
 #!/usr/bin/env bash
-# The GPU run book, one command on the lent GPU machine, from the repository root (< 9.5 min with DEADLINE_S):
-#   run(command="STAGES='1 1b 4 5 3' bash benchmarks/gpu/run_all.sh", carry=[".whl"], timeout_s=590)
-# Before it, HERE: bash benchmarks/gpu/prepare_carry.sh (the wheels, listed by `prepare_carry.sh --list`), and
-# optionally bash benchmarks/gpu/stage_gemma.sh + the staging calls it prints (the real Gemma 3 270M).
-# Stages, each with its own timeout (seconds), results in $OUT (tables on stdout):
-#   1. attention kernel table: every varlen backend vs the exact reference in bf16, kernel times (150)
-#   1b. attention sinks (gpt-oss): every backend with sinks vs the exact reference, full and sliding window, forward
-#      and gradients; a tiny gpt-oss packed vs padded eager per backend (100)
-#   2. torch.compile on/off through PaddingFreeSFTTrainer, both padding-free modes: real Gemma 3 270M when staged,
-#      else the tiny Llama; compile time apart, 0-graph-break check of the forward on CUDA (200)
-#   3. pf-trl bench: ~1B Llama, padded vs TRL padding-free vs pf-trl, MFU (100)
-#   4. hybrid / state-space layers (Qwen3.5, Granite 4.0-H, Mamba2, LFM2...): the kernels transformers calls, given
-#      pf-trl's boundaries, vs each example alone vs pf-trl's segments path (builds causal-conv1d first: 150 + 120);
-#      alone: run(command="bash benchmarks/gpu/run_stateful_check.sh", carry=[".whl"], timeout_s=300)
-#   5. long row: one 131,072-token packed row of the ~1B Llama (segments 4k-64k), varlen backend auto (flash-attn
-#      when carried, else PyTorch's varlen / flex), peak memory and tokens/s of an optimizer step (100)
-# `--dry-run`: the same stages on CPU with tiny sizes (checks the script, no GPU, no carried wheels needed).
-# STAGES="1 1b 4 5 3" runs those stages only, in that order (default: all, in the order above); DEADLINE_S (default
-# 560) ends the last stages early so the call ends inside its limit. Logs and plots are packed into logs.tgz after
-# each stage: with one JSON per stage, no more than 8 files come back from $OUT.
+# The GPU run book: from the repository root on the lent GPU machine. docs/gpu.md ("How to run") has the two calls
+# that fit one 15-minute device window (the machine's start, both calls and its idle time together; back to back so
+# that the machine stays up between them):
+#   call 1: run(command="STAGES='fa4stash seed 5 alpaca' DEADLINE_S=290 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-1"], timeout_s=320)
+#   call 2: run(command="STAGES='fa4 1 sharegpt' DEADLINE_S=430 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-2"], timeout_s=460)   then give_back()
+# Before them, HERE: bash benchmarks/gpu/stage_wheels.sh (writes .stage/: the wheels the image lacks, FA4 in 2 parts).
+# Stages, each with its own timeout (seconds, capped by DEADLINE_S), results in $OUT (tables on stdout):
+#   fa4stash  keep FA4 part 1 on the machine for the next call (benchmarks/gpu/fa4_install.sh stash)
+#   fa4       join, check and unpack FA4 (parts 1 + 2) into /tmp/site; without it the benches use the next kernel
+#   seed      the seed's experiment: Mistral-7B shape, Alpaca-template rows, batch 4, 100 steps, checkpointing,
+#             padded vs pf-trl on the same rows (e2e_bench.py --preset seed7b) (240)
+#   alpaca    end-to-end bench, ~1.1B Llama, Alpaca-template rows: TRL padded / pf-trl / TRL padding_free, with
+#             the time call 1 has left (150)
+#   sharegpt  end-to-end bench, ~1.1B Llama, ShareGPT multi-turn rows: every arm once, then the four main arms
+#             (TRL padded, pf-trl, TRL padding_free sdpa and best attention) again in rotated order (to the deadline)
+#   1. attention kernel table: flash_attn (FA4 when installed) vs the float32 reference, kernel times (100; the
+#      other backends were measured before: benchmarks/results/gpu_h200_attention_check.json)
+#   1b. attention sinks (gpt-oss): every backend with sinks vs the exact reference (100)
+#   2. torch.compile on/off through PaddingFreeSFTTrainer: real Gemma 3 270M when staged, else the tiny Llama (200)
+#   4. hybrid / state-space layers: the kernels transformers calls, given pf-trl's boundaries (150 + 120; needs the
+#      wheels of prepare_carry.sh: run(command="bash benchmarks/gpu/run_stateful_check.sh", carry=[".whl"]))
+#   5. long row: one 131,072-token packed row of the ~1B Llama, same segments every step, 1 warm-up + 3 timed
+#      steps, per-step MFU (150)
+# `--dry-run`: the stages on CPU with tiny sizes, no wheels (tests/test_gpu_runbook.py runs it).
+# STAGES="..." runs those stages only, in that order; DEADLINE_S (default 560) ends the last stages early so the
+# call ends inside its limit. Logs are packed into logs.tgz after each stage (at most 8 files come back from $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0; [[ "${1:-}" == "--dry-run" ]] && DRY=1
-STAGES=" ${STAGES:-1 1b 2 3 4 5} "
+STAGES=" ${STAGES:-fa4stash seed 5 alpaca} "
 DEADLINE_S=${DEADLINE_S:-560}
 export OUT="${OUT:-$PWD/benchmark_outputs}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PF_TRL_CACHE=/tmp/pf-cache
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-if [[ $DRY == 0 && -d .whl ]]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+WHEELS=$(ls .stage/common/*.whl .whl/*.whl 2>/dev/null)
+if [[ $DRY == 0 && -n "$WHEELS" ]]; then
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS || exit 1
+  # the CuTe DSL's own packages: its wheel adds them with a .pth file, which Python reads only in site directories
+  export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -45,14 +56,43 @@ pack() {  # every log, plot and folder into logs.tgz (added to it), so that one 
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 "$PY" -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
-"$PY" -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || echo "trl/datasets missing: stages 2-3 will fail (prepare_carry.sh)"
+"$PY" -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || echo "trl/datasets missing: the training stages will fail (stage_wheels.sh)"
+E2E=(benchmarks/gpu/e2e_bench.py --out "$OUT"); [[ $DRY == 1 ]] && E2E+=(--dry-run)
 
+s_fa4stash() {
+  stage "fa4stash: FA4 part 1 kept for the next call"
+  [[ $DRY == 1 ]] && { echo "dry run: nothing to stash"; return 0; }
+  bash benchmarks/gpu/fa4_install.sh stash
+}
+s_fa4() {
+  stage "fa4: join, check, unpack FA4"
+  [[ $DRY == 1 ]] && { echo "dry run: nothing to install"; return 0; }
+  SITE=/tmp/site timeout "$(left 120)" bash benchmarks/gpu/fa4_install.sh install 2>&1 | tee "$OUT/fa4_install.log"
+}
+s_seed() {
+  stage "seed: Mistral-7B shape, padded vs pf-trl on the same rows"
+  timeout "$(left 240)" "$PY" "${E2E[@]}" --preset seed7b 2>&1 | grep -v "Warning\|warn(\|^{'" \
+    | tee "$OUT/seed7b.log" | tail -8
+}
+s_alpaca() {
+  stage "alpaca: end-to-end bench, Alpaca-template rows"
+  timeout "$(left 170)" "$PY" "${E2E[@]}" --datasets alpaca_template --deadline-s "$(( $(left 170) - 30 ))" 2>&1 \
+    | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_alpaca.log" | tail -8
+}
+s_sharegpt() {
+  stage "sharegpt: end-to-end bench, ShareGPT multi-turn rows, every arm"
+  local t; t=$(left 480)
+  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --deadline-s "$(( t - 45 ))" \
+    --repeat-arms trl-padded,pf-trl,trl-pf-sdpa,trl-pf-best 2>&1 \
+    | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_sharegpt.log" | tail -14
+}
 s_1() {
   stage "1. attention kernel table"
   if [[ $DRY == 1 ]]; then
     timeout 150 "$PY" benchmarks/gpu/attention_check.py --out "$OUT" --dry-run 2>&1 | tee "$OUT/attention_check.log" | tail -25
-  else
-    CHECK_TIMEOUT_S=$(left 150) bash benchmarks/gpu/run_attention_check.sh 2>&1 | tail -40
+  else  # torch_varlen / flex were measured before (benchmarks/results/gpu_h200_attention_check.json): FA4 and the reference
+    CHECK_TIMEOUT_S=$(left 100) bash benchmarks/gpu/run_attention_check.sh --backends flash_attn --no-model-check \
+      2>&1 | tail -30
   fi
 }
 s_1b() {
@@ -92,16 +132,6 @@ PY
       --batch-size 16 --out "$OUT" 2>&1 | grep -v "^{'" | tail -12
   fi
 }
-s_3() {
-  stage "3. pf-trl bench"
-  if [[ $DRY == 1 ]]; then
-    timeout 150 "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/tiny_test.yaml --modes pf-trl --examples 8 \
-      --output-dir "$OUT" --timeout 140 2>&1 | tee "$OUT/bench.log" | tail -15
-  else
-    timeout "$(left 300)" "$PY" -m pf_trl.cli.main bench benchmarks/scenarios/gpu_llama1b.yaml --examples 120 --output-dir "$OUT" \
-      --timeout 90 2>&1 | tee "$OUT/bench.log" | tail -30
-  fi
-}
 s_4() {
   stage "4. hybrid / state-space layers: kernels path vs each example alone"
   if [[ $DRY == 1 ]]; then
@@ -115,12 +145,13 @@ s_5() {
   if [[ $DRY == 1 ]]; then
     timeout 300 "$PY" benchmarks/gpu/long_row.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -5
   else
-    timeout "$(left 100)" "$PY" benchmarks/gpu/long_row.py --out "$OUT" 2>&1 | grep -v "^{'" | tail -8
+    timeout "$(left 150)" "$PY" benchmarks/gpu/long_row.py --out "$OUT" 2>&1 | grep -v "^{'" | tail -8
   fi
 }
 
 for s in $STAGES; do
-  if want "$s"; then "s_$s"; pack; else echo; echo "== stage $s skipped (not asked for, or past the deadline)"; fi
+  if ! declare -F "s_$s" > /dev/null; then echo "run_all.sh: unknown stage '$s'" >&2; exit 2; fi
+  if want "$s"; then "s_$s"; pack; else echo; echo "== stage $s skipped (past the deadline)"; fi
 done
 stage "done"
 ls -la "$OUT"

@@ -5,7 +5,8 @@ Backends (see :mod:`pf_trl.attention.backends`):
 =============  ======================================================  ===================================
 name           kernel                                                  where
 =============  ======================================================  ===================================
-flash_attn     ``flash_attn_varlen_func`` (FA3 on Hopper if installed)  CUDA, fp16/bf16, ``pip install flash-attn``
+flash_attn     ``flash_attn_varlen_func``: FA3 on Hopper, FA4 on SM90+   CUDA, fp16/bf16, ``pip install flash-attn``
+               (``flash_attn.cute``), else FA2, whichever is installed  or ``pip install flash-attn-4``
 torch_varlen   ``torch.nn.attention.varlen.varlen_attn``                CUDA sm80+, fp16/bf16, torch builds that ship it
 flex           FlexAttention + document block mask (compiled on CUDA)   CUDA (auto); CPU only when asked, uncompiled
 sdpa           per-segment ``scaled_dot_product_attention``             everywhere; exact reference

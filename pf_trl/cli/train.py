@@ -543,14 +543,15 @@ def _parse_overrides(text: str | None) -> dict[str, Any]:
     return out
 
 
-def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:
-        return False
+def flash_attn_implementation() -> tuple[str | None, str]:
+    """(transformers ``attn_implementation`` for the flash package really installed, or None; why), for
+    ``--use_flash_attn`` (:mod:`pf_trl.attention.flash_packages`)."""
     import torch
 
-    return torch.cuda.is_available()
+    from pf_trl.attention.flash_packages import transformers_flash_implementation
+
+    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
+    return transformers_flash_implementation(major)
 
 
 def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet: bool = False,
@@ -583,13 +584,14 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
 
     attn = None  # transformers picks: sdpa where the architecture supports it, else eager
     if config.use_flash_attn:
-        if flash_attn_available():
-            attn = "flash_attention_2"
-        else:
+        attn, why = flash_attn_implementation() if cuda else (None, "training on CPU; it runs on CUDA only")
+        if attn is None:
             if config.padding_free_mode == "huggingface":
                 config.padding_free_mode = "internal"
-            print("pf-trl: --use_flash_attn True but flash-attn is not installed/usable here: using pf-trl's varlen "
-                  f"attention (padding_free_mode=internal, backend={config.attention_backend})", flush=True)
+            print(f"pf-trl: --use_flash_attn True but flash-attention is not usable here ({why}): using pf-trl's "
+                  f"varlen attention (padding_free_mode=internal, backend={config.attention_backend})", flush=True)
+        elif not quiet:
+            print(f"pf-trl: --use_flash_attn: {why}", flush=True)
     model_ref = name
     if overrides.get("vocab_size") is not None:
         model_ref = None  # an embedded model resized by --model_overrides: its vocabulary is checked below

@@ -22,14 +22,17 @@ Keys (per logging step, next to ``loss`` / ``learning_rate``; and in the final d
   poller, see :class:`LightMemoryTracker`). With ``include_tokens_per_second`` / ``include_num_input_tokens_seen``,
   ``train_tokens_per_second`` counts real tokens only.
 
-FLOPs (forward + backward, the usual 3x forward):
+FLOPs (forward + backward):
 
-    flops = 6 * P * T_real + 6 * n_layers * hidden * sum_i L_i^2
+    flops = 6 * P * T_real + 7 * n_layers * hidden * sum_i L_i^2
 
 ``P`` = parameters without the input embedding (the LM head is included), ``T_real`` = real tokens, ``L_i`` = length
-of example i. The attention term is the score and value matmuls (``QK^T`` and ``AV``: 2 x 2 x L^2 x hidden FLOPs per
-layer forward, times 3 for backward = 12 x layers x hidden x L^2), halved for causal masking. Padding is not counted
-(it is waste, not useful work), so padded runs get a lower MFU for the same wall time.
+of example i. The matmul term is the usual 6 FLOPs per parameter and token (forward 2, backward 4). The attention
+term is the score and value matmuls (``QK^T`` and ``AV``: 2 x 2 x L^2 x hidden FLOPs per layer forward, halved for
+causal masking = 2 x L^2 x hidden) times 3.5 for forward + backward, FlashAttention's convention (its backward does
+2.5x the forward's matmul work: it recomputes the scores): 7 x layers x hidden x L^2. Activation checkpointing's
+recomputation is not counted (model FLOPs, not hardware FLOPs). Padding is not counted (it is waste, not useful
+work), so padded runs get a lower MFU for the same wall time.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from transformers.trainer_utils import TrainerMemoryTracker
 from pf_trl.packing import count_targets, cu_seqlens_from_starts, segment_lengths
 
 REAL_TOKENS_KEY = "_pf_real_tokens"
+# causal attention, forward + backward: 2 x L^2 x hidden per layer forward, x 3.5 (FlashAttention's convention)
+ATTENTION_FLOPS_FACTOR = 7.0
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) of common GPUs, matched on the device name.
 KNOWN_PEAK_TFLOPS = {
@@ -96,7 +101,7 @@ def model_flop_params(model: torch.nn.Module) -> tuple[int, int, int]:
 
 def train_flops(params: int, layers: int, hidden: int, real_tokens: float, sum_sq_lengths: float) -> float:
     """Training FLOPs of ``real_tokens`` tokens in examples whose squared lengths sum to ``sum_sq_lengths``."""
-    return 6.0 * params * real_tokens + 6.0 * layers * hidden * sum_sq_lengths
+    return 6.0 * params * real_tokens + ATTENTION_FLOPS_FACTOR * layers * hidden * sum_sq_lengths
 
 
 def rss_bytes() -> int:
