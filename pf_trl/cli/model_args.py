@@ -169,7 +169,7 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
     if shaping and not lora:
         raise TrainCLIError(f"{' '.join(shaping)} {'is a LoRA setting' if len(shaping) == 1 else 'are LoRA settings'} "
                             "but no adapter is trained; add --use_peft (TRL) or --peft_method lora to train a LoRA "
-                            "adapter, or drop them for a full fine-tune")
+                            "adapter, or drop {'it' if len(shaping) == 1 else 'them'} for a full fine-tune")
     _one(get, given, ("lora_r", "r"), "the LoRA rank")
     _one(get, given, ("lora_target_modules", "target_modules"), "the LoRA target modules")
     requested_dtype(get, given)
@@ -178,7 +178,8 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
         raise TrainCLIError("--load_in_4bit and --load_in_8bit: pass one")
     stray = [f"--{n}" for n in BNB_4BIT_FLAGS if n in given]
     if stray and "load_in_4bit" not in bits:
-        raise TrainCLIError(f"{' '.join(stray)} only apply with --load_in_4bit; add it or drop them")
+        raise TrainCLIError(f"{' '.join(stray)} only {'applies' if len(stray) == 1 else 'apply'} with --load_in_4bit; "
+                            "add it or drop them")
     if bits:
         check_quantization(bits[0], lora=lora, model_name=model_name)
     try:

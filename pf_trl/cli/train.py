@@ -171,11 +171,14 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
     for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch", "max_length", "truncation",
                  "truncation_mode", "eval_strategy"):
         parser.add_argument(f"--{name}", default=None)
-    from pf_trl.cli.trl_fields import FLAG_NAMES, LIST_FLAGS
+    from pf_trl.cli.trl_fields import BOOL_FLAGS, FLAG_NAMES, LIST_FLAGS
 
     for name in FLAG_NAMES:  # trl sft's ModelConfig / ScriptArguments flags (their TRL defaults do not matter here)
-        parser.add_argument(f"--{name}", default={"dataset_train_split": "train", "dataset_test_split": "test"}.get(name),
-                            nargs="+" if name in LIST_FLAGS else None)
+        default = {"dataset_train_split": "train", "dataset_test_split": "test"}.get(name)
+        if name in BOOL_FLAGS:
+            parser.add_argument(f"--{name}", default=default, nargs="?", const="true")
+        else:
+            parser.add_argument(f"--{name}", default=default, nargs="+" if name in LIST_FLAGS else None)
     try:
         args, _ = parser.parse_known_args(normalize_argv(argv))
     except argparse.ArgumentError as exc:

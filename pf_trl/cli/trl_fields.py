@@ -19,6 +19,9 @@ from pf_trl.trainer.script_parity import FIELDS, TRL_SCRIPT_CLASSES
 
 # Flags taking several values (nargs "+"): the cheap pre-import parse needs to know (no TRL import there).
 LIST_FLAGS = ("lora_target_modules", "lora_target_parameters", "lora_modules_to_save", "datasets")
+# Boolean flags (alone they mean true, as HfArgumentParser reads them)
+BOOL_FLAGS = ("use_peft", "use_rslora", "use_dora", "load_in_8bit", "load_in_4bit", "use_bnb_nested_quant",
+              "dataset_streaming", "ignore_bias_buffers", "streaming")
 # The names of the flags this module declares (checked against TRL by tests/test_parity.py).
 FLAG_NAMES = tuple(name for name in FIELDS if name not in ("model_name_or_path", "lora_alpha", "lora_dropout"))
 
