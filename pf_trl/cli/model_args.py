@@ -163,6 +163,9 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
     from pf_trl.trainer.modes import resolve_padding_free
 
     _refuse_script_values(get, given)
+    if "trust_remote_code" in given and _as_bool(get("trust_remote_code")):  # SFTConfig's field, in every mode
+        raise TrainCLIError("--trust_remote_code True: pf-trl loads architectures transformers ships and never runs "
+                            "code from a model folder; drop it (or train that model with trl sft)")
     use_peft = _as_bool(get("use_peft"))
     lora = use_peft or (get("peft_method") or "none") == "lora"
     shaping = [f"--{n}" for n in LORA_FLAGS if n in given]

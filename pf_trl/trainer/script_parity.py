@@ -162,7 +162,10 @@ def render_markdown() -> list[str]:
     lines = ["## trl sft's other flags (ScriptArguments, ModelConfig, DatasetMixtureConfig)", "",
              "`trl sft` parses these beside `SFTConfig`; `pf-trl train` takes each of them, also as a key of a "
              "`--config` file (TRL's YAML format; the command line overrides the file, `env:` is applied):", "",
-             "| class | flag | pf-trl | how |", "|---|---|---|---|"]
+             "| class | flag | pf-trl | how |", "|---|---|---|---|",
+             "| TrlParser | `--config` | honoured | A YAML file of these flags and SFTConfig's (keys: the flag names; "
+             "lists and mappings as YAML); its `env:` mapping is set in the environment first; the command line "
+             "overrides the file; a key that is no flag is refused by name (trl sft hands it to accelerate launch). |"]
     for cls, names in trl_script_fields().items():
         for name in names:
             entry = FIELDS.get(name)
