@@ -169,7 +169,7 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
         else:
             parser.add_argument(f"--{f.name}", default=f.default)
     for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch", "max_length", "truncation",
-                 "truncation_mode", "eval_strategy"):
+                 "truncation_mode", "eval_strategy", "chat_template_path"):
         parser.add_argument(f"--{name}", default=None)
     from pf_trl.cli.trl_fields import BOOL_FLAGS, FLAG_NAMES, LIST_FLAGS
 
@@ -294,7 +294,7 @@ def precheck(argv: list[str], *, say=print) -> None:
 
     args = _light_args(argv)
     _check_data_choice(args)
-    _precheck_trl(argv, args)
+    _precheck_trl_data(args)
     if args.data_config:
         try:
             check_data_config_paths(read_data_config(args.data_config))
@@ -321,6 +321,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     given = fast_parse(argv)  # every other flag and value (None: no flag table for these versions)
     if given is not None:
         check_combinations(lambda flag, default=None: getattr(given, flag, default))
+    _precheck_model(argv, args, given)
     name = check_model_name(args.model_name_or_path)
     positions = _max_positions(name)
     if positions is not None and max_seq_len is not None and max_seq_len > positions:
@@ -354,20 +355,25 @@ def precheck(argv: list[str], *, say=print) -> None:
         _probe_service(args, say)
 
 
-def _precheck_trl(argv: list[str], args: argparse.Namespace) -> None:
-    """trl sft's flags (:mod:`pf_trl.cli.trl_data`, :mod:`pf_trl.cli.model_args`), checked before any import of
-    transformers or tokenizing: the local dataset and its splits, the model and LoRA flags."""
+def _precheck_trl_data(args: argparse.Namespace) -> None:
+    """trl sft's data flags (:mod:`pf_trl.cli.trl_data`), checked before any import of transformers or tokenizing:
+    the local dataset and its splits, a DatasetDict's evaluation split, ``--chat_template_path``."""
     from pf_trl.cli import trl_data
-    from pf_trl.cli.model_args import check_model_flags, given_flags
 
-    train, evalset, _ = trl_data.resolve(args, args.eval_strategy)
+    train, _, _ = trl_data.resolve(args, args.eval_strategy)
     if train is not None:
         args.training_data_path = None  # checked by the resolution; the loop below checks the other paths
     trl_data.validation_split(args.validation_data_path)
-    given = fast_parse(argv)
+    if args.chat_template_path:  # TRL's name for the same setting: checked as --chat_template below
+        args.chat_template = trl_data.chat_template_path(args.chat_template_path, args.chat_template)
+
+
+def _precheck_model(argv: list[str], args: argparse.Namespace, given: argparse.Namespace | None) -> None:
+    """The model and LoRA flags of both spellings (:mod:`pf_trl.cli.model_args`), before any import of
+    transformers."""
+    from pf_trl.cli.model_args import check_model_flags, given_flags
+
     values = vars(args) | (vars(given) if given is not None else {})
-    if values.get("chat_template_path"):  # TRL's name for the same setting: checked as --chat_template below
-        args.chat_template = trl_data.chat_template_path(values["chat_template_path"], args.chat_template)
     check_model_flags(lambda name, default=None: values.get(name, default), given_flags(normalize_argv(argv)),
                       model_name=args.model_name_or_path)
 

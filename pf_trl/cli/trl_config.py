@@ -96,17 +96,19 @@ def _rows() -> list[dict[str, Any]]:
 
     rows = flag_table.load()
     if rows is None:  # no table for these versions: the full parser's own (slow once, then cached)
-        from pf_trl.cli.train import _parser
+        from pf_trl.cli.train_args import full_parser
 
-        rows = flag_table.table_from_parser(_parser())
+        parser = full_parser()
+        flag_table.remember(parser)
+        rows = flag_table.table_from_parser(parser)
     return rows
 
 
 def _defaults() -> dict[str, Any]:
     from pf_trl._compat import parser_actions
-    from pf_trl.cli.train import _parser
+    from pf_trl.cli.train_args import full_parser
 
-    return {a.dest: a.default for a in parser_actions(_parser())}
+    return {a.dest: a.default for a in parser_actions(full_parser())}
 
 
 def _canonical(dest: str) -> str:
