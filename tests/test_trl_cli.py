@@ -239,7 +239,8 @@ def test_config_file_as_trlparser_reads_it_command_line_overrides(world, tmp_pat
         f"model_name_or_path: {world['model']}\ndataset_name: {world['files']}\nlearning_rate: 3.0e-4\n"
         "lr_scheduler_type: cosine\nmax_length: 512\nuse_peft: true\nlora_r: 8\n"
         "lora_target_modules: [q_proj, v_proj]\nlora_dropout: 0.1\nmodel_init_kwargs: {dtype: bfloat16}\n"
-        "num_train_epochs: 2\ngradient_accumulation_steps: 4\nreport_to: none\neval_strategy: 'no'\nbf16: false\n"
+        "num_train_epochs: 2\ngradient_accumulation_steps: 4\nreport_to: [tensorboard, wandb]\neval_strategy: 'no'\n"
+        "bf16: false\n"
         "env:\n  PF_TRL_TEST_FROM_ENV: from-the-file\n")
     cli = ["--config", str(cfg), "--learning_rate", "1e-3", "--max_length", "256", "--output_dir", str(tmp_path)]
     script, trl_args, trl_model, _ = make_parser().parse_args_and_config(cli)

@@ -113,6 +113,9 @@ def parse_args(argv: list[str]):
     if rest:
         raise _unknown(rest, [s for a in parser_actions(parser) for s in a.option_strings])
     one_sequence_limit(argv, data_args, config)
+    from pf_trl.cli.trl_config import split_report_to
+
+    split_report_to(config)
     return model_args, data_args, config
 
 
@@ -628,10 +631,8 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     check_budget(train, config.max_tokens_per_batch, "--max_tokens_per_batch")
     check_budget(evalset, config.max_eval_tokens_per_batch, "--max_eval_tokens_per_batch")
 
-    if settings.quantization_config is not None:
-        overrides["quantization_config"] = settings.quantization_config
     model = build_model(name, torch_dtype=settings.dtype, attn_implementation=settings.attn_implementation,
-                        seed=config.seed, **overrides)
+                        seed=config.seed, quantization_config=settings.quantization_config, **overrides)
     made_with = (getattr(train, "pf_manifest", None) or {}).get("max_seq_len")
     if data_args.max_seq_len is None and config.max_length is not None and made_with and made_with > config.max_length:
         config.max_length = made_with  # no limit given: shards made with a longer one are trained as they are

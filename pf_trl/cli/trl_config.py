@@ -133,8 +133,10 @@ def _tokens(key: str, value: Any, row: dict[str, Any], path: str) -> list[str]:
             if not value:
                 raise TrainCLIError(f"--config {path}: {key}: [] (an empty list) cannot be given; remove the key")
             return [flag, *(str(v) for v in value)]
-        if key == "report_to" or key == "fsdp":
-            return [flag, ",".join(str(v) for v in value) if key == "report_to" else " ".join(map(str, value))]
+        if key == "report_to":  # one token; split again after parsing (split_report_to), as TrlParser keeps the list
+            return [flag, ",".join(str(v) for v in value)]
+        if key == "fsdp":  # transformers splits the string on spaces
+            return [flag, " ".join(map(str, value))]
         return [flag, json.dumps(list(value))]
     if isinstance(value, dict):
         return [flag, json.dumps(value)]
@@ -187,3 +189,11 @@ def expand_config(argv: list[str]) -> list[str]:
     given = {a.split("=", 1)[0][2:] for a in normalize_flags(rest, command="train") if a.startswith("--") and a != "--"}
     overridden = {_canonical(name) for name in given}
     return [*config_tokens(raw, path, overridden), *rest]
+
+
+def split_report_to(config) -> None:
+    """A config file's ``report_to: [a, b]`` arrives as one token ``a,b`` (the flag takes one value): the list again,
+    as TrlParser hands it to the config."""
+    value = getattr(config, "report_to", None)
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and "," in value[0]:
+        config.report_to = [v.strip() for v in value[0].split(",") if v.strip()]
