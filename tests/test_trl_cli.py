@@ -141,6 +141,8 @@ def test_trl_flags_refused_in_one_line_within_seconds_before_any_tokenizing(worl
     (tmp_path / "extra.yaml").write_text(f"dataset_name: {w['files']}\nnum_processes: 2\n")
     (tmp_path / "ok.yaml").write_text(f"dataset_name: {w['files']}\n")
     frac = json.dumps({"path": str(w["file"]), "fraction": 0.5})
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "train.jsonl").write_text(json.dumps(ROWS[0]) + "\n{\"prompt\": \"x\" \"completion\"}\n")
     base = f"train --model_name_or_path {w['model']} --output_dir {tmp_path / 'out'} "
     data = f"--dataset_name {w['files']} "
     # (refused command, expected words, corrected command that passes the same checks)
@@ -166,6 +168,8 @@ def test_trl_flags_refused_in_one_line_within_seconds_before_any_tokenizing(worl
         (data + "--model_init_kwargs '{\"dtype\": \"float16\"}' --dtype bfloat16", ["different values"],
          data + "--model_init_kwargs '{\"dtype\": \"bfloat16\"}' --dtype bfloat16"),
         ("--dataset_name someone/some-dataset", ["never downloads", "hf download someone/some-dataset"], data),
+        ("--dataset_name imdb", ["never downloads", "hf download imdb"], data),
+        (f"--dataset_name {tmp_path / 'broken'}", ["train.jsonl", "line 2"], data),
         (data + "--dataset_train_split training", ["no 'training' split (its splits: train, test)"],
          data + "--dataset_train_split train"),
         (f"--dataset_name {w['dv']} --eval_strategy steps", ["no 'test' split (its splits: train, validation)"],

@@ -363,9 +363,11 @@ def _precheck_trl_data(args: argparse.Namespace) -> None:
     the local dataset and its splits, a DatasetDict's evaluation split, ``--chat_template_path``."""
     from pf_trl.cli import trl_data
 
-    train, _, _ = trl_data.resolve(args, args.eval_strategy)
-    if train is not None:
-        args.training_data_path = None  # checked by the resolution; the loop below checks the other paths
+    train, evalset, _ = trl_data.resolve(args, args.eval_strategy)
+    if train is not None:  # a single path is checked below like --training_data_path (its lines scanned too)
+        args.training_data_path = train if isinstance(train, str) else None
+        if isinstance(evalset, str):
+            args.validation_data_path = evalset
     trl_data.validation_split(args.validation_data_path)
     if args.chat_template_path:  # TRL's name for the same setting: checked as --chat_template below
         args.chat_template = trl_data.chat_template_path(args.chat_template_path, args.chat_template)

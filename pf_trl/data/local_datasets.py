@@ -46,7 +46,7 @@ class ResolvedData:
 
 
 def _hub_hint(name: str, flag: str) -> str:
-    looks_like_id = "/" in name and not name.startswith(("/", ".", "~"))
+    looks_like_id = not name.startswith(("/", ".", "~")) and not Path(name).suffix  # `org/name` or `name`
     if looks_like_id:
         return (f"{flag} {name}: no such local file or folder; pf-trl never downloads datasets: get it first (hf "
                 f"download {name} --repo-type dataset --local-dir DIR, or save_to_disk(DIR) a loaded copy) and pass "
