@@ -208,7 +208,7 @@ def check_quantization(flag: str, *, lora: bool, model_name: str | None) -> None
         raise TrainCLIError(f"--{flag} needs a CUDA device (bitsandbytes quantizes on the GPU); none is available "
                             "here: drop it to train LoRA in full precision")
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise TrainCLIError(f"--{flag} needs bitsandbytes: pip install bitsandbytes")
+        raise TrainCLIError(f"--{flag} needs bitsandbytes: pip install 'pf-trl[qlora]'")
 
 
 @dataclass
