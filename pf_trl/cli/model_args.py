@@ -56,9 +56,17 @@ def _as_bool(value: Any) -> bool:
     return bool(as_bool(value)) if value is not None else False
 
 
+# flags whose default is a value (not None): only the command line tells whether they were given
+_VALUED_DEFAULTS = ("r", "lora_r", "torch_dtype")
+
+
+def _set(name: str, get: Get, given: frozenset[str]) -> bool:
+    return name in given or (name not in _VALUED_DEFAULTS and get(name) not in (None, "", []))
+
+
 def _one(get: Get, given: frozenset[str], names: tuple[str, str], what: str) -> Any:
-    """The value of a setting with two names; both given with different values is refused."""
-    values = {n: get(n) for n in names if n in given}
+    """The value of a setting with two names; both set to different values is refused."""
+    values = {n: get(n) for n in names if _set(n, get, given)}
     if len(values) == 2:
         a, b = (values[n] if not isinstance(values[n], list) else " ".join(values[n]) for n in names)
         if str(a) != str(b):
@@ -89,7 +97,7 @@ def model_init_kwargs(get: Get) -> dict[str, Any]:
 
 def requested_dtype(get: Get, given: frozenset[str]) -> str:
     """The dtype asked for under any of its names (``--torch_dtype``, ``--dtype``, ``model_init_kwargs``)."""
-    asked = {f"--{n}": get(n) for n in ("torch_dtype", "dtype") if n in given and get(n) is not None}
+    asked = {f"--{n}": get(n) for n in ("torch_dtype", "dtype") if _set(n, get, given) and get(n) is not None}
     kwargs = model_init_kwargs(get)
     for key in ("dtype", "torch_dtype"):
         if kwargs.get(key) is not None:
@@ -103,7 +111,7 @@ def requested_dtype(get: Get, given: frozenset[str]) -> str:
 def requested_attention(get: Get, given: frozenset[str]) -> str | None:
     """``--attn_implementation`` / ``model_init_kwargs["attn_implementation"]`` (one value), or None."""
     asked = {}
-    if "attn_implementation" in given and get("attn_implementation"):
+    if get("attn_implementation"):
         asked["--attn_implementation"] = get("attn_implementation")
     kwargs = model_init_kwargs(get)
     if kwargs.get("attn_implementation"):
@@ -163,12 +171,12 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
     from pf_trl.trainer.modes import resolve_padding_free
 
     _refuse_script_values(get, given)
-    if "trust_remote_code" in given and _as_bool(get("trust_remote_code")):  # SFTConfig's field, in every mode
+    if _as_bool(get("trust_remote_code")):  # SFTConfig's field, in every mode (pf-trl never runs a folder's code)
         raise TrainCLIError("--trust_remote_code True: pf-trl loads architectures transformers ships and never runs "
                             "code from a model folder; drop it (or train that model with trl sft)")
     use_peft = _as_bool(get("use_peft"))
     lora = use_peft or (get("peft_method") or "none") == "lora"
-    shaping = [f"--{n}" for n in LORA_FLAGS if n in given]
+    shaping = [f"--{n}" for n in LORA_FLAGS if n in given]  # as typed: their defaults are no request
     if shaping and not lora:
         raise TrainCLIError(f"{' '.join(shaping)} {'is a LoRA setting' if len(shaping) == 1 else 'are LoRA settings'} "
                             "but no adapter is trained; add --use_peft (TRL) or --peft_method lora to train a LoRA "
