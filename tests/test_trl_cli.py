@@ -475,3 +475,14 @@ def test_chat_template_path_means_chat_template(world, tmp_path):
     assert trl_name.train_dataset["labels"] == pf_name.train_dataset["labels"]
     with pytest.raises(TrainCLIError, match="chat template"):  # negative control: no template, chat rows refused
         built(shlex.split(base))
+
+
+def test_a_change_pf_trl_makes_is_said_on_rank_zero_only(monkeypatch, capsys):
+    from pf_trl.cli.model_args import warn_once
+
+    monkeypatch.setenv("RANK", "1")
+    warn_once("something changed")
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")  # negative control: rank 0 says it
+    warn_once("something changed")
+    assert capsys.readouterr().out == "pf-trl: warning: something changed\n"
