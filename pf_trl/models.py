@@ -76,8 +76,10 @@ def embedded_config(name: str, **overrides: Any):
     return AutoConfig.for_model(model_type, **spec)
 
 
-def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementation: str | None = None, seed: int = 0, **overrides: Any):
-    """An embedded model (random init, seeded) or a local checkpoint folder. Never contacts a hub."""
+def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementation: str | None = None, seed: int = 0,
+                quantization_config: Any = None, **overrides: Any):
+    """An embedded model (random init, seeded) or a local checkpoint folder (``quantization_config``: a
+    bitsandbytes config for QLoRA, folders only). Never contacts a hub."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -94,6 +96,8 @@ def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementati
         return model
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
     return _auto_class(name_or_path).from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False,
                                                      **kwargs)
 

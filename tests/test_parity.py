@@ -119,3 +119,63 @@ def test_one_config_object_builds_two_trainers_alike(tmp_path):
         assert sorted(len(r) for r in trainer.train_dataset["input_ids"]) == [5, 8]
     assert (args.dataset_kwargs, args.padding_free, args.padding_free_mode, args.assistant_only_loss) == (
         None, True, "huggingface", None)
+
+
+# ----------------------------------------------------------------- trl sft's other flags (ScriptArguments, ...)
+
+
+def test_every_flag_of_trl_sft_is_classified_and_declared():
+    """Every field of TRL's ScriptArguments / ModelConfig / DatasetMixtureConfig has a status, and `pf-trl train`
+    declares it as a flag (built from TRL's own dataclasses)."""
+    from pf_trl.cli.train_args import full_parser
+    from pf_trl.trainer import script_parity
+
+    assert script_parity.unclassified() == [], "classify these in pf_trl/trainer/script_parity.py"
+    assert all(e.status in (script_parity.HONOURED, script_parity.MAPPED, script_parity.REFUSED)
+               for e in script_parity.FIELDS.values())
+    fields = script_parity.trl_script_fields()
+    assert sum(map(len, fields.values())) >= 28  # TRL 1.16: 6 + 19 + 3
+    flags = {s for action in full_parser()._actions for s in action.option_strings}
+    missing = [n for names in fields.values() for n in names if f"--{n}" not in flags]
+    assert missing == [], f"not flags of pf-trl train: {missing}"
+    assert "--config" not in flags  # read before the parser, as TrlParser reads it
+
+
+def test_a_trl_script_field_added_by_an_upgrade_is_caught(monkeypatch):
+    """Negative control: a newer ModelConfig with one more field is unclassified, and the flag it gets is declared."""
+    from trl.trainer import model_config
+
+    from pf_trl.trainer import script_parity
+
+    @dataclasses.dataclass
+    class NewerModelConfig(model_config.ModelConfig):
+        brand_new_model_flag: int = 3
+
+    monkeypatch.setattr(model_config, "ModelConfig", NewerModelConfig)
+    assert script_parity.unclassified() == ["brand_new_model_flag"]
+    from pf_trl.cli.train_args import DataArguments, ModelArguments
+    from pf_trl.cli.trl_fields import extended_arguments
+
+    model_cls, _ = extended_arguments(ModelArguments, DataArguments)
+    assert "brand_new_model_flag" in {f.name for f in dataclasses.fields(model_cls)}
+
+
+def test_docs_page_lists_trl_sfts_other_flags():
+    from pf_trl.trainer import script_parity
+
+    page = (ROOT / "docs" / "parity.md").read_text(encoding="utf-8")
+    for names in script_parity.trl_script_fields().values():
+        for name in names:
+            assert f"| `--{name}` |" in page
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in __import__("pf_trl.trainer.script_parity", fromlist=["x"])
+                                        .FIELDS.items() if e.refuse_if is not None))
+def test_each_refused_trl_flag_value_names_the_flag_and_the_way_out(name):
+    from pf_trl.trainer import script_parity
+
+    entry = script_parity.FIELDS[name]
+    message = script_parity.refusal(name, entry.example)
+    assert message and message.startswith(f"--{name} ") and "Way out:" in message
+    default = {"model_revision": "main", "lora_task_type": "CAUSAL_LM", "test_split_size": None}.get(name, False)
+    assert script_parity.refusal(name, default) is None  # negative control: the default is accepted

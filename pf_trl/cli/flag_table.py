@@ -28,7 +28,8 @@ from pf_trl._compat import is_help_action, is_store_bool_action, parser_actions
 PACKAGE = Path(__file__).resolve().parents[1]
 SHIPPED_TABLE = Path(__file__).with_name("train_flags.json")
 # The pf-trl files whose dataclasses declare train flags (their bytes enter the stamp).
-SOURCES = ("cli/train_args.py", "data/options.py", "data/formats.py", "trainer/config.py", "trainer/loss.py")
+SOURCES = ("cli/train_args.py", "cli/trl_fields.py", "trainer/script_parity.py", "data/options.py", "data/formats.py",
+           "trainer/config.py", "trainer/loss.py")
 
 
 def stamp() -> dict[str, str]:

@@ -61,6 +61,9 @@ def normalize_argv(argv: list[str]) -> NormalizedArgv:
     :class:`NormalizedArgv` is returned as it is."""
     if isinstance(argv, NormalizedArgv):
         return argv
+    from pf_trl.cli.trl_config import expand_config
+
+    argv = expand_config(argv)  # TRL's --config FILE.yaml: its keys as flags, before (overridden by) the command line
     try:
         argv = normalize_flags(argv, command="train")
     except FlagAliasError as exc:
@@ -110,6 +113,9 @@ def parse_args(argv: list[str]):
     if rest:
         raise _unknown(rest, [s for a in parser_actions(parser) for s in a.option_strings])
     one_sequence_limit(argv, data_args, config)
+    from pf_trl.cli.trl_config import split_report_to
+
+    split_report_to(config)
     return model_args, data_args, config
 
 
@@ -166,8 +172,16 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
         else:
             parser.add_argument(f"--{f.name}", default=f.default)
     for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch", "max_length", "truncation",
-                 "truncation_mode"):
+                 "truncation_mode", "eval_strategy", "chat_template_path"):
         parser.add_argument(f"--{name}", default=None)
+    from pf_trl.cli.trl_fields import BOOL_FLAGS, FLAG_NAMES, LIST_FLAGS
+
+    for name in FLAG_NAMES:  # trl sft's ModelConfig / ScriptArguments flags (their TRL defaults do not matter here)
+        default = {"dataset_train_split": "train", "dataset_test_split": "test"}.get(name)
+        if name in BOOL_FLAGS:
+            parser.add_argument(f"--{name}", default=default, nargs="?", const="true")
+        else:
+            parser.add_argument(f"--{name}", default=default, nargs="+" if name in LIST_FLAGS else None)
     try:
         args, _ = parser.parse_known_args(normalize_argv(argv))
     except argparse.ArgumentError as exc:
@@ -213,10 +227,11 @@ def check_combinations(get) -> None:
         raise TrainCLIError(f"--{exc}") from exc
     strategy = get("eval_strategy", "no")
     strategy = str(getattr(strategy, "value", strategy))
-    if strategy != "no" and not get("validation_data_path"):
-        raise TrainCLIError(f"--eval_strategy {strategy} needs --validation_data_path")
-    if get("merge_adapter", False) and get("peft_method", "none") == "none":
-        raise TrainCLIError("--merge_adapter needs --peft_method lora")
+    if strategy != "no" and not get("validation_data_path") and not get("dataset_name"):
+        raise TrainCLIError(f"--eval_strategy {strategy} needs --validation_data_path (or --dataset_name with a test "
+                            "split)")
+    if get("merge_adapter", False) and get("peft_method", "none") == "none" and not get("use_peft", False):
+        raise TrainCLIError("--merge_adapter needs --peft_method lora (or --use_peft)")
     if get("model_overrides") and not is_embedded_model(get("model_name_or_path", "pf-trl/tiny-llama")):
         raise TrainCLIError("--model_overrides only applies to embedded models")
 
@@ -282,6 +297,7 @@ def precheck(argv: list[str], *, say=print) -> None:
 
     args = _light_args(argv)
     _check_data_choice(args)
+    _precheck_trl_data(args)
     if args.data_config:
         try:
             check_data_config_paths(read_data_config(args.data_config))
@@ -308,6 +324,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     given = fast_parse(argv)  # every other flag and value (None: no flag table for these versions)
     if given is not None:
         check_combinations(lambda flag, default=None: getattr(given, flag, default))
+    _precheck_model(argv, args, given)
     name = check_model_name(args.model_name_or_path)
     positions = _max_positions(name)
     if positions is not None and max_seq_len is not None and max_seq_len > positions:
@@ -341,13 +358,41 @@ def precheck(argv: list[str], *, say=print) -> None:
         _probe_service(args, say)
 
 
+def _precheck_trl_data(args: argparse.Namespace) -> None:
+    """trl sft's data flags (:mod:`pf_trl.cli.trl_data`), checked before any import of transformers or tokenizing:
+    the local dataset and its splits, a DatasetDict's evaluation split, ``--chat_template_path``."""
+    from pf_trl.cli import trl_data
+
+    train, evalset, _ = trl_data.resolve(args, args.eval_strategy)
+    if train is not None:  # a single path is checked below like --training_data_path (its lines scanned too)
+        args.training_data_path = train if isinstance(train, str) else None
+        if isinstance(evalset, str):
+            args.validation_data_path = evalset
+    trl_data.validation_split(args.validation_data_path)
+    if args.chat_template_path:  # TRL's name for the same setting: checked as --chat_template below
+        args.chat_template = trl_data.chat_template_path(args.chat_template_path, args.chat_template)
+
+
+def _precheck_model(argv: list[str], args: argparse.Namespace, given: argparse.Namespace | None) -> None:
+    """The model and LoRA flags of both spellings (:mod:`pf_trl.cli.model_args`), before any import of
+    transformers."""
+    from pf_trl.cli.model_args import check_model_flags, given_flags
+
+    values = vars(args) | (vars(given) if given is not None else {})
+    check_model_flags(lambda name, default=None: values.get(name, default), given_flags(normalize_argv(argv)),
+                      model_name=args.model_name_or_path)
+
+
 def _check_data_choice(args) -> None:
+    from pf_trl.cli.trl_data import trl_data_flags
+
     given = [flag for flag, value in (("--training_data_path", args.training_data_path),
                                       ("--data_config", args.data_config),
                                       ("--dataset_service_url", args.dataset_service_url)) if value]
+    given += trl_data_flags(args)
     if not given:
-        raise TrainCLIError("no training data: pass --training_data_path PATH, --data_config FILE (several datasets) "
-                            "or --dataset_service_url URL --dataset_id ID")
+        raise TrainCLIError("no training data: pass --training_data_path PATH, --dataset_name PATH (TRL's flag, a local "
+                            "dataset), --data_config FILE (several datasets) or --dataset_service_url URL --dataset_id ID")
     if len(given) > 1:
         raise TrainCLIError(f"pass one of {' / '.join(given)}, not several (a data config lists several datasets)")
 
@@ -442,7 +487,7 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
     """(train, eval) shards through :mod:`pf_trl.data.sources`; ``given``: the data options set on the command line
     (a note names those the shards were not made with)."""
     from pf_trl.data import sources
-    from pf_trl.data.data_config import is_data_config_path
+    from pf_trl.data.data_config import DataConfig, is_data_config_path
 
     say = (lambda *_: None) if quiet else (lambda msg: print(f"pf-trl: {msg}", flush=True))
     options = pretokenize_config(data_args, config)
@@ -457,7 +502,8 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
             train = sources.load_training_data(data_args.training_data_path, tokenizer, options,
                                                num_proc=data_args.pretokenize_num_proc, progress=not quiet, say=say)
         evalset = None
-        if data_args.validation_data_path and is_data_config_path(data_args.validation_data_path):
+        if data_args.validation_data_path and (is_data_config_path(data_args.validation_data_path)
+                                               or isinstance(data_args.validation_data_path, DataConfig)):
             evalset = _load_data_config(data_args, options, tokenizer, quiet=quiet, say=say,
                                         path=data_args.validation_data_path, streaming=False)
         elif data_args.validation_data_path:
@@ -487,11 +533,11 @@ def _load_data_config(data_args: DataArguments, options, tokenizer, *, quiet: bo
                       streaming: bool = True):
     """A data config: its sources loaded here (the trainer's own loader), or, when it streams, the config itself
     (the trainer opens the streams per rank)."""
-    from pf_trl.data.data_config import DataConfigError, read_data_config
+    from pf_trl.data.data_config import DataConfigError, coerce_data_config
     from pf_trl.data.mixture import load_mixture
 
     try:
-        config = read_data_config(path or data_args.data_config)
+        config = coerce_data_config(path or data_args.data_config)  # a file, or one made from TRL's data flags
         if config.streaming and streaming:
             return config
         config.streaming = False
@@ -515,19 +561,6 @@ def check_budget(dataset, budget: int | None, flag: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- model
-
-
-def resolve_dtype(name: str, *, cuda: bool):
-    import torch
-
-    if name == "auto":
-        return None
-    dtype = getattr(torch, name)
-    if dtype == torch.float16 and not cuda:
-        print("pf-trl: --torch_dtype float16 on CPU: training in float32 instead (fp16 on CPU is slow and has no "
-              "loss scaling)", flush=True)
-        return torch.float32
-    return dtype
 
 
 def _parse_overrides(text: str | None) -> dict[str, Any]:
@@ -555,7 +588,7 @@ def flash_attn_implementation() -> tuple[str | None, str]:
 
 
 def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet: bool = False,
-          given: frozenset[str] = frozenset()):
+          given: frozenset[str] = frozenset(), flags: frozenset[str] = frozenset()):
     """Model, tokenizer, datasets and trainer for the parsed arguments (the data before the model loads)."""
     import torch
 
@@ -571,27 +604,19 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
         (getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)), default))
     overrides = _parse_overrides(model_args.model_overrides)
     cuda = torch.cuda.is_available() and not config.use_cpu
-    dtype = resolve_dtype(model_args.torch_dtype, cuda=cuda)
     if config.fp16 and not cuda:
         raise TrainCLIError("--fp16 needs a CUDA device; drop it on CPU")
-    from pf_trl.trainer.adapters import lora_config
+    from pf_trl.cli import model_args as model_flags
+    from pf_trl.cli import trl_data
 
-    try:
-        peft_config = lora_config(model_args.peft_method, r=model_args.r, lora_alpha=model_args.lora_alpha,
-                                  lora_dropout=model_args.lora_dropout, target_modules=model_args.target_modules)
-    except ValueError as exc:
-        raise TrainCLIError(str(exc)) from exc
-
-    attn = None  # transformers picks: sdpa where the architecture supports it, else eager
-    if config.use_flash_attn:
-        attn, why = flash_attn_implementation() if cuda else (None, "training on CPU; it runs on CUDA only")
-        if attn is None:
-            if config.padding_free_mode == "huggingface":
-                config.padding_free_mode = "internal"
-            print(f"pf-trl: --use_flash_attn True but flash-attention is not usable here ({why}): using pf-trl's "
-                  f"varlen attention (padding_free_mode=internal, backend={config.attention_backend})", flush=True)
-        elif not quiet:
-            print(f"pf-trl: --use_flash_attn: {why}", flush=True)
+    # dtype and attention from every flag that sets them (--torch_dtype / --dtype / --model_init_kwargs,
+    # --attn_implementation / --use_flash_attn); unset, transformers picks (sdpa where supported, else eager)
+    settings = model_flags.model_settings(model_args, config, flags, cuda=cuda, flash_choice=flash_attn_implementation if cuda else (
+        lambda: (None, "training on CPU; flash-attention runs on CUDA only")), quiet=quiet)
+    peft_config = model_flags.peft_config(model_args, flags)
+    if config.model_init_kwargs:  # applied here: the trainer gets a built model (TRL would only warn)
+        config.model_init_kwargs = None
+    trl_data.apply(data_args, config, (lambda *_: None) if quiet else (lambda m: print(f"pf-trl: {m}", flush=True)))
     model_ref = name
     if overrides.get("vocab_size") is not None:
         model_ref = None  # an embedded model resized by --model_overrides: its vocabulary is checked below
@@ -610,7 +635,8 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     check_budget(train, config.max_tokens_per_batch, "--max_tokens_per_batch")
     check_budget(evalset, config.max_eval_tokens_per_batch, "--max_eval_tokens_per_batch")
 
-    model = build_model(name, torch_dtype=dtype, attn_implementation=attn, seed=config.seed, **overrides)
+    model = build_model(name, torch_dtype=settings.dtype, attn_implementation=settings.attn_implementation,
+                        seed=config.seed, quantization_config=settings.quantization_config, **overrides)
     made_with = (getattr(train, "pf_manifest", None) or {}).get("max_seq_len")
     if data_args.max_seq_len is None and config.max_length is not None and made_with and made_with > config.max_length:
         config.max_length = made_with  # no limit given: shards made with a longer one are trained as they are
@@ -663,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
         model_args, data_args, config = parse_args(argv)
         check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
                          overwrite_output_dir=config.overwrite_output_dir, cli=True)
-        trainer = build(model_args, data_args, config, given=given_options(argv))
+        from pf_trl.cli.model_args import given_flags
+
+        trainer = build(model_args, data_args, config, given=given_options(argv), flags=given_flags(argv))
     except PfTrlError as exc:  # pf-trl's own refusals, PaddingFreeError (a model pf-trl refuses) included
         return _fail(exc)
     except ValueError as exc:  # upstream's checks (TrainingArguments / SFTConfig, from_pretrained, SFTTrainer) and the

@@ -108,9 +108,12 @@ def full_parser():
     flags (it imports transformers, TRL and torch). Flags are never abbreviated."""
     from transformers import HfArgumentParser
 
+    from pf_trl.cli.trl_fields import extended_arguments
     from pf_trl.trainer.config import PaddingFreeConfig
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, PaddingFreeConfig), allow_abbrev=False)
+    # + the fields of trl sft's ModelConfig, ScriptArguments and DatasetMixtureConfig
+    model_args, data_args = extended_arguments(ModelArguments, DataArguments)
+    parser = HfArgumentParser((model_args, data_args, PaddingFreeConfig), allow_abbrev=False)
     parser.exit_on_error = False
 
     def error(message: str):  # argparse would print usage and exit; a user error is one line here

@@ -580,14 +580,16 @@ def _vision_tokenizer(ds, source, tokenizer, config: PretokenizeConfig, image_ro
     if image_roots is None and isinstance(source, (str, os.PathLike)):
         path = Path(source).resolve()
         image_roots = (str(path if path.is_dir() else path.parent),)
+    marks_turns = "messages" in ds.column_names and config.assistant_only_loss  # False: every token, TRL's default
     try:  # once, before any row: a template that cannot mark the assistant turns fails here
-        template = vision.training_chat_template(tokenizer) if "messages" in ds.column_names else None
+        template = vision.training_chat_template(tokenizer) if marks_turns else None
     except vision.VisionDataError as exc:
         raise PretokenizeError(str(exc)) from exc
     return vision.VisionTokenizer(processor=tokenizer, image_column=column,
                                   token_type_key=vision.token_type_key(tokenizer),
                                   policy=vision.ImagePolicy(roots=tuple(image_roots or ())), chat_template=template,
-                                  completion_only_loss=config.completion_only_loss, text_field=config.text_field)
+                                  completion_only_loss=config.completion_only_loss, text_field=config.text_field,
+                                  assistant_only_loss=config.assistant_only_loss)
 
 
 def _vision_manifest(images: pa.ChunkedArray, keep: np.ndarray, vision_tokenizer) -> dict[str, Any]:

@@ -5,9 +5,10 @@ Pretokenize (:func:`tokenize_batch`, called by :func:`pf_trl.data.pretokenize.pr
 model's processor, one example at a time, so the token ids, the expanded image placeholders and the labels are what a
 padded TRL run computes:
 
-- ``messages`` (+ ``images``): the chat rendered by the processor's template; loss on the assistant turns (its
-  ``{% generation %}`` blocks, TRL's ``assistant_only_loss``; a template without them is replaced by TRL's training
-  variant of it when TRL knows it, else refused);
+- ``messages`` (+ ``images``): the chat rendered by the processor's template; with ``assistant_only_loss`` (pf-trl's
+  default) loss on the assistant turns (its ``{% generation %}`` blocks; a template without them is replaced by TRL's
+  training variant of it when TRL knows it, else refused); with ``assistant_only_loss=False`` (TRL's default) on
+  every token, as TRL's collator computes it, with the processor's own template;
 - ``prompt`` / ``completion`` (conversational or plain strings, + ``images``): loss on the completion
   (``completion_only_loss=False``: on everything).
 
@@ -205,6 +206,7 @@ class VisionTokenizer:
     chat_template: str | None = None  # :func:`training_chat_template` (None: the processor's own)
     completion_only_loss: bool = True
     text_field: str = "text"
+    assistant_only_loss: bool = True  # False: every token of a conversation (TRL's default)
 
     def row(self, example: dict[str, Any], index: int) -> tuple[list[int], list[int], list[bytes], list[int] | None]:
         """``(input_ids, labels, image bytes, modality ids)`` of one source row."""
@@ -214,8 +216,9 @@ class VisionTokenizer:
         decoded = [decode_image(b, index, self.policy) for b in images]
         if "messages" in example and example["messages"] is not None:
             data = {"messages": copy.deepcopy(example["messages"]), "images": decoded}
-            collator = _collator(self.processor, assistant_only=True, completion_only=False, text_field=self.text_field,
-                                 chat_template=self.chat_template)
+            collator = _collator(self.processor, assistant_only=self.assistant_only_loss, completion_only=False,
+                                 text_field=self.text_field,
+                                 chat_template=self.chat_template if self.assistant_only_loss else None)
         elif example.get("prompt") is not None and example.get("completion") is not None:
             data = {"prompt": copy.deepcopy(example["prompt"]), "completion": copy.deepcopy(example["completion"]),
                     "images": decoded}

@@ -13,8 +13,11 @@ from pf_trl.errors import ConfigError
 PEFT_METHODS = ("none", "lora")
 
 
-def lora_config(peft_method: str, *, r: int, lora_alpha: int, lora_dropout: float, target_modules: list[str] | None):
-    """A ``peft.LoraConfig`` for ``peft_method="lora"`` (``None`` for ``"none"``); ``ValueError`` on bad input."""
+def lora_config(peft_method: str, *, r: int, lora_alpha: int, lora_dropout: float, target_modules: list[str] | None,
+                use_rslora: bool = False, use_dora: bool = False, modules_to_save: list[str] | None = None,
+                target_parameters: list[str] | None = None):
+    """A ``peft.LoraConfig`` for ``peft_method="lora"`` (``None`` for ``"none"``), with the fields of TRL's
+    ``get_peft_config`` (bias ``none``); ``ValueError`` on bad input."""
     if peft_method not in PEFT_METHODS:
         raise ConfigError(f"--peft_method must be one of {', '.join(PEFT_METHODS)}, got {peft_method!r}")
     if peft_method == "none":
@@ -30,8 +33,10 @@ def lora_config(peft_method: str, *, r: int, lora_alpha: int, lora_dropout: floa
     targets: list[str] | str | None = list(target_modules) if target_modules else None
     if targets == ["all-linear"]:
         targets = "all-linear"
+    extra = {"target_parameters": list(target_parameters)} if target_parameters else {}  # peft >= 0.17 only
     return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets,
-                      task_type="CAUSAL_LM")
+                      task_type="CAUSAL_LM", bias="none", use_rslora=use_rslora, use_dora=use_dora,
+                      modules_to_save=list(modules_to_save) if modules_to_save else None, **extra)
 
 
 def save_merged(trainer, directory: str) -> str:

@@ -136,8 +136,9 @@ FIELDS: dict[str, FieldParity] = {
         "text and prompt-completion rows end with it, as in TRL.",
         evidence="tests/test_trl_parity.py::test_prompt_completion_rows_and_eos_token_as_trl"),
     "chat_template_path": FieldParity(
-        HONOURED, "A .jinja / .j2 file becomes the tokenizer's chat template before pf-trl tokenizes chat rows. A "
-        "tokenizer folder is refused: cloning its template adds tokens and resizes the model.",
+        HONOURED, "A .jinja / .j2 file becomes the tokenizer's chat template before pf-trl tokenizes chat rows (on "
+        "pf-trl train: the same setting as --chat_template FILE). A tokenizer folder is refused: cloning its template "
+        "adds tokens and resizes the model.",
         refuse_if=lambda v: _set(v) and not str(v).endswith((".jinja", ".j2")), example="some/tokenizer-folder",
         evidence="tests/test_trl_parity.py::test_chat_template_path_jinja_file_as_trl"),
     "packing": FieldParity(
@@ -235,8 +236,9 @@ FIELDS: dict[str, FieldParity] = {
                              "(a cache would let packed examples attend to each other)."),
     # ---------------------------------------------------------------- model
     "model_init_kwargs": FieldParity(
-        HONOURED, "When `model` is a name or folder: dtype / torch_dtype and attn_implementation are used, other keys "
-        "refused (pf-trl builds embedded models from configs and never downloads).",
+        HONOURED, "When `model` is a name or folder (always on pf-trl train, which builds the model): dtype / "
+        "torch_dtype and attn_implementation are used, other keys refused (pf-trl builds embedded models from configs "
+        "and never downloads).",
         refuse_if=lambda v: bool(set(v or {}) - {"dtype", "torch_dtype", "attn_implementation"}),
         example={"device_map": "auto"}),
     "trust_remote_code": FieldParity(
@@ -362,6 +364,11 @@ def render_markdown() -> str:
         "message naming the field; a field with no effect that you set is named in one warning. Evidence: the test "
         "that checks the field against TRL's padded `SFTTrainer` where pf-trl implements it itself.",
         "",
+        "Every field is also a command-line flag of `trl sft` (`--name value`) and of `pf-trl train`, and a key of a "
+        "`--config FILE.yaml` (TRL's format: the command line overrides the file, `env:` sets environment "
+        "variables first); the flags `trl sft` takes beside `SFTConfig` are listed [below](#trl-sfts-other-flags-"
+        "scriptarguments-modelconfig-datasetmixtureconfig).",
+        "",
         "The table lives in `pf_trl/trainer/parity.py`; a test fails when an installed TRL or transformers has a "
         "field it does not classify. With `padding_free=False` (`padding_free_mode='none'`) TRL's own behaviour "
         "applies to every field.",
@@ -383,6 +390,9 @@ def render_markdown() -> str:
             evidence = f"`{entry.evidence.split('::')[-1]}`" if entry.evidence else ""
             lines.append(f"| `{name}` | {_default(sft_fields[name])} | {status} | {_cell(entry.how)} | {evidence} |")
         lines.append("")
+    from pf_trl.trainer.script_parity import render_markdown as script_section
+
+    lines += script_section()
     own = [f for f in dataclasses.fields(PaddingFreeConfig) if f.name not in sft_fields]
     lines += ["## pf-trl's own fields (PaddingFreeConfig)", "", "| field | default | meaning |", "|---|---|---|"]
     for f in own:
@@ -397,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the page is out of date or a field is "
                         "unclassified")
     args = parser.parse_args(argv)
-    missing = unclassified()
+    from pf_trl.trainer import script_parity
+
+    missing = unclassified() + script_parity.unclassified()
     page = render_markdown()
     if args.write:
         DOCS_PAGE.write_text(page, encoding="utf-8")
