@@ -294,6 +294,9 @@ def tokenizer_differences(made_with: dict[str, Any], used: dict[str, Any]) -> li
 
     if made_with.get("identity") == CONTENT_IDENTITY and used.get("identity") == CONTENT_IDENTITY:
         out = content_differences(made_with, used)
+        if not out and made_with.get("sha256") != used.get("sha256"):  # parts equal, identities not: never trust it
+            out = [f"tokenizer identity differs (sha256 {str(made_with.get('sha256'))[:12]} vs "
+                   f"{str(used.get('sha256'))[:12]})"]
         if out and made_with.get("vocab_size") != used.get("vocab_size") and not any(
                 d.startswith(("vocabulary", "added tokens")) for d in out):
             out.insert(0, f"vocabulary size {made_with.get('vocab_size')} vs {used.get('vocab_size')}")
