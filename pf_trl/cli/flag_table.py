@@ -80,7 +80,7 @@ def write(path: Path, parser: argparse.ArgumentParser) -> None:
     os.replace(tmp, path)
 
 
-def _cached_table_path(current: dict[str, str]) -> Path:
+def cached_table_path(current: dict[str, str]) -> Path:
     from pf_trl.data.tokenizer import cache_root
 
     key = hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest()[:16]
@@ -90,7 +90,7 @@ def _cached_table_path(current: dict[str, str]) -> Path:
 def load() -> list[dict[str, Any]] | None:
     """The flag rows valid for the installed versions and sources (shipped, else cached), or None."""
     current = stamp()
-    for path in (SHIPPED_TABLE, _cached_table_path(current)):
+    for path in (SHIPPED_TABLE, cached_table_path(current)):
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -102,9 +102,15 @@ def load() -> list[dict[str, Any]] | None:
 
 def remember(parser: argparse.ArgumentParser) -> None:
     """After the full parser was built: keep its table in the user cache when none fits (best effort)."""
+    from pf_trl.cli import help_table
+
     try:
+        current = stamp()
+        path = cached_table_path(current)
         if load() is None:
-            write(_cached_table_path(stamp()), parser)
+            write(path, parser)
+        if help_table.load(current, help_table.cached_path(path)) is None:
+            help_table.write(help_table.cached_path(path), parser, current)
     except OSError:
         pass
 
@@ -151,8 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     from pf_trl.cli.train_args import full_parser
 
     if args.write:
-        write(SHIPPED_TABLE, full_parser())
-        print(f"wrote {SHIPPED_TABLE} ({stamp()})")
+        from pf_trl.cli import help_table
+
+        parser = full_parser()
+        write(SHIPPED_TABLE, parser)
+        help_table.write(help_table.SHIPPED_HELP, parser, stamp())  # `pf-trl train --help` reads it
+        print(f"wrote {SHIPPED_TABLE} and {help_table.SHIPPED_HELP.name} ({stamp()})")
     else:
         print(json.dumps({"stamp": stamp(), "current": load() is not None}))
     return 0

@@ -656,8 +656,20 @@ def _fail(exc: BaseException) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        _parser().print_help()
+        from pf_trl.cli.help_table import print_help
+
+        print_help(full_parser)  # from the help table: no transformers import
         return 0
+    from pf_trl._quiet import end_command, start_run
+
+    start_run(command=True)  # one run: each warning once, on rank 0
+    try:
+        return _run(argv)
+    finally:
+        end_command()
+
+
+def _run(argv: list[str]) -> int:
     from pf_trl.trainer.output_dir import check_output_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

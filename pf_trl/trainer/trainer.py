@@ -81,6 +81,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     def __init__(self, model, args: PaddingFreeConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, pretokenize_config=None, **kwargs):
+        from pf_trl._quiet import start_run
+
+        start_run()  # each warning once per run, on rank 0; no DeepSpeed banner unless DeepSpeed is used
         if args is None:
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
