@@ -331,10 +331,17 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            return super().save_model(output_dir, _internal_call)
+            result = super().save_model(output_dir, _internal_call)
         finally:
             if was_enabled:
                 hf_logging.enable_progress_bar()
+        if self.is_world_process_zero() and self.args.should_save:
+            from pf_trl.trainer.model_card import is_adapter, write_model_card
+
+            if is_adapter(self.model):  # PEFT rewrote the card on save (base_model: '' without a Hub id)
+                write_model_card(self, tags=list(getattr(self, "_tag_names", [])),
+                                 output_dir=output_dir or self.args.output_dir)
+        return result
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None):
