@@ -61,3 +61,11 @@ def test_predict_returns_one_row_per_example(tmp_path):
         assert got.predictions[i, :n] == pytest.approx(want.predictions[i, :n], abs=2e-4), i
         assert (got.predictions[i, n:] == -100).all()  # padding, as evaluation_loop pads across batches
     assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
+
+    # evaluate() with compute_metrics: one row per example too (in the order the eval batches were packed)
+    seen = []
+    pf.compute_metrics = lambda p: seen.append(p) or {}
+    pf.evaluate(test)
+    rows_of = {tuple(int(x) for x in r if x != -100) for r in want.label_ids}
+    assert seen[0].predictions.shape[0] == len(EVAL)
+    assert {tuple(int(x) for x in r if x != -100) for r in seen[0].label_ids} == rows_of

@@ -80,11 +80,14 @@ def _slow_parts(tokenizer) -> tuple[dict[str, str], dict[str, int]]:
 
 
 def _special_tokens(tokenizer) -> dict[str, Any]:
-    """The special tokens by role, with their ids (an id set in memory changes the tokens written)."""
+    """The special tokens by role, with their ids (a role set in memory changes the tokens written: a chat template
+    renders ``eos_token``, text rows end with its id). The pad token is left out: no written token is padding (a packed
+    row pads only its dummy segment, and TRL sets ``pad_token`` to EOS in memory when a tokenizer has none)."""
     out: dict[str, Any] = {}
     for role, token in sorted((getattr(tokenizer, "special_tokens_map", None) or {}).items()):
-        out[role] = [str(t) for t in token] if isinstance(token, (list, tuple)) else str(token)
-    for role in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if role != "pad_token":
+            out[role] = [str(t) for t in token] if isinstance(token, (list, tuple)) else str(token)
+    for role in ("bos_token_id", "eos_token_id", "unk_token_id"):
         out[role] = getattr(tokenizer, role, None)
     return out
 
@@ -144,7 +147,7 @@ def content_differences(made_with: dict[str, Any], used: dict[str, Any]) -> list
         elif part == "chat_template":
             out.append("chat template differs")  # the caller adds which template each side has
         elif part == "special_tokens":
-            ids = [f"{k} {made_with.get(k)} vs {used.get(k)}" for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            ids = [f"{k} {made_with.get(k)} vs {used.get(k)}" for k in ("bos_token_id", "eos_token_id")
                    if made_with.get(k) != used.get(k)]
             out.append("special tokens differ" + (f" ({', '.join(ids)})" if ids else ""))
         else:

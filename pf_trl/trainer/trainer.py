@@ -213,7 +213,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             eval_dataset = self._pf_prepare_passed(eval_dataset)
         sampler = self._pf_sampler(eval_dataset, self.args.max_eval_tokens_per_batch,
                                    self.args.per_device_eval_batch_size, shuffle=False)
-        return data_inputs.packed_dataloader(self, eval_dataset, sampler, training=False)
+        from pf_trl.trainer.predict import ExampleBounds
+
+        # compute_metrics gets one row per example
+        return data_inputs.packed_dataloader(self, eval_dataset, sampler, training=False, wrap_collator=ExampleBounds)
 
     def get_test_dataloader(self, test_dataset):
         """Trainer's (examples in order, ``eval_batch_size`` a batch, one packed row each), its collator recording
