@@ -100,3 +100,13 @@ def test_the_checks_pass_what_upstream_accepts(tmp_path, monkeypatch):
     (tmp_path / "org" / "model").mkdir(parents=True)
     assert not upstream.looks_like_hub_id("org/model") and upstream.looks_like_hub_id("org/other")
     assert not upstream.looks_like_hub_id("pf-trl/tiny-llama") and not upstream.looks_like_hub_id("/abs/path")
+
+
+@pytest.mark.slow
+def test_every_reporter_transformers_knows_is_classified():
+    """A reporter added by a newer transformers gets its package named here (else it would be refused as unknown)."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    from pf_trl.cli.upstream import REPORTERS
+
+    assert set(REPORTERS) == set(INTEGRATION_TO_CALLBACK)

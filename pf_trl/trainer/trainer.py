@@ -60,6 +60,7 @@ from pf_trl.trainer.loss import (
     resolve_fused_loss,
 )
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY
+from pf_trl.trainer.predict import EXAMPLES_KEY
 from pf_trl.trainer.resume import SamplerStateCallback, restore_sampler
 
 logger = logging.getLogger("pf_trl.trainer")
@@ -236,7 +237,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             self.data_collator = collator
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        from pf_trl.trainer.predict import EXAMPLES_KEY, per_example
+        from pf_trl.trainer.predict import per_example
 
         bounds = inputs.pop(EXAMPLES_KEY, None) if self.pf_mode != "none" else None
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -285,6 +286,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             self._pf_observe(inputs)
         inputs = dict(inputs)
         inputs.pop("use_cache", None)
+        inputs.pop(EXAMPLES_KEY, None)  # an eval batch's example bounds (prediction_step reads them), never the model's
         if self._pf_sp is not None:
             inputs = sequence_parallel.shard_inputs(inputs, self._pf_sp, self.args.device)
         # TRL's num_tokens: the real tokens of the row, counted by the group's first rank under sequence parallelism
