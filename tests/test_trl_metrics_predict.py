@@ -45,7 +45,7 @@ def test_entropy_and_num_tokens_match_trls_padded_run(tmp_path, fused_loss):
 @pytest.mark.slow
 def test_predict_returns_one_row_per_example(tmp_path):
     """predict() of eight rows, four a batch: shapes, labels and the logits at every real position equal TRL's padded
-    run with the same weights. Negative control: the packed output had one row per batch ([2, 206+, V])."""
+    run with the same weights. Negative control: the packed output had one row per batch ([2, 228, V])."""
     train = rows()
     trl = trl_trainer(train, tmp_path, per_device_eval_batch_size=4)
     pf = pf_trainer(train, tmp_path, per_device_eval_batch_size=4)
