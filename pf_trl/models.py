@@ -93,6 +93,8 @@ def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementati
         if torch_dtype is not None:
             model = model.to(torch_dtype)
         model.pf_trl_base = name_or_path  # what the model card names as its origin (a config, not pretrained weights)
+        # how to build these very initial weights again (the card's snippet for an adapter trained on them)
+        model.pf_trl_build = {"seed": int(seed), "overrides": dict(overrides)}
         return model
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype

@@ -84,7 +84,7 @@ def test_a_mismatch_says_what_differs(tmp_path, plain_tokenizer_dir, tokenizer):
     # the same template given to the model's tokenizer: accepted (negative control of the refusal)
     model_tok.chat_template = TEMPLATE
     assert sources.load_training_data("shards", model_tok).num_rows == len(CHAT)
-    # another tokenizer file: named
+    # a re-saved copy with another config file (model_max_length) tokenizes the same: accepted, whatever the bytes
     other = tmp_path / "other"
     model_tok.save_pretrained(other)
     config = json.loads((other / "tokenizer_config.json").read_text())
@@ -92,8 +92,11 @@ def test_a_mismatch_says_what_differs(tmp_path, plain_tokenizer_dir, tokenizer):
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     other_tok = load_tokenizer(str(other))
     other_tok.chat_template = TEMPLATE
-    with pytest.raises(sources.DataSourceError, match=r"tokenizer files differ: .*tokenizer_config.json \(different "
-                       r"content\).*re-run pretokenize with the model's tokenizer"):
+    assert sources.load_training_data("shards", other_tok).num_rows == len(CHAT)
+    # another vocabulary (two added tokens): named, with the model's own tokenizer as the fix
+    other_tok.add_tokens(["<x1>", "<x2>"])
+    with pytest.raises(sources.DataSourceError, match=r"added tokens differ: 2 tokens more in the model's tokenizer "
+                       r"\(3 vs 5; vocabulary 32000 vs 32002\).*re-run pretokenize with the model's tokenizer"):
         sources.load_training_data("shards", other_tok)
 
 

@@ -81,7 +81,7 @@ def write(path: Path, parser: argparse.ArgumentParser) -> None:
     os.replace(tmp, path)
 
 
-def _cached_table_path(current: dict[str, str]) -> Path:
+def cached_table_path(current: dict[str, str]) -> Path:
     from pf_trl.data.tokenizer import cache_root
 
     key = hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest()[:16]
@@ -91,7 +91,7 @@ def _cached_table_path(current: dict[str, str]) -> Path:
 def load() -> list[dict[str, Any]] | None:
     """The flag rows valid for the installed versions and sources (shipped, else cached), or None."""
     current = stamp()
-    for path in (SHIPPED_TABLE, _cached_table_path(current)):
+    for path in (SHIPPED_TABLE, cached_table_path(current)):
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -103,11 +103,32 @@ def load() -> list[dict[str, Any]] | None:
 
 def remember(parser: argparse.ArgumentParser) -> None:
     """After the full parser was built: keep its table in the user cache when none fits (best effort)."""
+    from pf_trl.cli import help_table
+
     try:
+        current = stamp()
+        path = cached_table_path(current)
         if load() is None:
-            write(_cached_table_path(stamp()), parser)
+            write(path, parser)
+        if help_table.load(current, help_table.cached_path(path)) is None:
+            help_table.write(help_table.cached_path(path), parser, current)
     except OSError:
         pass
+
+
+def print_help(full_parser) -> None:
+    """``pf-trl train --help``: from the help table when one fits the installed versions and sources, else from
+    ``full_parser()`` (imports transformers), whose table is then kept for the next time."""
+    from pf_trl.cli import help_table
+
+    current = stamp()
+    body = help_table.load(current, help_table.cached_path(cached_table_path(current)))
+    if body is not None:
+        help_table.help_parser(body).print_help()
+        return
+    parser = full_parser()
+    remember(parser)
+    parser.print_help()
 
 
 def _bool(value: str) -> bool:
@@ -152,8 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     from pf_trl.cli.train_args import full_parser
 
     if args.write:
-        write(SHIPPED_TABLE, full_parser())
-        print(f"wrote {SHIPPED_TABLE} ({stamp()})")
+        from pf_trl.cli import help_table
+
+        parser = full_parser()
+        write(SHIPPED_TABLE, parser)
+        help_table.write(help_table.SHIPPED_HELP, parser, stamp())  # `pf-trl train --help` reads it
+        print(f"wrote {SHIPPED_TABLE} and {help_table.SHIPPED_HELP.name} ({stamp()})")
     else:
         print(json.dumps({"stamp": stamp(), "current": load() is not None}))
     return 0

@@ -234,6 +234,9 @@ def check_combinations(get) -> None:
         raise TrainCLIError("--merge_adapter needs --peft_method lora (or --use_peft)")
     if get("model_overrides") and not is_embedded_model(get("model_name_or_path", "pf-trl/tiny-llama")):
         raise TrainCLIError("--model_overrides only applies to embedded models")
+    from pf_trl.cli.upstream import check_upstream
+
+    check_upstream(get)  # reporters, liger, the Hub for push_to_hub: what upstream would fail on after the build
 
 
 def _check_data_options(args: argparse.Namespace) -> int:
@@ -288,6 +291,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     """Checks that need no model and no transformers import: every flag and value (the flag table), data paths and
     their lines, data options, lengths, model and tokenizer folders, the output directory's checkpoints, the service.
     Raises TrainCLIError with a one-line reason and fix."""
+    from pf_trl.cli.upstream import check_hub_ids
     from pf_trl.data.data_config import DataConfigError, check_data_config_paths, is_data_config_path, read_data_config
     from pf_trl.data.scan import JsonLinesError, check_json_lines
     from pf_trl.data.shards import is_shards_dir, read_manifest
@@ -298,6 +302,8 @@ def precheck(argv: list[str], *, say=print) -> None:
     args = _light_args(argv)
     _check_data_choice(args)
     _precheck_trl_data(args)
+    check_hub_ids({f"--{name}": getattr(args, name) for name in ("model_name_or_path", "tokenizer_name_or_path",
+                                                                 "training_data_path", "validation_data_path")})
     if args.data_config:
         try:
             check_data_config_paths(read_data_config(args.data_config))
@@ -678,8 +684,20 @@ def _fail(exc: BaseException) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        _parser().print_help()
+        from pf_trl.cli.flag_table import print_help
+
+        print_help(full_parser)  # from the help table: no transformers import
         return 0
+    from pf_trl._quiet import end_command, start_run
+
+    start_run(command=True)  # one run: each warning once, on rank 0
+    try:
+        return _run(argv)
+    finally:
+        end_command()
+
+
+def _run(argv: list[str]) -> int:
     from pf_trl.trainer.output_dir import check_output_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

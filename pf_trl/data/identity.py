@@ -25,6 +25,9 @@ from pf_trl.errors import PfTrlError
 
 IDENTITY_PREFIX = "pf-trl-shards "
 MANIFEST_FILE = "pf_manifest.json"
+# the fields of a tokenizer fingerprint a dataset carries: enough for pf_trl.data.tokenizer.tokenizer_differences
+TOKENIZER_KEYS = ("name", "sha256", "vocab_size", "identity", "content", "content_sizes", "files_sha256", "files",
+                  "chat_template_sha256", "bos_token_id", "eos_token_id", "pad_token_id", "class")
 
 
 class IdentityError(PfTrlError, ValueError):
@@ -32,11 +35,12 @@ class IdentityError(PfTrlError, ValueError):
 
 
 def identity_of_manifest(manifest: dict[str, Any], where: str | None = None) -> dict[str, Any]:
-    """The identity fields of a manifest: tokenizer (name, sha256, vocab size) and input format."""
+    """The identity fields of a manifest: tokenizer (name, identity by content or, older, by files, vocab size,
+    template and special ids) and input format."""
     tok = manifest.get("tokenizer") or {}
     source = manifest.get("source") or {}
     return {
-        "tokenizer": {k: tok.get(k) for k in ("name", "sha256", "vocab_size")},
+        "tokenizer": {k: tok[k] for k in TOKENIZER_KEYS if k in tok},
         "input_format": source.get("input_format"),
         "source_sha256": source.get("sha256"),
         "where": where or source.get("path"),
@@ -115,26 +119,29 @@ def _cache_files(dataset) -> list[str]:
 
 def tokenizer_mismatch(have: dict[str, Any], expected: dict[str, Any]) -> bool:
     """True when ``have`` (from a manifest) is not the tokenizer ``expected`` (its fingerprint); the same rule as
-    :func:`pf_trl.data.shards.load_shards`: file hash (chat template included) and vocabulary size."""
-    return have.get("sha256") != expected.get("sha256") or have.get("vocab_size") != expected.get("vocab_size")
+    :func:`pf_trl.data.shards.load_shards` (:func:`pf_trl.data.tokenizer.tokenizer_differences`)."""
+    from pf_trl.data.tokenizer import tokenizer_differences
+
+    return bool(tokenizer_differences(have, expected))
 
 
 def check_dataset_identity(dataset, expected_tokenizer: dict[str, Any], *, what: str = "training") -> list[dict]:
     """Refuse a dataset any part of which was tokenized with another tokenizer; returns the identities found.
 
     Raises:
-        IdentityError: naming the part (its shards directory or source), both tokenizers and the fix.
+        IdentityError: naming the part (its shards directory or source), what differs and the fix.
     """
+    from pf_trl.data.tokenizer import mismatch_fix, tokenizer_differences
+
     found = identities(dataset)
     for ident in found:
         have = ident.get("tokenizer") or {}
-        if tokenizer_mismatch(have, expected_tokenizer):
+        differences = tokenizer_differences(have, expected_tokenizer)
+        if differences:
             where = ident.get("where") or "a part of it"
             raise IdentityError(
-                f"{what} data: {where} was tokenized with {have.get('name')!r} (sha256 {str(have.get('sha256'))[:12]}, "
-                f"vocab {have.get('vocab_size')}) but the model uses {expected_tokenizer.get('name')!r} (sha256 "
-                f"{str(expected_tokenizer.get('sha256'))[:12]}, vocab {expected_tokenizer.get('vocab_size')}); the same "
-                "token ids would mean other tokens or another chat rendering: re-run pretokenize with the model's "
-                "tokenizer"
+                f"{what} data: {where} was tokenized with another tokenizer than the model's: {'; '.join(differences)} "
+                f"(data: {have.get('name')!r}, model: {expected_tokenizer.get('name')!r}); the same token ids would "
+                f"mean other tokens or another chat rendering: {mismatch_fix(have, expected_tokenizer)}"
             )
     return found

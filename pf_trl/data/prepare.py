@@ -97,16 +97,16 @@ def say_mask_decisions(dataset, args, *, what: str, had_completion_mask: bool = 
     source = manifest.get("source") or {}
     masks = source.get("mask_columns") or []
     if args.completion_only_loss is None and (had_completion_mask or "completion_mask" in masks):
-        logger.warning(
-            "pf-trl: %s: the completion_mask column is applied (loss on the completion only) because "
+        logger.warning(  # one line for the run (train and eval data alike): said once
+            "pf-trl: the completion_mask column is applied (loss on the completion only) because "
             "completion_only_loss is unset; TRL would train the full sequence of these language-modeling rows. Pass "
-            "completion_only_loss=False for TRL's behaviour, True to silence this.", what)
+            "completion_only_loss=False for TRL's behaviour, True to silence this.")
     if getattr(args, "assistant_only_loss", False) is None and source.get("input_format") in (
             "messages", "sharegpt"):
-        logger.warning(
-            "pf-trl: %s: chat rows train on assistant turns only because assistant_only_loss is unset (pf-trl's "
+        logger.warning(  # one line for the run (train and eval data alike): said once
+            "pf-trl: chat rows train on assistant turns only because assistant_only_loss is unset (pf-trl's "
             "default); TRL's default (False) trains every token. Pass assistant_only_loss=False for that, True to "
-            "silence this.", what)
+            "silence this.")
 
 
 

@@ -27,14 +27,17 @@ def text_tokenizer(processing_class: Any):
 
 def processor_fingerprint(processor, tokenizer_fingerprint: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     """A processor's identity: its tokenizer's fingerprint (``tokenizer_fingerprint(processor.tokenizer)``) with the
-    image processor's settings, the processor's own settings (image token counts...) and chat template folded into
-    ``sha256``."""
+    image processor's settings, the processor's own settings (image token counts...) and chat template, as parts of
+    the content identity (``sha256``) and folded into the file identity of older manifests (``files_sha256``)."""
+    from pf_trl.data.tokenizer_content import processor_content
+
     base = tokenizer_fingerprint(processor.tokenizer)
-    digest = hashlib.sha256(base["sha256"].encode())
+    digest = hashlib.sha256(base["files_sha256"].encode())
     digest.update(type(processor).__name__.encode())
     digest.update(json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str).encode())
     own = {k: v for k, v in vars(processor).items() if isinstance(v, (int, float, str, bool)) and k != "chat_template"}
     digest.update(json.dumps(own, sort_keys=True).encode())
     digest.update(str(getattr(processor, "chat_template", None)).encode())
-    return {**base, "class": type(processor).__name__, "tokenizer_class": base["class"],
-            "image_processor": type(processor.image_processor).__name__, "sha256": digest.hexdigest()}
+    return {**base, **processor_content(base, processor), "class": type(processor).__name__,
+            "tokenizer_class": base["class"], "image_processor": type(processor.image_processor).__name__,
+            "files_sha256": digest.hexdigest()}

@@ -192,15 +192,17 @@ def _load_processor(name: str, path: Path, **kwargs: Any):
 
 
 def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
-    """Identity of a tokenizer for manifests and cache keys: name, absolute path, hash of its files, chat template,
-    ids.
+    """Identity of a tokenizer for manifests and cache keys: name, absolute path, content identity, ids.
 
-    ``sha256`` covers the tokenizer files on disk when known, else the serialized vocabulary, and the chat template,
-    so two tokenizers that would tokenize or render differently never share a fingerprint. ``files`` (a digest per
-    file) and ``chat_template_sha256`` say which part differs when two fingerprints do
-    (:func:`tokenizer_differences`).
+    ``sha256`` is the identity by content (:mod:`pf_trl.data.tokenizer_content`): vocabulary, merges, added and special
+    tokens, normalizer, pre-tokenizer, post-processor, decoder and chat template, so a re-saved copy of a tokenizer
+    shares it and two tokenizers that would tokenize or render differently never do; ``content`` holds a digest per
+    part (:func:`tokenizer_differences` names the part that differs). ``files_sha256`` is the hash of the tokenizer
+    files on disk and the template, the identity manifests recorded before (``files``: a digest per file), kept so
+    shards of those manifests are still matched.
     """
     from pf_trl.data.processor import is_processor, processor_fingerprint
+    from pf_trl.data.tokenizer_content import content_identity
 
     if is_processor(tokenizer):  # its tokenizer's identity with the image processor's settings folded in
         return processor_fingerprint(tokenizer, tokenizer_fingerprint)
@@ -224,7 +226,8 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
         "name": getattr(tokenizer, "pf_trl_name", None) or getattr(tokenizer, "name_or_path", None),
         "path": str(path) if path else None,
         "class": type(tokenizer).__name__,
-        "sha256": digest.hexdigest(),
+        **content_identity(tokenizer),
+        "files_sha256": digest.hexdigest(),
         "hashed_files": list(files),
         "files": files,
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if template else None,
@@ -280,11 +283,27 @@ def _template_state(sha: str | None) -> str:
 
 
 def tokenizer_differences(made_with: dict[str, Any], used: dict[str, Any]) -> list[str]:
-    """What differs between two :func:`tokenizer_fingerprint` records (empty when they are the same tokenizer):
-    vocabulary size, tokenizer files (which ones, and how), chat template, special token ids, class. Records from
-    before per-file digests only say that the fingerprints differ."""
-    if made_with.get("sha256") == used.get("sha256") and made_with.get("vocab_size") == used.get("vocab_size"):
-        return []
+    """What differs between two :func:`tokenizer_fingerprint` records, the data's and the model's (empty when they
+    are the same tokenizer).
+
+    Both with a content identity: the parts that differ (vocabulary, merges, added / special tokens, normalizer,
+    pre-tokenizer, post-processor, decoder, chat template), whatever the files. A record from an older pf-trl (a hash
+    of the tokenizer files only) is matched against the model's file hash, and a mismatch says how to record a
+    content identity."""
+    from pf_trl.data.tokenizer_content import CONTENT_IDENTITY, content_differences
+
+    if made_with.get("identity") == CONTENT_IDENTITY and used.get("identity") == CONTENT_IDENTITY:
+        out = content_differences(made_with, used)
+        if not out and made_with.get("sha256") != used.get("sha256"):  # parts equal, identities not: never trust it
+            out = [f"tokenizer identity differs (sha256 {str(made_with.get('sha256'))[:12]} vs "
+                   f"{str(used.get('sha256'))[:12]})"]
+        if out and made_with.get("vocab_size") != used.get("vocab_size") and not any(
+                d.startswith(("vocabulary", "added tokens")) for d in out):
+            out.insert(0, f"vocabulary size {made_with.get('vocab_size')} vs {used.get('vocab_size')}")
+        return [_template_detail(made_with, used) if d == "chat template differs" else d for d in out]
+    legacy = used.get("files_sha256", used.get("sha256"))
+    if made_with.get("sha256") == legacy and made_with.get("vocab_size") == used.get("vocab_size"):
+        return []  # an older manifest, the very tokenizer files it was made with
     out = []
     if made_with.get("vocab_size") != used.get("vocab_size"):
         out.append(f"vocabulary size {made_with.get('vocab_size')} vs {used.get('vocab_size')}")
@@ -301,10 +320,8 @@ def tokenizer_differences(made_with: dict[str, Any], used: dict[str, Any]) -> li
         if changed:
             out.append("tokenizer files differ: " + ", ".join(changed))
     if "chat_template_sha256" in made_with and "chat_template_sha256" in used:
-        a, b = made_with["chat_template_sha256"], used["chat_template_sha256"]
-        if a != b:
-            out.append(f"chat template differs: the data was rendered with {_template_state(a)}, the model's "
-                       f"tokenizer has {_template_state(b)}")
+        if made_with["chat_template_sha256"] != used["chat_template_sha256"]:
+            out.append(_template_detail(made_with, used))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in made_with and key in used and made_with[key] != used[key]:
             out.append(f"{key} {made_with[key]} vs {used[key]}")
@@ -313,13 +330,27 @@ def tokenizer_differences(made_with: dict[str, Any], used: dict[str, Any]) -> li
     if not out:
         out.append("their fingerprints differ (the data's manifest predates per-file identities; re-run pretokenize "
                    "to see which part)")
+    if made_with.get("identity") != CONTENT_IDENTITY:
+        out.append(OLD_MANIFEST_NOTE)
     return out
+
+
+# what to do with shards whose manifest has only the file hash of an older pf-trl
+OLD_MANIFEST_NOTE = ("the data's manifest records only the tokenizer's file hash (an older pf-trl), which a re-saved "
+                     "copy of the same tokenizer does not match: train with the tokenizer folder the data was made "
+                     "with, or re-run pretokenize to record an identity by content")
+
+
+def _template_detail(made_with: dict[str, Any], used: dict[str, Any]) -> str:
+    a, b = made_with.get("chat_template_sha256"), used.get("chat_template_sha256")
+    return (f"chat template differs: the data was rendered with {_template_state(a)}, the model's tokenizer has "
+            f"{_template_state(b)}")
 
 
 def mismatch_fix(made_with: dict[str, Any], used: dict[str, Any]) -> str:
     """The fix for a tokenizer mismatch: the same chat template when only the template differs, else the model's
     own tokenizer."""
-    differences = tokenizer_differences(made_with, used)
+    differences = [d for d in tokenizer_differences(made_with, used) if d != OLD_MANIFEST_NOTE]
     if len(differences) == 1 and differences[0].startswith("chat template differs"):
         if made_with.get("chat_template_sha256") is None:
             return "train without --chat_template (the data used the tokenizer's own none), or re-run pretokenize with it"

@@ -84,9 +84,10 @@ def token_budget_sampler(trainer, dataset, budget: int | None, batch_size: int, 
                                    rank=rank, drop_last=False, ordered=ordered)
 
 
-def packed_dataloader(trainer, dataset, sampler, *, training: bool):
+def packed_dataloader(trainer, dataset, sampler, *, training: bool, wrap_collator=None):
     """The dataloader of ``dataset`` batched by ``sampler`` and collated padding-free (the model's columns only),
-    prepared by accelerate with its sharding turned off: the sampler is already rank-aware."""
+    prepared by accelerate with its sharding turned off: the sampler is already rank-aware. ``wrap_collator``: a
+    callable wrapping the collator (evaluation: :class:`pf_trl.trainer.predict.ExampleBounds`)."""
     from functools import partial
 
     from transformers.trainer_utils import seed_worker
@@ -98,10 +99,11 @@ def packed_dataloader(trainer, dataset, sampler, *, training: bool):
         if "input_ids" not in keep:
             raise TrainingDataError(f"the dataset has no 'input_ids' column (columns: {names}); pretokenize it first")
         dataset = dataset.select_columns(keep)
+    collate = CountingCollator(trainer._pf_collator, prepare=VisionFeatures(trainer.processing_class)
+                               if names and "images" in names else None)
     params: dict[str, Any] = dict(
         batch_sampler=sampler,
-        collate_fn=CountingCollator(trainer._pf_collator, prepare=VisionFeatures(trainer.processing_class)
-                                    if names and "images" in names else None),
+        collate_fn=wrap_collator(collate) if wrap_collator is not None else collate,
         num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory,
         persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,

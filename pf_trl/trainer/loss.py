@@ -256,12 +256,14 @@ def _accepts_logits_to_keep(model) -> bool:
 
 @dataclass
 class LossTerms:
-    """Per supervised token: ``nll`` (differentiable), ``smooth`` (``sum_v -log p_v``, when asked) and
-    ``top1`` (bool, the target is the first argmax). Float terms are in :func:`loss_dtype` of the logits."""
+    """Per supervised token: ``nll`` (differentiable), ``smooth`` (``sum_v -log p_v``, when asked), ``top1`` (bool,
+    the target is the first argmax) and ``entropy`` (of the predicted distribution, detached: TRL's ``entropy``
+    metric; None where the path does not compute it). Float terms are in :func:`loss_dtype` of the logits."""
 
     nll: torch.Tensor
     top1: torch.Tensor
     smooth: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 def loss_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -274,7 +276,9 @@ def _terms_from_logits(logits: torch.Tensor, targets: torch.Tensor, with_smooth:
     nll = -logp.gather(1, targets[:, None]).squeeze(1)
     top1 = logits.detach().argmax(-1) == targets
     smooth = -logp.sum(-1) if with_smooth else None
-    return nll, top1, smooth
+    with torch.no_grad():  # a metric: no gradient, no graph
+        entropy = -(logp.exp() * logp).sum(-1)
+    return nll, top1, smooth, entropy
 
 
 def _chunk_terms(head, weight, bias, scale, softcap, with_smooth, hidden, targets):
@@ -310,10 +314,10 @@ def _fused_terms(head, hidden, targets, scale, softcap, vocab_chunk) -> LossTerm
 
     weight, bias = _full_weight(head)
     with _gather_ctx(weight, bias):
-        logprobs, _, _, _, top1 = ChunkedLogProbFunction.apply(
-            hidden, weight, bias, targets, 1.0, int(vocab_chunk), softcap, scale, ("log_probs", "is_top1")
+        logprobs, entropy, _, _, top1 = ChunkedLogProbFunction.apply(
+            hidden, weight, bias, targets, 1.0, int(vocab_chunk), softcap, scale, ("log_probs", "entropy", "is_top1")
         )
-    return LossTerms(nll=-logprobs, top1=top1)
+    return LossTerms(nll=-logprobs, top1=top1, entropy=entropy.detach())
 
 
 def _module_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth, checkpointed,
@@ -333,7 +337,7 @@ def _module_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth
     nll = torch.cat([p[0] for p in parts])
     top1 = torch.cat([p[1] for p in parts])
     smooth = torch.cat([p[2] for p in parts]) if with_smooth else None
-    return LossTerms(nll=nll, top1=top1, smooth=smooth)
+    return LossTerms(nll=nll, top1=top1, smooth=smooth, entropy=torch.cat([p[3] for p in parts]).detach())
 
 
 # logits of one token chunk on the CPU path: at most this many elements (128 MB in float32), whatever the vocabulary
@@ -372,6 +376,7 @@ class _LinearTokenChunks(torch.autograd.Function):
         nll = torch.empty(n, dtype=ct, device=hidden.device)
         smooth = torch.empty(n, dtype=ct, device=hidden.device) if with_smooth else None
         top1 = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        entropy = torch.empty(n, dtype=ct, device=hidden.device)
         for s in range(0, n, chunk):
             t = targets[s:s + chunk]
             y = apply_head_transform(F.linear(hidden[s:s + chunk].to(mm), w, b).to(ct), scale, softcap)
@@ -380,14 +385,15 @@ class _LinearTokenChunks(torch.autograd.Function):
             if with_smooth:
                 smooth[s:s + chunk] = vocab * lse - y.sum(-1)
             top1[s:s + chunk] = y.argmax(-1) == t
+            entropy[s:s + chunk] = lse - (torch.exp(y - lse[:, None]) * y).sum(-1)  # H = lse - E_p[y]
             del y
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.params = (scale, softcap, chunk, with_smooth, mm)
-        ctx.mark_non_differentiable(top1)
-        return nll, smooth, top1
+        ctx.mark_non_differentiable(top1, entropy)
+        return nll, smooth, top1, entropy
 
     @staticmethod
-    def backward(ctx, g_nll, g_smooth, _g_top1):
+    def backward(ctx, g_nll, g_smooth, _g_top1, _g_entropy):
         with autocast_off(ctx.saved_tensors[0].device.type):
             return _LinearTokenChunks._backward(ctx, g_nll, g_smooth)
 
@@ -438,8 +444,9 @@ class _LinearTokenChunks(torch.autograd.Function):
 def _linear_chunk_terms(head, hidden, targets, scale, softcap, chunk_size, with_smooth) -> LossTerms:
     weight, bias = _full_weight(head)
     chunk = chunk_tokens(chunk_size, weight.shape[0])
-    nll, smooth, top1 = _LinearTokenChunks.apply(hidden, weight, bias, targets, scale, softcap, chunk, with_smooth)
-    return LossTerms(nll=nll, top1=top1, smooth=smooth)
+    nll, smooth, top1, entropy = _LinearTokenChunks.apply(hidden, weight, bias, targets, scale, softcap, chunk,
+                                                          with_smooth)
+    return LossTerms(nll=nll, top1=top1, smooth=smooth, entropy=entropy)
 
 
 def _triton_device(device: torch.device) -> bool:
@@ -466,7 +473,7 @@ def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = 
         touch = hidden.sum().to(dtype) * 0 + head(hidden).to(dtype).sum() * 0
         empty = hidden.new_zeros((0,), dtype=dtype) + touch
         return LossTerms(nll=empty, top1=torch.zeros(0, dtype=torch.bool, device=hidden.device),
-                         smooth=empty if with_smooth else None)
+                         smooth=empty if with_smooth else None, entropy=hidden.new_zeros((0,), dtype=dtype))
     if impl == "liger":
         return _liger_terms(head, hidden, targets, plan)
     # a ZeRO-3 head is partitioned outside its own forward: call the module (its hooks gather the weight, again for
@@ -489,8 +496,8 @@ def supervised_loss_terms(head, hidden, targets, plan: HeadPlan, *, impl: str = 
 
 def terms_from_model_logits(logits: torch.Tensor, targets: torch.Tensor, *, with_smooth: bool = False) -> LossTerms:
     """Per-token terms from logits the model produced itself (the ``model`` path)."""
-    nll, top1, smooth = _terms_from_logits(logits.reshape(-1, logits.shape[-1]), targets, with_smooth)
-    return LossTerms(nll=nll, top1=top1, smooth=smooth)
+    nll, top1, smooth, entropy = _terms_from_logits(logits.reshape(-1, logits.shape[-1]), targets, with_smooth)
+    return LossTerms(nll=nll, top1=top1, smooth=smooth, entropy=entropy)
 
 
 def _liger_terms(head, hidden, targets, plan: HeadPlan) -> LossTerms:
@@ -594,9 +601,10 @@ def install_pf_loss_forward(model: torch.nn.Module, impl: str = "chunked", chunk
     """Give ``model.forward`` a ``pf_loss=True`` path: backbone -> supervised positions -> the model's own objective.
 
     Returns the :class:`HeadPlan` (how the logits are reproduced). The patched forward returns
-    ``{"loss_sum", "num_tokens", "correct", "aux_loss"}``: the sum over supervised tokens of the per-token objective,
-    their count, top-1 hits, and the MoE load-balancing loss over the real tokens (``None`` unless the config sets
-    ``output_router_logits``). Going through ``model.forward`` (not ``model.model``) keeps DDP/FSDP wrappers and
+    ``{"loss_sum", "num_tokens", "correct", "entropy_sum", "aux_loss"}``: the sum over supervised tokens of the
+    per-token objective, their count, top-1 hits, the sum of the predicted distributions' entropies (TRL's ``entropy``
+    metric; None on the Liger path), and the MoE load-balancing loss over the real tokens (``None`` unless the config
+    sets ``output_router_logits``). Going through ``model.forward`` (not ``model.model``) keeps DDP/FSDP wrappers and
     ZeRO-3 hooks in the loop; other calls use the previous forward (generation is unchanged). ``model`` is the
     transformers model itself (PEFT's base model: adapters live inside its modules).
     """
@@ -681,8 +689,9 @@ def _objective(model, out, labels, plan: HeadPlan, options: PFLossOptions, *, wi
     if with_router and router_logits is not None and len(router_logits) > 0:  # no MoE layer: no aux loss
         aux = router_aux_loss(model, router_logits, pf_real_tokens, labels.shape[-1])
     correct = terms.top1.sum() if options.impl != "liger" else torch.full((), -1, dtype=torch.int64)
+    entropy_sum = None if terms.entropy is None else terms.entropy.detach().sum()
     return {"loss_sum": loss_sum, "num_tokens": targets.new_tensor(targets.numel()), "correct": correct,
-            "aux_loss": aux}
+            "entropy_sum": entropy_sum, "aux_loss": aux}
 
 
 # ------------------------------------------------------------------------------------------- the trainer's divisor

@@ -3,7 +3,11 @@ on which data, with which versions.
 
 TRL's card links the base model to the Hugging Face Hub by its config's ``_name_or_path`` and writes ``None`` when
 that is a local folder or empty; pf-trl trains local folders and embedded configs, so the card names them as they
-are and links only a Hub id.
+are and links only a Hub id. Its "Use" snippet loads what the folder holds, with relative names only (the folder
+by its own name, a local base folder by its name): the model itself, or an adapter on its base model (a Hub id, a
+local folder, or an embedded config rebuilt with the same seed, which gives the same initial weights). PEFT rewrites
+the card when it saves an adapter (``base_model: ''`` for a model without a Hub id); the trainer writes it again
+after each save (:meth:`~pf_trl.trainer.PaddingFreeSFTTrainer.save_model`).
 """
 
 from __future__ import annotations
@@ -31,11 +35,10 @@ padded run computes it).
 
 ## Use
 
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
+Run from the folder that contains `{{ folder }}` (or set `model_dir` to its path, or to its Hub id once uploaded).
 
-model = AutoModelForCausalLM.from_pretrained("{{ path }}")
-tokenizer = AutoTokenizer.from_pretrained("{{ path }}")
+```python
+{{ use }}
 ```
 
 ## Framework versions
@@ -67,6 +70,45 @@ def describe_origin(base: str | None, model_type: str | None) -> tuple[str, str 
     return f"Fine-tuned from [{base}](https://huggingface.co/{base}) (`{model_type}`).", base
 
 
+def is_adapter(model: Any) -> bool:
+    """True for a PEFT model (the folder then holds an adapter, not the whole model)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def use_snippet(model: Any, folder: str, base: str | None, hub_id: str | None) -> str:
+    """Python that loads the saved folder ``folder`` (its own name, relative): the model, or ``model``'s adapter on
+    its base (a Hub id, a local folder by its name, or an embedded config rebuilt with its seed)."""
+    lines = []
+    adapter = is_adapter(model)
+    inner = model.get_base_model() if adapter else model
+    build = getattr(inner, "pf_trl_build", None)
+    if adapter:
+        lines.append("from peft import PeftModel")
+    if adapter and base is not None and base.startswith(EMBEDDED_PREFIX) and build is not None:
+        lines.append("from transformers import AutoTokenizer")
+        lines.append("")
+        lines.append("from pf_trl.models import build_model")
+    else:
+        lines.append("from transformers import AutoModelForCausalLM, AutoTokenizer")
+    lines += ["", f'model_dir = "{folder}"']
+    if not adapter:
+        lines.append("model = AutoModelForCausalLM.from_pretrained(model_dir)")
+    else:
+        if hub_id is not None:
+            lines.append(f'base = AutoModelForCausalLM.from_pretrained("{hub_id}")')
+        elif base is not None and base.startswith(EMBEDDED_PREFIX) and build is not None:
+            args = ", ".join([repr(base), f"seed={build['seed']}", *(f"{k}={v!r}" for k, v in build["overrides"].items())])
+            lines.append(f"base = build_model({args})  # the embedded config's initial weights, rebuilt")
+        elif base is not None:
+            lines.append(f'base = AutoModelForCausalLM.from_pretrained("{Path(base).name}")  # the base model\'s '
+                         "folder")
+        else:
+            lines.append("base = ...  # the base model the adapter was trained on (built in memory, not saved)")
+        lines.append("model = PeftModel.from_pretrained(base, model_dir)")
+    lines.append("tokenizer = AutoTokenizer.from_pretrained(model_dir)")
+    return "\n".join(lines)
+
+
 def describe_data(dataset: Any) -> str:
     """One line per fact of the training data's manifest (pf-trl shards), or what is known of another dataset."""
     manifest = getattr(dataset, "pf_manifest", None)
@@ -89,7 +131,7 @@ def describe_data(dataset: Any) -> str:
 def _versions() -> str:
     out = []
     for dist, shown in (("pf-trl", "pf-trl"), ("trl", "TRL"), ("transformers", "Transformers"), ("torch", "PyTorch"),
-                        ("datasets", "Datasets"), ("tokenizers", "Tokenizers")):
+                        ("datasets", "Datasets"), ("tokenizers", "Tokenizers"), ("peft", "PEFT")):
         try:
             out.append(f"- {shown}: {metadata.version(dist)}")
         except metadata.PackageNotFoundError:
@@ -97,23 +139,30 @@ def _versions() -> str:
     return "\n".join(out)
 
 
-def write_model_card(trainer, model_name: str | None = None, tags: list[str] | None = None) -> Path:
-    """Render the card for ``trainer`` into ``<output_dir>/README.md`` and return its path."""
+def write_model_card(trainer, model_name: str | None = None, tags: list[str] | None = None,
+                     output_dir: str | None = None) -> Path:
+    """Render the card for ``trainer`` into ``<output_dir>/README.md`` (default: the run's) and return its path."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from pf_trl._version import __version__
 
     config = getattr(trainer.model, "config", None)
     model_type = getattr(config, "model_type", None)
-    origin, hub_id = describe_origin(base_model_of(trainer.model), model_type)
-    output_dir = Path(trainer.args.output_dir)
-    card_tags = sorted({"pf-trl", "padding-free", "sft", "trl", *(tags or [])})
-    data = ModelCardData(library_name="transformers", base_model=hub_id, model_name=model_name or output_dir.name,
-                         tags=card_tags)
+    base = base_model_of(trainer.model)
+    origin, hub_id = describe_origin(base, model_type)
+    output_dir = Path(output_dir or trainer.args.output_dir)
+    adapter = is_adapter(trainer.model)
+    extra = {"peft", "lora", *([f"base_model:adapter:{hub_id}"] if hub_id else [])} if adapter else set()
+    card_tags = sorted({"pf-trl", "padding-free", "sft", "trl", *extra, *(tags or [])})
+    data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=hub_id,
+                         model_name=model_name or output_dir.name, tags=card_tags,
+                         pipeline_tag="text-generation" if adapter else None)
+    folder = output_dir.resolve().name
     card = ModelCard.from_template(
         data, template_str=TEMPLATE, model_name=model_name or output_dir.name, origin=origin,
         pf_trl_version=__version__, mode=getattr(trainer.args, "padding_free_mode", "huggingface"),
-        data=describe_data(trainer.train_dataset), path=str(output_dir.resolve()), versions=_versions(),
+        data=describe_data(trainer.train_dataset), folder=folder,
+        use=use_snippet(trainer.model, folder, base, hub_id), versions=_versions(),
     )
     path = output_dir / "README.md"
     card.save(str(path))

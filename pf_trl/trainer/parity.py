@@ -94,8 +94,9 @@ _FULL_EVAL = FieldParity(
     "the precision matrix's bf16_weights cells.", evidence=_PRECISION_EVIDENCE)
 _DIST = _trainer("Passed to accelerate / torch.distributed as in TRL; pf-trl's sampler gives every rank the same "
                  "number of token-balanced batches.")
-_EVAL = _trainer("Evaluation schedule and loop: transformers' Trainer, unchanged; predictions of a padding-free batch "
-                 "are one packed row.")
+_EVAL = _trainer("Evaluation schedule and loop: transformers' Trainer, unchanged; predictions and labels come one row "
+                 "per example, as in a padded run (predict(): in dataset order; evaluate(): in the order the eval "
+                 "batches were packed).")
 _SCRIPT = FieldParity(NOT_APPLICABLE, "Read by training scripts, not by the Trainer.")
 
 

@@ -42,7 +42,7 @@ from pf_trl.errors import ConfigError, ResumeError, TrainingDataError
 from pf_trl.packing import count_targets
 from pf_trl.parallel import check_parallelism
 from pf_trl.sampler import TokenBudgetBatchSampler
-from pf_trl.trainer import data_inputs, sequence_parallel
+from pf_trl.trainer import data_inputs, sequence_parallel, trl_metrics
 from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
@@ -62,6 +62,7 @@ from pf_trl.trainer.loss import (
     resolve_fused_loss,
 )
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY
+from pf_trl.trainer.predict import EXAMPLES_KEY
 from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback, restore_sampler
 
 logger = logging.getLogger("pf_trl.trainer")
@@ -83,6 +84,9 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     def __init__(self, model, args: PaddingFreeConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, pretokenize_config=None, **kwargs):
+        from pf_trl._quiet import start_run
+
+        start_run()  # each warning once per run, on rank 0; no DeepSpeed banner unless DeepSpeed is used
         if args is None:
             args = PaddingFreeConfig(output_dir="pf-trl-output")
         elif not isinstance(args, PaddingFreeConfig):
@@ -213,7 +217,36 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             eval_dataset = self._pf_prepare_passed(eval_dataset)
         sampler = self._pf_sampler(eval_dataset, self.args.max_eval_tokens_per_batch,
                                    self.args.per_device_eval_batch_size, shuffle=False)
-        return data_inputs.packed_dataloader(self, eval_dataset, sampler, training=False)
+        from pf_trl.trainer.predict import ExampleBounds
+
+        # compute_metrics gets one row per example
+        return data_inputs.packed_dataloader(self, eval_dataset, sampler, training=False, wrap_collator=ExampleBounds)
+
+    def get_test_dataloader(self, test_dataset):
+        """Trainer's (examples in order, ``eval_batch_size`` a batch, one packed row each), its collator recording
+        each example's bounds so that :meth:`prediction_step` returns one row per example; a dataset not prepared
+        yet goes through the data path first, as in ``evaluate()``."""
+        if self.pf_mode == "none":
+            return super().get_test_dataloader(test_dataset)
+        from pf_trl.trainer.predict import ExampleBounds
+
+        if not self._pf_is_prepared(test_dataset):
+            test_dataset = self._pf_prepare_passed(test_dataset)
+        collator = self.data_collator
+        self.data_collator = ExampleBounds(collator)
+        try:
+            return super().get_test_dataloader(test_dataset)
+        finally:
+            self.data_collator = collator
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        from pf_trl.trainer.predict import per_example
+
+        bounds = inputs.pop(EXAMPLES_KEY, None) if self.pf_mode != "none" else None
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if bounds is None or logits is None:
+            return loss, logits, labels
+        return (loss, *per_example(logits, labels, bounds))  # one row per example, as TRL's padded run
 
     def _pf_is_prepared(self, dataset) -> bool:
         known = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
@@ -256,14 +289,19 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             self._pf_observe(inputs)
         inputs = dict(inputs)
         inputs.pop("use_cache", None)
+        inputs.pop(EXAMPLES_KEY, None)  # an eval batch's example bounds (prediction_step reads them), never the model's
         if self._pf_sp is not None:
             inputs = sequence_parallel.shard_inputs(inputs, self._pf_sp, self.args.device)
+        # TRL's num_tokens: the real tokens of the row, counted by the group's first rank under sequence parallelism
+        seen = real if real is not None else inputs["input_ids"].numel()
+        trl_metrics.record_num_tokens(self, 0 if self._pf_sp is not None and self._pf_sp.rank else seen)
         if self.compute_loss_func is not None:
             return custom_loss(self, model, inputs, return_outputs, num_items_in_batch)
         if self.args.torch_compile:
             mark_dynamic_lengths(inputs)  # one general graph for all packed lengths (at most two compilations)
         out = model(**inputs, pf_loss=True, pf_real_tokens=None if real is None else int(real))
         loss_sum, n_tok = out["loss_sum"], out["num_tokens"]
+        trl_metrics.record_step_metrics(self, out)  # TRL's entropy (and eval accuracy), from the supervised terms
         loss = loss_sum / self._pf_divisor(num_items_in_batch, n_tok, loss_sum.device)
         aux = out.get("aux_loss")
         if aux is not None and self.aux_loss_enabled:
@@ -301,10 +339,17 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            return super().save_model(output_dir, _internal_call)
+            result = super().save_model(output_dir, _internal_call)
         finally:
             if was_enabled:
                 hf_logging.enable_progress_bar()
+        if self.is_world_process_zero() and self.args.should_save:
+            from pf_trl.trainer.model_card import is_adapter, write_model_card
+
+            if is_adapter(self.model):  # PEFT rewrote the card on save (base_model: '' without a Hub id)
+                write_model_card(self, tags=list(getattr(self, "_tag_names", [])),
+                                 output_dir=output_dir or self.args.output_dir)
+        return result
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None):
