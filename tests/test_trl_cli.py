@@ -151,7 +151,7 @@ def test_trl_flags_refused_in_one_line_within_seconds_before_any_tokenizing(worl
                                                              "--use_peft"],
          data + "--use_peft --lora_r 16 --lora_target_modules q_proj"),
         (data + "--r 16 --lora_alpha 32 --target_modules q_proj v_proj",
-         ["no adapter is trained", "--peft_method lora"],
+         ["no adapter is trained", "--peft_method lora", "or drop them for a full fine-tune"],
          data + "--peft_method lora --r 16 --lora_alpha 32 --target_modules q_proj v_proj"),
         (data + "--use_peft --lora_r 16 --r 8", ["both set the LoRA rank"], data + "--use_peft --lora_r 16"),
         (data + "--model_revision v2.0", ["--model_revision v2.0", "hf download"], data + "--model_revision main"),

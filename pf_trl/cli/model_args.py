@@ -126,6 +126,10 @@ def flash_attn_usable(attn: str) -> bool:
     """The package behind transformers' ``attn`` (``flash_attention_2`` / ``_3`` / ``_4``) really installed (its
     ``flash_attn_varlen_func`` imports: a namespace ``flash_attn`` left by flash-attn-4 does not count) and a CUDA
     device present."""
+    # no flash distribution at all (the top-level names of flash-attn 2/4 and flash-attn-3): answered without importing
+    # pf_trl.attention (torch), so the refusal stays fast
+    if not any(importlib.util.find_spec(top) for top in ("flash_attn", "flash_attn_interface")):
+        return False
     from pf_trl.attention.flash_packages import FLASH_KERNELS, installed_flash_kernels
 
     name = next((n for n, _, impl, _ in FLASH_KERNELS if impl == attn), None)
@@ -185,7 +189,7 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
     if shaping and not lora:
         raise TrainCLIError(f"{' '.join(shaping)} {'is a LoRA setting' if len(shaping) == 1 else 'are LoRA settings'} "
                             "but no adapter is trained; add --use_peft (TRL) or --peft_method lora to train a LoRA "
-                            "adapter, or drop {'it' if len(shaping) == 1 else 'them'} for a full fine-tune")
+                            f"adapter, or drop {'it' if len(shaping) == 1 else 'them'} for a full fine-tune")
     _one(get, given, ("lora_r", "r"), "the LoRA rank")
     _one(get, given, ("lora_target_modules", "target_modules"), "the LoRA target modules")
     requested_dtype(get, given)
