@@ -10,7 +10,8 @@ import pytest
 
 from test_service_support import Server, wait_state, write_rows
 
-pytestmark = pytest.mark.slow
+# one pytest-xdist worker runs the whole module (its server starts once)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service_data_options")]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
             "{% else %}{% generation %}{{ ' ' + m['content'] + eos_token }}{% endgeneration %}{% endif %}{% endfor %}")
 

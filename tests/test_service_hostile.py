@@ -30,7 +30,8 @@ from test_service_support import (
     write_rows,
 )
 
-pytestmark = pytest.mark.slow
+# one pytest-xdist worker runs the whole module (its servers start once)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service_hostile")]
 TOKEN = "hostile-token"
 SECRET = "TOP-SECRET-7741"
 

@@ -1,0 +1,36 @@
+# Background jobs for the test scripts (sourced, not run): a command runs with its output in a log file, and the
+# log is printed whole, with the job's exit status and time, when the job is collected, so that suites running at
+# the same time never interleave their output.
+#   source scripts/jobs.sh
+#   job_start NAME CMD...   # CMD in the background, stdout and stderr to $JOB_DIR/NAME.log
+#   job_finish NAME         # waits for it, prints its log; returns its exit status
+#   job_last_line NAME      # the last non-empty line of its log (pytest's closing line, for a summary)
+
+JOB_DIR=${JOB_DIR:-$(mktemp -d -t pf-trl-jobs.XXXXXX)}
+declare -A JOB_PID=()
+
+job_start() {
+  local name=$1
+  shift
+  (
+    start=$(date +%s)
+    rc=0
+    "$@" || rc=$?
+    echo "$rc $(( $(date +%s) - start ))" > "$JOB_DIR/$name.done"
+    exit "$rc"
+  ) > "$JOB_DIR/$name.log" 2>&1 < /dev/null &
+  JOB_PID[$name]=$!
+}
+
+job_finish() {
+  local name=$1 rc=0 seconds="?"
+  wait "${JOB_PID[$name]}" || rc=$?
+  [[ -f "$JOB_DIR/$name.done" ]] && read -r _ seconds < "$JOB_DIR/$name.done"
+  echo "---------------- $name: exit $rc after ${seconds} s (ran in the background; its output follows)"
+  cat "$JOB_DIR/$name.log"
+  return "$rc"
+}
+
+job_last_line() {
+  grep -v '^[[:space:]]*$' "$JOB_DIR/$1.log" 2>/dev/null | tail -n 1
+}
