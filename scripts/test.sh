@@ -35,7 +35,8 @@ export PYTHONHASHSEED=0
 # One intra-op thread per process: the suites run side by side, one process per core (tiny models gain nothing
 # from more threads, and on a busy machine extra threads only spin against each other).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-workers=${PF_TRL_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
+# the cores this process may use (nproc alone would answer $OMP_NUM_THREADS)
+workers=${PF_TRL_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)}
 (( workers > 8 )) && workers=8
 
 # The service's PostgreSQL tests run against a real server that they start themselves from these

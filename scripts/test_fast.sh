@@ -8,7 +8,7 @@ bash scripts/setup.sh >/dev/null || exit 1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONHASHSEED=0
 export PF_TRL_CACHE=${PF_TRL_CACHE:-$PWD/.pf-trl-cache}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one process per core: see scripts/test.sh
-workers=${PF_TRL_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
+workers=${PF_TRL_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)}
 (( workers > 8 )) && workers=8
 status=0
 .venv/bin/python -m ruff check pf_trl pf_trl_dev preprocess_service tests benchmarks scripts || status=$?
