@@ -73,8 +73,8 @@ status=0
 # Lint first (rules in pyproject.toml's [tool.ruff]; ruff pinned in constraints/cpu.txt, installed by setup.sh with
 # the dev extra): a finding fails the run, after the tests have still run.
 .venv/bin/python -m ruff check pf_trl pf_trl_dev preprocess_service tests benchmarks scripts || status=$?
-# --dist loadgroup: tests sharing an expensive module fixture (a server, a sweep, a torchrun reference) carry an
-# xdist_group mark and run on one worker; every other test goes to whichever worker is free.
+# --dist loadgroup: the modules whose tests share an expensive module fixture (a server, a sweep, a torchrun
+# reference) run whole on one worker (tests/conftest.py); every other test goes to whichever worker is free.
 .venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --durations=25 -m "not legacy and not real" "$@" \
   2>&1 | tee "$JOB_DIR/main.log"
 rc=${PIPESTATUS[0]}

@@ -19,9 +19,6 @@ from pf_trl.attention import PaddingFreeError, UnsupportedModelError, enable_pad
 from pf_trl_dev import coverage  # noqa: E402
 from pf_trl_dev.tiny import tiny_model  # noqa: E402
 
-# one pytest-xdist worker runs the whole module (`fresh_matrix` sweeps every architecture once)
-pytestmark = pytest.mark.xdist_group("coverage")
-
 MIN_EXACT = 60  # the target: architectures exact by default
 MIN_BOTH_EXACT = 132  # exact by default in both modes (transformers 5.24: 132 of 199; 5.25: 136 of 203)
 SINK_AND_LLAMA4_TYPES = ("gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "llama4_text", "llama4")

@@ -19,9 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-# one pytest-xdist worker runs the whole module (`single_process_run` is the reference of every torchrun test)
-pytestmark = pytest.mark.xdist_group("distributed")
-
 SCRIPT = textwrap.dedent(
     r'''
     import json, os, sys

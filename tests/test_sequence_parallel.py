@@ -24,9 +24,6 @@ import pytest
 import torch
 from test_distributed import _env, _failure
 
-# one pytest-xdist worker runs the whole module (`reference` trains the single-process references once)
-pytestmark = pytest.mark.xdist_group("sequence_parallel")
-
 SCRIPT = textwrap.dedent(
     r'''
     import json, os, sys

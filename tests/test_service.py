@@ -19,8 +19,7 @@ import pytest
 
 from test_service_support import REPO, Server, files_under, generated_rows, wait_state, write_rows
 
-# one pytest-xdist worker runs the whole module (its servers, on SQLite and PostgreSQL, start once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service")]
+pytestmark = pytest.mark.slow
 TOKEN = "s3cret-test-token"
 UPLOAD_LIMIT = 256 * 1024
 

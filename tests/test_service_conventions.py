@@ -19,8 +19,7 @@ import pytest
 
 from test_service_support import REPO, Server, generated_rows, wait_state, write_rows
 
-# one pytest-xdist worker runs the whole module (its server starts once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service_conventions")]
+pytestmark = pytest.mark.slow
 TOKEN = "tok-7f3a9c1e5b2d4680-do-not-leak"
 
 

@@ -10,8 +10,7 @@ import pytest
 
 from test_service_support import Server, wait_state, write_rows
 
-# one pytest-xdist worker runs the whole module (its server starts once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service_data_options")]
+pytestmark = pytest.mark.slow
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
             "{% else %}{% generation %}{{ ' ' + m['content'] + eos_token }}{% endgeneration %}{% endif %}{% endfor %}")
 

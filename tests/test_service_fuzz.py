@@ -22,8 +22,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from test_service_support import Server, generated_rows, write_rows  # noqa: E402
 
-# one pytest-xdist worker runs the whole module (its servers start once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service_fuzz")]
+pytestmark = pytest.mark.slow
 MAX_EXAMPLES = int(os.environ.get("PF_SERVICE_FUZZ_EXAMPLES", "50"))
 TOKEN = "fuzz-token"
 # A schema-invalid body may be rejected for its size before its fields are read: an over-long chat_template past

@@ -30,8 +30,7 @@ from test_service_support import (
     write_rows,
 )
 
-# one pytest-xdist worker runs the whole module (its servers start once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("service_hostile")]
+pytestmark = pytest.mark.slow
 TOKEN = "hostile-token"
 SECRET = "TOP-SECRET-7741"
 

@@ -29,9 +29,6 @@ import pytest
 import torch
 from test_distributed import _env, _failure, _torchrun  # the project's torchrun harness (gloo on loopback)
 
-# one pytest-xdist worker runs the whole module (every test reads the `runs` fixture's one torchrun launch)
-pytestmark = pytest.mark.xdist_group("sharded")
-
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = Path(__file__).with_name("sharded_harness.py")
 ZERO3 = ROOT / "k8s" / "deepspeed" / "zero3.json"
