@@ -71,6 +71,7 @@ ONE_WORKER_MODULES = frozenset({
 })
 
 
+@pytest.hookimpl(optionalhook=True)  # the legacy venv has no pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with the modules above as groups and every other test on whichever worker is free.
 
