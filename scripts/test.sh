@@ -1,15 +1,43 @@
 #!/usr/bin/env bash
-# The test command of the README and of CI: set up (idempotent), run the main suite, then the
-# transformers<4.44 suite in its own venv (the `internal` attention patch), then the coverage sweep on the newest
-# transformers release (scripts/test_newest.sh).
+# The test command of the README and of CI: set up (idempotent), lint, run the main suite on every core
+# (pytest-xdist), then the real-model suite, the transformers<4.44 suite (its own venv, the `internal` attention
+# patch) and the coverage sweep on the newest transformers release (scripts/test_newest.sh) side by side.
+# The other venvs and the real model's packages are installed in the background while .venv is set up and the
+# main suite runs; every background job's output is printed whole when it ends, and the run ends with one line
+# per suite (pytest's closing line), the main suite's last. The exit status is nonzero when any part failed.
+#   PF_TRL_TEST_WORKERS  pytest-xdist workers for the main suite (default: the CPU count, at most 8)
+#   PF_TRL_REAL=0|1, PF_TRL_SKIP_LEGACY=1, PF_TRL_SKIP_NEWEST=1, PF_TRL_SKIP_POSTGRES=1: see below
+# Extra arguments go to the main suite's pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
+source scripts/jobs.sh
+
+# The real pretrained model (Gemma 3 270M, its own 262k tokenizer; ~250 MB of registry packages, ~1-3 min to
+# dequantize once, ~1-4 min of tests on 2 cores): on in CI (it fits the time budget), opt-in elsewhere
+# (PF_TRL_REAL=1), off with PF_TRL_REAL=0.
+real=0 legacy=0 newest=0
+[[ "${PF_TRL_REAL:-${CI:+1}}" == 1 ]] && real=1
+[[ -f scripts/test_legacy.sh && -z "${PF_TRL_SKIP_LEGACY:-}" ]] && legacy=1
+# The coverage sweep on the newest transformers release too (support.json holds both sweeps): ~4 min on 2 cores.
+[[ -f scripts/test_newest.sh && -z "${PF_TRL_SKIP_NEWEST:-}" ]] && newest=1
+
+# The legacy venv needs only python3 and pip (mostly network and disk): it is built while setup.sh builds .venv.
+(( legacy )) && job_start legacy-venv bash scripts/test_legacy.sh --prepare
+if ! bash scripts/setup.sh; then
+  wait
+  exit 1
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PF_TRL_CACHE=${PF_TRL_CACHE:-$PWD/.pf-trl-cache}
 # One string-hash order: the coverage sweep's verdict on a few architectures depends on it (hy_v4), and the
 # committed support matrix is generated under the same order (python -m pf_trl_dev.coverage --write).
 export PYTHONHASHSEED=0
+# One intra-op thread per process: the suites run side by side, one process per core (tiny models gain nothing
+# from more threads, and on a busy machine extra threads only spin against each other).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# the cores this process may use (nproc alone would answer $OMP_NUM_THREADS)
+workers=${PF_TRL_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)}
+(( workers > 8 )) && workers=8
 
 # The service's PostgreSQL tests run against a real server that they start themselves from these
 # binaries (installed here if missing). They are required on this path (CI): they skip only when
@@ -21,23 +49,62 @@ if [[ -z "${PF_TRL_SKIP_POSTGRES:-}" ]]; then
   export PF_TRL_REQUIRE_POSTGRES=1
 fi
 
+install_real() {
+  # the `real` extra's packages only (pip install -e ".[real]" would reinstall pf-trl itself while the main suite
+  # imports it), then the model dequantized into the cache once
+  local reqs
+  reqs=$(.venv/bin/python - <<'PY'
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["real"]))
+PY
+) || return 1
+  # shellcheck disable=SC2086  # one requirement a line, none with spaces
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt $reqs || return 1
+  .venv/bin/python -c "from pf_trl.pretrained import gemma3_270m; print('real model:', gemma3_270m())"
+}
+(( newest )) && job_start newest-venv bash scripts/test_newest.sh --prepare
+(( real )) && job_start real-setup install_real
+
 status=0
 # Lint first (rules in pyproject.toml's [tool.ruff]; ruff pinned in constraints/cpu.txt, installed by setup.sh with
 # the dev extra): a finding fails the run, after the tests have still run.
 .venv/bin/python -m ruff check pf_trl pf_trl_dev preprocess_service tests benchmarks scripts || status=$?
-.venv/bin/python -m pytest -q -m "not legacy and not real" "$@" || status=$?
-# The real pretrained model (Gemma 3 270M, its own 262k tokenizer; ~250 MB of registry packages, ~3 min to
-# dequantize once, ~1-4 min of tests on 2 cores): on in CI (it fits the time budget), opt-in elsewhere
-# (PF_TRL_REAL=1), off with PF_TRL_REAL=0.
-if [[ "${PF_TRL_REAL:-${CI:+1}}" == 1 ]]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[real]" || status=$?
-  .venv/bin/python -m pytest -q -m real tests/test_real_model.py || status=$?
+# --dist loadgroup: the modules whose tests share an expensive module fixture (a server, a sweep, a torchrun
+# reference) run whole on one worker (tests/conftest.py); every other test goes to whichever worker is free.
+.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --durations=25 -m "not legacy and not real" "$@" \
+  2>&1 | tee "$JOB_DIR/main.log"
+rc=${PIPESTATUS[0]}
+(( rc )) && status=$rc
+
+# The other suites side by side, each as soon as its venv is ready.
+if (( real )); then
+  if job_finish real-setup; then
+    job_start real .venv/bin/python -m pytest -q -p no:cacheprovider -m real tests/test_real_model.py
+  else
+    status=1 real=0
+  fi
 fi
-if [[ -f scripts/test_legacy.sh && -z "${PF_TRL_SKIP_LEGACY:-}" ]]; then
-  bash scripts/test_legacy.sh || status=$?
+if (( legacy )); then
+  if job_finish legacy-venv; then job_start legacy bash scripts/test_legacy.sh; else status=1 legacy=0; fi
 fi
-# The coverage sweep on the newest transformers release too (support.json holds both sweeps): ~4 min on 2 cores.
-if [[ -f scripts/test_newest.sh && -z "${PF_TRL_SKIP_NEWEST:-}" ]]; then
-  bash scripts/test_newest.sh || status=$?
+if (( newest )); then
+  if job_finish newest-venv; then job_start newest bash scripts/test_newest.sh; else status=1 newest=0; fi
 fi
+suites=()
+(( real )) && suites+=(real)
+(( legacy )) && suites+=(legacy)
+(( newest )) && suites+=(newest)
+for name in "${suites[@]}"; do
+  job_finish "$name" || status=$?
+done
+
+echo "---------------- summary (exit $status)"
+for name in "${suites[@]}"; do
+  echo "$name: $(job_last_line "$name")"
+done
+echo "main: $(job_last_line main)"  # pytest's closing line of the main suite, last
 exit $status

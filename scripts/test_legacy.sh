@@ -3,7 +3,8 @@
 # sequences), on CPU, with the exact `sdpa` varlen backend.
 #
 # Creates .venv-legacy on first use (about 30-60 s from the local wheel cache + PyPI), then runs
-# `pytest -m legacy tests/test_attention_legacy.py` in it. Extra arguments go to pytest.
+# `pytest -m legacy tests/test_attention_legacy.py` in it. Extra arguments go to pytest; `--prepare` alone only
+# creates the venv (scripts/test.sh does that in the background while the main suite runs).
 #   PF_LEGACY_VENV  venv path (default .venv-legacy)
 #   PYTHON          interpreter for the venv (default python3; needs 3.10-3.12 for tokenizers 0.19 wheels)
 set -euo pipefail
@@ -42,6 +43,7 @@ if ! venv_ok; then
   venv_ok || { echo "[test_legacy] $VENV is broken after install" >&2; exit 1; }
   echo "[test_legacy] venv ready in $(( $(date +%s) - start )) s"
 fi
+[[ "${1:-}" == --prepare ]] && exit 0
 
 "$VENV/bin/python" -c "import torch, transformers; print(f'[test_legacy] torch {torch.__version__}, transformers {transformers.__version__}')"
 exec "$VENV/bin/python" -m pytest -m legacy tests/test_attention_legacy.py -q -p no:cacheprovider "$@"

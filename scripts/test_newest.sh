@@ -6,7 +6,7 @@
 # .venv's site-packages (torch, trl, datasets, pf-trl editable...) added after its own. Created in ~20 s from the
 # local wheel cache; nothing else is installed twice. Then the sweep's tests run in it (~3-4 min on 2 cores).
 #   PF_NEWEST_VENV   venv path (default .venv-newest)
-#   Extra arguments go to pytest.
+#   Extra arguments go to pytest; `--prepare` alone only creates the venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,6 +46,7 @@ if ! venv_ok; then
   venv_ok || { echo "[test_newest] $VENV is broken after install" >&2; exit 1; }
   echo "[test_newest] venv ready in $(( $(date +%s) - start )) s"
 fi
+[[ "${1:-}" == --prepare ]] && exit 0
 
 "$VENV/bin/python" -c "import transformers; print(f'[test_newest] transformers {transformers.__version__}')"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_coverage.py tests/test_support_versions.py \

@@ -60,3 +60,32 @@ def postgres_server():
     server = postgres_or_skip()
     yield server
     server.stop()
+
+
+# Modules run whole on one pytest-xdist worker (scripts/test.sh: -n N --dist loadgroup): their tests share an
+# expensive module fixture (a server, the coverage sweep, a torchrun reference) that another worker would rebuild.
+ONE_WORKER_MODULES = frozenset({
+    "tests/test_coverage.py", "tests/test_distributed.py", "tests/test_sequence_parallel.py", "tests/test_sharded.py",
+    "tests/test_service.py", "tests/test_service_conventions.py", "tests/test_service_data_options.py",
+    "tests/test_service_fuzz.py", "tests/test_service_hostile.py",
+})
+
+
+@pytest.hookimpl(optionalhook=True)  # the legacy venv has no pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the modules above as groups and every other test on whichever worker is free.
+
+    xdist's own loadgroup reads ``xdist_group`` marks by rewriting ``item._nodeid``, which pytest 9 no longer reads
+    (node ids are ``NodeId`` objects): the marks would be silently ignored, so the groups are named here instead.
+    Groups are handed out first (xdist orders work units by size), single tests after them.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModuleGroups(config, log)
