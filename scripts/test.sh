@@ -18,7 +18,7 @@ source scripts/jobs.sh
 real=0 legacy=0 newest=0
 [[ "${PF_TRL_REAL:-${CI:+1}}" == 1 ]] && real=1
 [[ -f scripts/test_legacy.sh && -z "${PF_TRL_SKIP_LEGACY:-}" ]] && legacy=1
-# The coverage sweep on the newest transformers release too (support.json holds both sweeps): ~4 min on 2 cores.
+# The coverage sweep on the newest transformers release too (support.json holds both sweeps): about a minute.
 [[ -f scripts/test_newest.sh && -z "${PF_TRL_SKIP_NEWEST:-}" ]] && newest=1
 
 # The legacy venv needs only python3 and pip (mostly network and disk): it is built while setup.sh builds .venv.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fast lane: lint + every test not marked slow (no training end to end, no servers, no legacy or real-model
-# suite), on every core (pytest-xdist). About 2 minutes on 2 cores; run it while working, and scripts/test.sh (what
+# suite), on every core (pytest-xdist). About 2.5 minutes on 2 cores; run it while working, and scripts/test.sh (what
 # CI runs) before merging. PF_TRL_TEST_WORKERS sets the number of workers; extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."

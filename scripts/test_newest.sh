@@ -4,7 +4,7 @@
 #
 # .venv-newest is a thin layer over .venv: its own transformers (and what that release needs beyond .venv), with
 # .venv's site-packages (torch, trl, datasets, pf-trl editable...) added after its own. Created in ~20 s from the
-# local wheel cache; nothing else is installed twice. Then the sweep's tests run in it (~3-4 min on 2 cores).
+# local wheel cache; nothing else is installed twice. Then the sweep's tests run in it (about a minute on 2 cores).
 #   PF_NEWEST_VENV   venv path (default .venv-newest)
 #   Extra arguments go to pytest; `--prepare` alone only creates the venv.
 set -euo pipefail
