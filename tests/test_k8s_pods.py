@@ -177,7 +177,7 @@ class Cluster:
         return (self.root / f"{tag}-pod{rank}.log").read_text(encoding="utf-8", errors="replace")
 
 
-def _wait(procs, tag, cluster, timeout=240) -> list[int]:
+def _wait(procs, tag, cluster, timeout=420) -> list[int]:
     deadline = time.time() + timeout
     for p in procs:
         try:
@@ -219,11 +219,13 @@ def test_pods_killed_and_restarted_resume_exactly_and_a_volume_not_shared_is_ref
 
 def _kill_restart_and_refuse(cluster: Cluster, torch) -> None:
     out = cluster.outputs()
-    # three jobs at once (2 CPU cores: their start-up is what costs): the one to kill, the same job uninterrupted
-    # on another output folder, and one whose pods do not share their output volume
-    victim = cluster.start("killed")
+    # the same job uninterrupted on another output folder, beside one whose pods do not share their output volume
+    # (refused at start: cheap); then the job to kill, on its own, so that no other job's pods run while a pod is
+    # killed and restarted
     whole = cluster.start("whole", outputs="whole")
     rwo = cluster.start("rwo", outputs="rwo", own_outputs=True)
+    assert _wait(whole, "whole", cluster) == [0, 0], cluster.log("whole", 0)[-3000:]
+    victim = cluster.start("killed")
     # SIGKILL both pods (a preemption) once a complete checkpoint is on the shared volume
     deadline = time.time() + 300
     while not list(out.glob("checkpoint-*/pf_trl_checkpoint_complete.json")):
@@ -260,7 +262,6 @@ def _kill_restart_and_refuse(cluster: Cluster, torch) -> None:
     assert f"{cut} is not complete" in said
     resumed_from = int(re.search(r"auto: resuming from \S*checkpoint-(\d+)", said).group(1))
     assert 0 < resumed_from < MAX_STEPS
-    assert _wait(whole, "whole", cluster) == [0, 0], cluster.log("whole", 0)[-3000:]
     a, b = _final(cluster.outputs("whole")), _final(out)
     assert b["global_step"] == a["global_step"] == MAX_STEPS
     assert b["num_input_tokens_seen"] == a["num_input_tokens_seen"] > 0
