@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -89,3 +90,14 @@ def pytest_xdist_make_scheduler(config, log):
             return module if module in ONE_WORKER_MODULES else nodeid
 
     return ModuleGroups(config, log)
+
+
+class LogRecords(logging.Handler):
+    """Every message logged to the logger it is added to (any level), for tests of what a run says."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from conftest import LogRecords
+
 HEAVY = ("torch", "transformers", "trl")
 
 HELP_SCRIPT = r"""
@@ -64,19 +66,10 @@ def test_the_help_table_is_the_full_parsers(monkeypatch):
     assert light.format_help() == full.format_help()
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_a_warning_once_per_run_on_rank_zero(monkeypatch):
     from pf_trl import _quiet
 
-    records = _Records()
+    records = LogRecords()
     logger = logging.getLogger("pf_trl.trainer")
     logger.addHandler(records)
     try:

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from conftest import write_jsonl
+from conftest import LogRecords, write_jsonl
 
 TIED = ("num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1,"
         "tie_word_embeddings=true")
@@ -25,15 +25,6 @@ def train(*args) -> int:
     from pf_trl.cli.main import main
 
     return main(["train", *[str(a) for a in args], "--report_to", "none", "--disable_tqdm", "True"])
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 @pytest.mark.slow
@@ -55,7 +46,7 @@ def test_resume_card_and_final_eval(tmp_path, monkeypatch):
     assert "embedded `pf-trl/tiny-llama` config" in card and "None" not in card
     assert f"source: `{data}`" in card and "base_model" not in card  # no Hub link for something not on the Hub
 
-    records = _Records()
+    records = LogRecords()
     logging.getLogger("transformers").addHandler(records)
     try:
         assert train(*common, "--max_steps", 4, "--resume_from_checkpoint", "True") == 0
