@@ -168,9 +168,9 @@ def run_interleaved(args, mode: str, ds, tokenizer, dtype, workdir: Path) -> lis
     the remaining ``--epochs - 1`` passes alternate eager step i / compiled step i and are timed.
     """
     from pf_trl.attention import enable_padding_free
-    from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
+    from pf_trl.batching.collator import PaddingFreeCollator, mark_dynamic_lengths
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
     from pf_trl.data.prepare import dataset_lengths, derive_token_budget
-    from pf_trl.sampler import TokenBudgetBatchSampler
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

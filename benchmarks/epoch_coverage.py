@@ -17,9 +17,9 @@ torch.set_num_threads(1)
 from transformers import TrainerCallback
 
 import pf_trl
+from pf_trl.batching.sampler import TokenBudgetBatchSampler
 from pf_trl.data.tokenizer import load_tokenizer
 from pf_trl.models import build_model
-from pf_trl.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
 N, B, V, BASE = 3000, 1024, 256, 250

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from pf_trl.sampler import TokenBudgetBatchSampler  # noqa: E402
+from pf_trl.batching.sampler import TokenBudgetBatchSampler  # noqa: E402
 
 PADDED_BATCH_SIZES = (4, 8, 16)
 GROUPED_BATCH_SIZE = 8

@@ -66,7 +66,7 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("trl.SFTTrainer", "_metrics", ("pf_trl/trainer/trainer.py",), kind="source"),
     # torch
     PrivateSymbol("torch", "_assert_async", ("pf_trl/attention/hf.py",)),
-    PrivateSymbol("torch._dynamo", "maybe_mark_dynamic", ("pf_trl/collator.py",), via="maybe_mark_dynamic"),
+    PrivateSymbol("torch._dynamo", "maybe_mark_dynamic", ("pf_trl/batching/collator.py",), via="maybe_mark_dynamic"),
     PrivateSymbol("torch.Tensor", "_version", ("pf_trl/attention/stateful.py",)),  # in-place writes to a reused buffer
     # the fused CPU flash kernel, called for the log-sum-exp it returns
     PrivateSymbol("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu",

@@ -22,7 +22,7 @@ class PfTrlError(Exception):
 class PackingError(PfTrlError, ValueError):
     """A packed batch, or the input to one, that does not describe its examples consistently: an empty batch or
     example, labels or token types of the wrong length, ``cu_seq_lens`` / ``position_ids`` that do not partition the
-    row (:mod:`pf_trl.packing`, :mod:`pf_trl.collator`)."""
+    row (:mod:`pf_trl.batching.packing`, :mod:`pf_trl.batching.collator`)."""
 
 
 class AttentionArgumentError(PfTrlError, ValueError):

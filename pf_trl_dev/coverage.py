@@ -206,7 +206,7 @@ def _reference(base, exs, pad_id: int) -> dict[str, Any]:
 
 
 def _packed_batch(exs):
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
 
     return PaddingFreeCollator()([{"input_ids": e} for e in exs])
 

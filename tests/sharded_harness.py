@@ -52,8 +52,8 @@ importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from pf_trl.batching.sampler import TokenBudgetBatchSampler  # noqa: E402
 from pf_trl.data.tokenizer import load_tokenizer  # noqa: E402
-from pf_trl.sampler import TokenBudgetBatchSampler  # noqa: E402
 from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer  # noqa: E402
 
 VOCAB = 128

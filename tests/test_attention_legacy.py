@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from pf_trl.attention import PackedAttentionMaskError, UnsupportedModelError, enable_padding_free  # noqa: E402
 from pf_trl.attention.enable import native_packing_supported  # noqa: E402
 from pf_trl.attention.hf import has_attention_interface  # noqa: E402
-from pf_trl.collator import PaddingFreeCollator  # noqa: E402
+from pf_trl.batching.collator import PaddingFreeCollator  # noqa: E402
 from pf_trl_dev.tiny import LLAMA_SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.legacy

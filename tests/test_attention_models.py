@@ -24,7 +24,7 @@ from pf_trl.attention import (  # noqa: E402
     enable_padding_free,
 )
 from pf_trl.attention.hf import hf_varlen_attention  # noqa: E402
-from pf_trl.collator import PaddingFreeCollator  # noqa: E402
+from pf_trl.batching.collator import PaddingFreeCollator  # noqa: E402
 from pf_trl_dev.tiny import LLAMA_SHAPE  # noqa: E402
 
 TINY = LLAMA_SHAPE

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pf_trl.collator import IGNORE_INDEX, PaddingFreeCollator, cu_seqlens_from_position_ids
+from pf_trl.batching.collator import IGNORE_INDEX, PaddingFreeCollator, cu_seqlens_from_position_ids
 
 
 def features(*lengths, start=10):
@@ -72,7 +72,7 @@ def test_cu_seqlens_from_position_ids_round_trip():
 
 
 def test_check_packed_batch_accepts_the_collators_output_and_refuses_inconsistent_layouts():
-    from pf_trl.collator import check_packed_batch
+    from pf_trl.batching.collator import check_packed_batch
 
     batch = PaddingFreeCollator(pad_to_multiple_of=8)(features(3, 1, 4, 2))
     check_packed_batch(batch)  # the collator's own output (dummy segment included)
@@ -100,7 +100,7 @@ def test_check_packed_batch_accepts_the_collators_output_and_refuses_inconsisten
 
 
 def test_mark_dynamic_lengths_marks_the_varying_dims():
-    from pf_trl.collator import mark_dynamic_lengths
+    from pf_trl.batching.collator import mark_dynamic_lengths
 
     batch = PaddingFreeCollator()(features(3, 5))
     mark_dynamic_lengths(batch)

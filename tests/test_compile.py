@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
+from pf_trl.batching.collator import PaddingFreeCollator, mark_dynamic_lengths
 
 TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128)

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from pf_trl.data.shards import load_shards
     from pf_trl.models import build_model
-    from pf_trl.sampler import TokenBudgetBatchSampler
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
     from pf_trl.data.tokenizer import load_tokenizer
 
@@ -107,7 +107,7 @@ FSDP2_SCRIPT = textwrap.dedent(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from pf_trl.attention import enable_padding_free
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
     from pf_trl.models import build_model
     from pf_trl.trainer.loss import install_pf_loss_forward
 

@@ -53,7 +53,7 @@ def dataset():
 def _trainer_cls():
     from transformers import TrainerCallback
 
-    from pf_trl.sampler import TokenBudgetBatchSampler
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
     from pf_trl.trainer import PaddingFreeSFTTrainer
 
     class EpochOf(TrainerCallback):
@@ -113,7 +113,7 @@ def _per_epoch(trained, epoch):
 def test_packings_differ_between_epochs():
     """Negative control: the raw packing of this data has a different bin count in epochs 0 and 1, so a per-epoch
     count taken from the plan would differ (Trainer would cut epoch 2 short by one batch)."""
-    from pf_trl.sampler import TokenBudgetBatchSampler
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
 
     sampler = TokenBudgetBatchSampler(_lengths(), BUDGET, seed=0, window=WINDOW)
     raw = []

@@ -86,10 +86,10 @@ def test_a_class_outside_the_root_is_reported(source):
 
 def test_the_root_is_exported_and_keeps_builtin_bases():
     import pf_trl
+    from pf_trl.batching.sampler import SamplerError, TokenBudgetBatchSampler
     from pf_trl.data.service_client import DatasetServiceError
     from pf_trl.data.shards import ShardsError
     from pf_trl.errors import PfTrlError
-    from pf_trl.sampler import SamplerError, TokenBudgetBatchSampler
 
     assert pf_trl.PfTrlError is PfTrlError and "PfTrlError" in pf_trl.__all__
     assert issubclass(ShardsError, ValueError) and issubclass(DatasetServiceError, RuntimeError)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pf_trl.collator import IGNORE_INDEX, PaddingFreeCollator
+from pf_trl.batching.collator import IGNORE_INDEX, PaddingFreeCollator
 
 
 def tiny_llama(attn: str) -> LlamaForCausalLM:

@@ -20,7 +20,7 @@ def _bimodal(n=400, seed=0) -> np.ndarray:
 
 
 def _first_share(lengths, seed, k, partial: bool) -> float:
-    from pf_trl.sampler import TokenBudgetBatchSampler
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
 
     sampler = TokenBudgetBatchSampler(lengths, BUDGET, seed=seed)
     if partial:
@@ -30,7 +30,7 @@ def _first_share(lengths, seed, k, partial: bool) -> float:
 
 
 def test_partial_epoch_holds_its_share_of_examples():
-    from pf_trl.sampler import TokenBudgetBatchSampler
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
 
     lengths = _bimodal()
     n = len(TokenBudgetBatchSampler(lengths, BUDGET, seed=0))

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from pf_trl.attention.backends import blockwise
-from pf_trl.collator import PaddingFreeCollator
+from pf_trl.batching.collator import PaddingFreeCollator
 
 
 @pytest.fixture

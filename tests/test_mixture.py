@@ -56,7 +56,7 @@ def _bounds(sizes):
 
 
 def test_schedule_exact_ratios_and_a_fresh_draw_each_epoch():
-    from pf_trl.mixture_sampler import MixtureSchedule
+    from pf_trl.batching.mixture_sampler import MixtureSchedule
 
     sizes = [400, 300, 50]
     lengths = _lengths(sizes)
@@ -84,7 +84,7 @@ def test_schedule_exact_ratios_and_a_fresh_draw_each_epoch():
 
 
 def test_schedule_by_tokens_shares_tokens():
-    from pf_trl.mixture_sampler import MixtureSchedule
+    from pf_trl.batching.mixture_sampler import MixtureSchedule
 
     sizes = [500, 300, 200]
     lengths = _lengths(sizes, seed=1)
@@ -100,7 +100,7 @@ def test_schedule_by_tokens_shares_tokens():
 
 
 def test_mixture_sampler_resumes_exactly_at_every_batch():
-    from pf_trl.mixture_sampler import MixtureBatchSampler, MixtureSchedule
+    from pf_trl.batching.mixture_sampler import MixtureBatchSampler, MixtureSchedule
 
     sizes = [120, 60, 40]
     lengths = _lengths(sizes, seed=2)

@@ -130,7 +130,7 @@ def test_moe_aux_loss_equals_padded(tmp_path, name):
 
 def test_moe_aux_loss_masks_the_pad_segment_like_a_padded_batch(tmp_path):
     """Several examples of different lengths and a pad_to_multiple_of tail: aux == the model's own on the padded batch."""
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
     from pf_trl.trainer.loss import router_aux_loss
 
     model = make_model("mixtral").eval()
@@ -209,7 +209,7 @@ def test_unsupported_loss_options_are_refused(tmp_path, options, match):
 
 @pytest.mark.slow
 def test_all_masked_micro_batch_is_a_differentiable_zero(tmp_path):
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
 
     _, trainer = train(tmp_path, make_model("granite"), "internal", max_steps=1)
     model = trainer.model.train()

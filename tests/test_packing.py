@@ -1,4 +1,4 @@
-"""pf_trl.packing: the one place that converts between the forms of a packed row's boundaries."""
+"""pf_trl.batching.packing: the one place that converts between the forms of a packed row's boundaries."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pf_trl import packing
-from pf_trl.collator import PaddingFreeCollator
+from pf_trl.batching import packing
+from pf_trl.batching.collator import PaddingFreeCollator
 from pf_trl.errors import PackingError, PfTrlError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def _assignments(name: str) -> list[str]:
 
 
 def test_ignore_index_is_defined_once():
-    assert _assignments("IGNORE_INDEX") == ["pf_trl/packing.py"]
+    assert _assignments("IGNORE_INDEX") == ["pf_trl/data/labels.py"]
 
 
 def test_the_data_code_takes_ignore_index_without_importing_torch():

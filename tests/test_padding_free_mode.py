@@ -93,7 +93,7 @@ def test_padding_free_false_trains_trls_padded_batches(tmp_path):
     TRL's padded path: its collator, padded [B, T] batches with an attention mask."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
     from pf_trl.trainer import PaddingFreeConfig
 
     common = {"use_cpu": True, "report_to": [], "save_strategy": "no", "per_device_train_batch_size": 3,
@@ -119,7 +119,7 @@ def test_trl_itself_refuses_what_pf_trl_hides_from_it(tmp_path):
     """Why hidden_from_trl still hides padding_free=True: TRL's own __init__ refuses pf-trl's collator with it."""
     from trl import SFTConfig, SFTTrainer
 
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
     from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.models import build_model
 

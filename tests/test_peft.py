@@ -75,7 +75,7 @@ def padded_reference(model):
 
 
 def packed_loss(trainer):
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
 
     model = trainer.model
     model.zero_grad()

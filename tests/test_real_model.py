@@ -49,7 +49,7 @@ def _trainer(model, tokenizer, mode, tmp_path):
 def test_gemma3_270m_padded_equals_padding_free(gemma, tmp_path):
     import copy
 
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
 
     model, tokenizer = gemma
     assert model.config.model_type == "gemma3_text" and len(tokenizer) >= 262_000

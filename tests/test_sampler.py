@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pf_trl.sampler import TokenBudgetBatchSampler
+from pf_trl.batching.sampler import TokenBudgetBatchSampler
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -421,7 +421,7 @@ def test_works_as_torch_batch_sampler():
 
 def test_import_does_not_pull_torch_or_transformers():
     code = (
-        "import sys, pf_trl.sampler; "
+        "import sys, pf_trl.batching.sampler; "
         "bad = [m for m in ('torch', 'transformers', 'datasets') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

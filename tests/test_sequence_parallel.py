@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from datasets import Dataset
     from pf_trl.models import build_model
-    from pf_trl.sampler import TokenBudgetBatchSampler
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
     import pf_trl.trainer.sequence_parallel as sp_glue
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from pf_trl.attention import PaddingFreeError, enable_padding_free, stateful  # noqa: E402
 from pf_trl.attention.enable import special_token_ids  # noqa: E402
 from pf_trl.attention.stateful import PackedLayout, SegmentPlan, plan_groups  # noqa: E402
-from pf_trl.collator import PaddingFreeCollator  # noqa: E402
+from pf_trl.batching.collator import PaddingFreeCollator  # noqa: E402
 from pf_trl_dev.tiny import TYPE_VARIANTS, tiny_model  # noqa: E402
 
 LENGTHS = (9, 1, 14, 5, 11)  # uneven, one single-token example

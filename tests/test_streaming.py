@@ -37,9 +37,9 @@ def _key(example) -> str:
 
 
 def test_packer_fills_the_budget_and_resumes_exactly_at_every_batch(alpaca_file, tokenizer):
+    from pf_trl.batching.stream_sampler import StreamPacker
     from pf_trl.data.pretokenize import PretokenizeConfig
     from pf_trl.data.streaming import prepare_stream
-    from pf_trl.stream_sampler import StreamPacker
 
     config = PretokenizeConfig(max_seq_len=512)
     make = lambda: prepare_stream(_stream(alpaca_file), tokenizer, config).dataset

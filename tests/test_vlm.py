@@ -408,7 +408,7 @@ def test_vision_rows_need_a_processor_and_are_never_cut_through_an_image(tmp_pat
 def test_collator_packs_images_in_example_order_with_per_example_mrope():
     """PaddingFreeCollator: pixel tensors concatenated in example order, rotary positions from each example alone."""
     from pf_trl.attention.mrope import RopeIndex, rope_index_function
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
 
     model, processor = tiny_vlm("qwen2_vl")
     rope = rope_index_function(model)

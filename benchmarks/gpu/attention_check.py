@@ -176,7 +176,7 @@ def model_check(device, dtype, results):
         import transformers
 
         from pf_trl.attention import enable_padding_free
-        from pf_trl.collator import PaddingFreeCollator
+        from pf_trl.batching.collator import PaddingFreeCollator
     except Exception as exc:
         results["model_check"] = f"skipped: {type(exc).__name__}: {exc}"
         return

@@ -106,7 +106,7 @@ s_2() {
 # 0 graph breaks in the model forward on this device (the CPU test does the same on CPU)
 import torch
 from pf_trl.attention import enable_padding_free
-from pf_trl.collator import PaddingFreeCollator
+from pf_trl.batching.collator import PaddingFreeCollator
 from pf_trl.models import build_model
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if dev == "cuda" else torch.float32

@@ -77,7 +77,7 @@ def kernel_table(device, dtype, dry):
 
 def tiny_gpt_oss(device, dtype, dry):
     from pf_trl.attention import enable_padding_free, support
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
     from pf_trl_dev.coverage import _examples, _padded, _per_example_nll, _starts, _vocab
     from pf_trl_dev.tiny import tiny_model
 

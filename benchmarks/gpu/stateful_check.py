@@ -53,7 +53,7 @@ def _examples(model, device):
 
 
 def _batch(exs, device):
-    from pf_trl.collator import PaddingFreeCollator
+    from pf_trl.batching.collator import PaddingFreeCollator
 
     batch = PaddingFreeCollator()([{"input_ids": e.cpu()} for e in exs])
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -19,8 +19,8 @@ import types
 
 import torch
 
-from pf_trl import packing
 from pf_trl.attention.errors import PaddingFreeError
+from pf_trl.batching import packing
 
 _WRAPPED = "_pf_per_example"
 

@@ -293,7 +293,7 @@ def _safe_token_ids(config, vocab: int) -> torch.Tensor:
 def self_check(model: torch.nn.Module, *, lengths: tuple[int, int] = (6, 5), seed: int = 0) -> dict[str, float]:
     """Forward two examples packed in one row and check each against the same example run alone.
 
-    The packed row is what :class:`~pf_trl.collator.PaddingFreeCollator` emits (``position_ids`` restarting at 0,
+    The packed row is what :class:`~pf_trl.batching.collator.PaddingFreeCollator` emits (``position_ids`` restarting at 0,
     ``cu_seq_lens``, no ``attention_mask``, no ``use_cache``: the forward pre-hook must close the KV-cache hole).
     Each example alone is run *without* ``position_ids``, i.e. with the model's own position convention, so a model
     that numbers positions differently (``padding_idx + 1``) fails. ``err`` (largest output difference) must stay

@@ -29,7 +29,6 @@ import logging
 
 import torch
 
-from pf_trl import packing
 from pf_trl.attention.dispatch import varlen_attention
 from pf_trl.attention.errors import (
     PackedAttentionMaskError,
@@ -37,6 +36,7 @@ from pf_trl.attention.errors import (
     UnsupportedFeatureError,
     UnsupportedModelError,
 )
+from pf_trl.batching import packing
 
 logger = logging.getLogger("pf_trl.attention")
 
@@ -184,8 +184,8 @@ def hf_varlen_attention(
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
         cu_q = cu_seq_lens_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_seq_lens_k.to(device=q.device, dtype=torch.int32)
-        # The collator validated the layout (pf_trl.collator.check_packed_batch). This last check reads no value
-        # on the host: an asynchronous assert (raises at once on CPU, a device-side assert on CUDA), traced by
+        # The collator validated the layout (pf_trl.batching.collator.check_packed_batch). This last check reads no
+        # value on the host: an asynchronous assert (raises at once on CPU, a device-side assert on CUDA), traced by
         # torch.compile like any op.
         torch._assert_async(
             (cu_q[-1] == b * lq) & (cu_k[-1] == b * lk),

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from pf_trl import packing
+from pf_trl.batching import packing
+from pf_trl.batching.packing import packed_position_ids  # the [4, 1, T] layout, with the other forms of a packed row
 from pf_trl.data.image_tokens import image_groups
 from pf_trl.errors import PackingError
-from pf_trl.packing import packed_position_ids  # the [4, 1, T] layout, with the other forms of a packed row
 
 
 class RopeIndex:

@@ -27,7 +27,7 @@ import torch
 
 import pf_trl.attention.mrope as mrope
 from pf_trl.attention.errors import UnsupportedFeatureError
-from pf_trl.packing import cu_seqlens_from_starts
+from pf_trl.batching.packing import cu_seqlens_from_starts
 
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from pf_trl import packing
 from pf_trl.attention.errors import PaddingFreeError
+from pf_trl.batching import packing
 
 logger = logging.getLogger("pf_trl.attention")
 

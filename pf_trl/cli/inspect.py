@@ -10,10 +10,10 @@ import sys
 
 import numpy as np
 
+from pf_trl.batching.packing import IGNORE_INDEX
 from pf_trl.cli.flags import normalize_flags, one_line
 from pf_trl.data.shards import load_shards
 from pf_trl.errors import PfTrlError
-from pf_trl.packing import IGNORE_INDEX
 
 LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
 
@@ -117,7 +117,7 @@ def source_lines(manifest: dict, lengths: np.ndarray) -> list[str]:
     if not rule:
         lines.append("sources concatenated (no sampling weights): each example once per epoch")
         return lines
-    from pf_trl.mixture_sampler import MixtureSchedule
+    from pf_trl.batching.mixture_sampler import MixtureSchedule
 
     schedule = MixtureSchedule(lengths, [tuple(r["rows"]) for r in records], rule["weights"], seed=rule["seed"],
                                sample_by=rule["sample_by"], stopping_strategy=rule["stopping_strategy"])
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps(manifest, indent=2))
             return 0
-        from pf_trl.sampler import TokenBudgetBatchSampler
+        from pf_trl.batching.sampler import TokenBudgetBatchSampler
 
         lengths = np.asarray(ds.data.column("length"))
         c, s = manifest["counts"], manifest["lengths"]

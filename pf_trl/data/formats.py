@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pf_trl.data.labels import IGNORE_INDEX
 from pf_trl.errors import PfTrlError
-from pf_trl.packing import IGNORE_INDEX
 
 FORMATS = ("pretokenized", "text", "prompt_completion", "messages", "conversational_prompt_completion", "alpaca",
            "sharegpt")

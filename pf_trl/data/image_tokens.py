@@ -7,7 +7,7 @@
 - :func:`image_groups`: how many images one example's modality ids hold, counted as the models' own
   ``get_rope_index`` counts them.
 
-Shared by :mod:`pf_trl.data.vision` (checking a row against its images), :mod:`pf_trl.collator` and
+Shared by :mod:`pf_trl.data.vision` (checking a row against its images), :mod:`pf_trl.batching.collator` and
 :mod:`pf_trl.attention.mrope`; it sits below all three and imports nothing of pf-trl.
 """
 

@@ -4,7 +4,7 @@ all of them as one dataset that records every source and the mixing rule.
 Each data path is tokenized with its dataset's options (:func:`pf_trl.data.sources.cached_shards`); the loaded
 mixture is the concatenation of the sources' shards in config order, and its manifest (:func:`mixture_manifest`)
 records every source (name, format, rows, counts, weight) plus the mixing rule. The trainer draws each epoch from it
-with :class:`~pf_trl.mixture_sampler.MixtureBatchSampler`. ``pf-trl pretokenize --data_config`` and the service
+with :class:`~pf_trl.batching.mixture_sampler.MixtureBatchSampler`. ``pf-trl pretokenize --data_config`` and the service
 write the same thing as one shards directory (:func:`write_mixture_shards`).
 """
 

@@ -15,7 +15,7 @@ tokenized with its own options, then the sources are interleaved by weight (``da
 the config's seed and stopping strategy).
 
 The stream keeps ``datasets``' ``state_dict()`` / ``load_state_dict()``, which the trainer uses for an exact resume
-(:mod:`pf_trl.stream_sampler`).
+(:mod:`pf_trl.batching.stream_sampler`).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from pf_trl.data.labels import IGNORE_INDEX
 from pf_trl.errors import PfTrlError
-from pf_trl.packing import IGNORE_INDEX
 
 TRUNCATION_POLICIES = ("truncate", "drop", "refuse")
 TRUNCATION_MODES = ("keep_start", "keep_end")

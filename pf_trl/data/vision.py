@@ -263,8 +263,9 @@ def expected_image_tokens(processor, pixel_outputs: dict[str, Any], count: int) 
 class VisionFeatures:
     """A shard row -> the features the model reads: images decoded and run through the processor's image processor.
 
-    Called on each row in the DataLoader (workers included), before :class:`~pf_trl.collator.PaddingFreeCollator`
-    packs the batch. A row whose image tokens do not match its images is refused with its index.
+    Called on each row in the DataLoader (workers included), before
+    :class:`~pf_trl.batching.collator.PaddingFreeCollator` packs the batch. A row whose image tokens do not match its
+    images is refused with its index.
     """
 
     def __init__(self, processor, policy: ImagePolicy | None = None) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from pf_trl.attention.errors import PaddingFreeError
 from pf_trl.attention.precision import autocast_dtype, autocast_qkv
-from pf_trl.packing import shift_labels
+from pf_trl.batching.packing import shift_labels
 
 ULYSSES = "pf_ulysses"
 SP_KWARG = "pf_sp"

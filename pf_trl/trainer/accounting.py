@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import TrainerMemoryTracker
 
-from pf_trl.packing import count_targets
+from pf_trl.batching.packing import count_targets
 from pf_trl.trainer.callbacks import TokenMetricsCallback
 from pf_trl.trainer.metrics import (
     REAL_TOKENS_KEY,

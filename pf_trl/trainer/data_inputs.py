@@ -1,12 +1,12 @@
 """The training loop's side of the data: samplers, collator and dataloaders of prepared datasets
 (:func:`pf_trl.data.prepare.prepare_dataset` prepares them):
 
-- a dataset is batched by :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (:func:`token_budget_sampler`) and
+- a dataset is batched by :class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler` (:func:`token_budget_sampler`) and
   collated by the padding-free collator, wrapped to count the real tokens (:class:`CountingCollator`), in a
   dataloader accelerate does not shard again (:func:`packed_dataloader`);
-- a loaded **mixture** is trained with :class:`~pf_trl.mixture_sampler.MixtureBatchSampler` (exact ratios, a fresh
+- a loaded **mixture** is trained with :class:`~pf_trl.batching.mixture_sampler.MixtureBatchSampler` (exact ratios, a fresh
   draw per epoch): :func:`mixture_sampler`;
-- a **stream** is packed by :class:`~pf_trl.stream_sampler.StreamPacker` (:func:`stream_dataloader`) and resumed from
+- a **stream** is packed by :class:`~pf_trl.batching.stream_sampler.StreamPacker` (:func:`stream_dataloader`) and resumed from
   the stream's state, which each checkpoint records per rank (:func:`pf_trl.trainer.resume.write_stream_state`);
 - fractional ``num_train_epochs``: the last epoch's trained steps hold the same share of its examples
   (:func:`apply_partial_epoch`).
@@ -28,7 +28,7 @@ from pf_trl.data.inputs import rank_and_world, stream_budget
 from pf_trl.data.prepare import dataset_lengths, derive_token_budget
 from pf_trl.data.vision import VISION_COLUMNS, VisionFeatures
 from pf_trl.errors import TrainingDataError
-from pf_trl.sampler import TokenBudgetBatchSampler
+from pf_trl.batching.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer import sequence_parallel
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY
@@ -63,7 +63,7 @@ class CountingCollator:
 def token_budget_sampler(trainer, dataset, budget: int | None, batch_size: int, *, shuffle: bool,
                          ordered: bool = False):
     """The batch sampler of ``dataset``: a mixture's sampler when it is a shuffled mixture, else a
-    :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (``budget`` None: :func:`derive_token_budget` of ``batch_size``),
+    :class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler` (``budget`` None: :func:`derive_token_budget` of ``batch_size``),
     rank-aware (a sequence-parallel group shares its batches)."""
     args = trainer.args
     lengths = dataset_lengths(dataset)
@@ -129,12 +129,12 @@ def packed_dataloader(trainer, dataset, sampler, *, training: bool, wrap_collato
 
 def mixture_sampler(dataset, lengths: np.ndarray, budget: int, *, seed: int, args,
                     topology: tuple[int, int] | None = None):
-    """A :class:`~pf_trl.mixture_sampler.MixtureBatchSampler` when ``dataset`` is a loaded mixture, else None.
+    """A :class:`~pf_trl.batching.mixture_sampler.MixtureBatchSampler` when ``dataset`` is a loaded mixture, else None.
 
     ``topology``: ``(num_replicas, rank)`` of the sampler (sequence parallelism: groups of ranks share a batch);
     default: the ranks of ``args``."""
     from pf_trl.data.mixture import mixture_of
-    from pf_trl.mixture_sampler import MixtureBatchSampler, MixtureSchedule
+    from pf_trl.batching.mixture_sampler import MixtureBatchSampler, MixtureSchedule
 
     rule = mixture_of(dataset)
     if rule is None:
@@ -188,7 +188,7 @@ class PackedStream(IterableDataset):
 def stream_dataloader(trainer, collate_fn):
     """The train dataloader of a stream: the packer (restored from the checkpoint's stream state on resume) in the
     main process. Not wrapped by accelerate: each rank already reads its own part of the stream."""
-    from pf_trl.stream_sampler import StreamPacker
+    from pf_trl.batching.stream_sampler import StreamPacker
 
     args = trainer.args
     stream = trainer._pf_stream

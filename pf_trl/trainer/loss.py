@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from pf_trl.attention.precision import autocast_dtype, autocast_off
+from pf_trl.batching.packing import IGNORE_INDEX, count_targets
+from pf_trl.batching.packing import shift_labels as shift
 from pf_trl.errors import ConfigError, ModelSupportError
-from pf_trl.packing import IGNORE_INDEX, count_targets
-from pf_trl.packing import shift_labels as shift
 from pf_trl.sharding import full_shape, gathered_forward, is_zero3_partitioned
 
 __all__ = [

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import TrainerMemoryTracker
 
-from pf_trl.packing import count_targets, cu_seqlens_from_starts, segment_lengths
+from pf_trl.batching.packing import count_targets, cu_seqlens_from_starts, segment_lengths
 
 REAL_TOKENS_KEY = "_pf_real_tokens"
 # causal attention, forward + backward: 2 x L^2 x hidden per layer forward, x 3.5 (FlashAttention's convention)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pf_trl.packing import IGNORE_INDEX
+from pf_trl.batching.packing import IGNORE_INDEX
 
 EXAMPLES_KEY = "_pf_examples"  # [(length, first label), ...] of a packed row, in order
 

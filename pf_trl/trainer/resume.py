@@ -218,7 +218,7 @@ def restore_sampler(trainer, sampler) -> None:
 
 def write_stream_state(trainer, folder: str) -> None:
     """This rank's packer position after the batches training consumed (``global_step x`` accumulation steps)."""
-    from pf_trl.stream_sampler import save_buffer
+    from pf_trl.batching.stream_sampler import save_buffer
 
     rank, world = rank_and_world(trainer.args)
     consumed = trainer.state.global_step * trainer.args.gradient_accumulation_steps
@@ -243,7 +243,7 @@ def load_stream_state(folder: str, args, budget: int) -> dict[str, Any] | None:
     Raises:
         ResumeError: other ranks, accumulation steps or token budget than the checkpoint's stream.
     """
-    from pf_trl.stream_sampler import load_buffer
+    from pf_trl.batching.stream_sampler import load_buffer
 
     rank, world = rank_and_world(args)
     path = os.path.join(folder, STREAM_STATE.format(rank=rank))

@@ -2,9 +2,9 @@
 
 What changes against ``SFTTrainer`` (``padding_free_mode`` != ``"none"``, i.e. ``padding_free=True``):
 
-- data: train and eval dataloaders batch with :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (rank-aware: each
+- data: train and eval dataloaders batch with :class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler` (rank-aware: each
   rank gets disjoint, token-balanced batches and the same number of them) and collate with
-  :class:`~pf_trl.collator.PaddingFreeCollator` (one ``[1, T]`` row, ``position_ids``, flash kwargs, no
+  :class:`~pf_trl.batching.collator.PaddingFreeCollator` (one ``[1, T]`` row, ``position_ids``, flash kwargs, no
   ``attention_mask``). Data of any kind goes through :func:`pf_trl.data.prepare.prepare_dataset` (the CLI's data
   path: same ids, same masks).
 - attention: :func:`pf_trl.attention.enable_padding_free` is applied to the model (self-checked; it also forces
@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from pf_trl.collator import PaddingFreeCollator, mark_dynamic_lengths
+from pf_trl.batching.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.data.prepare import is_tokenized, prepare_dataset, prepare_train_and_eval, resolve_processing_class
 from pf_trl.data.vision import text_tokenizer
 from pf_trl.errors import ConfigError, ResumeError, TrainingDataError
-from pf_trl.packing import count_targets
+from pf_trl.batching.packing import count_targets
 from pf_trl.parallel import check_parallelism
-from pf_trl.sampler import TokenBudgetBatchSampler
+from pf_trl.batching.sampler import TokenBudgetBatchSampler
 from pf_trl.trainer import data_inputs, sequence_parallel, trl_metrics
 from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model

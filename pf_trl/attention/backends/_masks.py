@@ -1,5 +1,5 @@
 """Masks shared by the exact backends (sdpa, flex), in tensor ops only (no host sync); the segment layout they read
-comes from :mod:`pf_trl.packing` (``token_segments``, ``segment_lengths``).
+comes from :mod:`pf_trl.batching.packing` (``token_segments``, ``segment_lengths``).
 
 Under ``torch.compile`` the number of segments ``n`` is a symbolic size. No tensor here has a dimension (or a
 numel) equal to ``n`` alone: PyTorch specializes a symbolic size of 1 (``n != 1`` guards on contiguity checks),
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pf_trl.packing import segment_lengths
+from pf_trl.batching.packing import segment_lengths
 
 
 def position_visibility(

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from pf_trl.attention.backends import _sinks
-from pf_trl.packing import segment_lengths, token_segments
+from pf_trl.batching.packing import segment_lengths, token_segments
 
 NAME = "flex"
 INSTALL_HINT = "needs PyTorch >= 2.5 with torch.nn.attention.flex_attention (pip install -U torch)"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from pf_trl.attention.backends import _sinks, blockwise
-from pf_trl.packing import segment_spans
+from pf_trl.batching.packing import segment_spans
 
 NAME = "sdpa"
 INSTALL_HINT = "built into PyTorch; nothing to install"

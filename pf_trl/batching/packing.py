@@ -20,7 +20,8 @@ Two rules find boundaries in ``position_ids``, and both are kept because both ar
 - :func:`cu_seqlens_from_position_ids` (flash-attn's ``prepare_fa_kwargs_from_position_ids``, TRL's padding-free
   collator): a segment starts wherever the position is 0. The collator's public helper.
 
-They agree on every row :func:`pf_trl.collator.check_packed_batch` accepts (positions ``0, 1, ...`` per segment).
+They agree on every row :func:`pf_trl.batching.collator.check_packed_batch` accepts (positions ``0, 1, ...`` per
+segment).
 
 Functions that say "host read" read tensor values on the CPU (a GPU sync: eager code, once per batch or layer);
 :func:`token_segments` and :func:`segment_lengths` are tensor ops only, safe inside a compiled graph.
@@ -28,10 +29,10 @@ Functions that say "host read" read tensor values on the CPU (a GPU sync: eager 
 The label rule lives here too: :data:`IGNORE_INDEX` marks a label without loss (the value every Hugging Face loss
 ignores), and :func:`shift_labels` aligns each position with the label it predicts over the whole row.
 
-This module imports only :mod:`pf_trl.errors` at load time, and torch inside the functions that need it: the data
-code (torch-free, so that the CLI answers a user's mistake before torch loads: ``tests/test_fast_errors.py``) takes
-:data:`IGNORE_INDEX` from here as the collator, the attention layers and the trainer do, and none of them makes a
-cycle.
+This module imports only :mod:`pf_trl.errors` and :mod:`pf_trl.data.labels` at load time, and torch inside the
+functions that need it. :data:`IGNORE_INDEX` is defined in :mod:`pf_trl.data.labels` (the data code runs before torch
+loads and sits below ``batching``: ``tests/test_fast_errors.py``) and re-exported here for the collator, the attention
+layers and the trainer.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pf_trl.data.labels import IGNORE_INDEX
 from pf_trl.errors import PackingError
 
 if TYPE_CHECKING:
@@ -64,9 +66,6 @@ __all__ = [
     "shift_labels",
     "token_segments",
 ]
-
-# the label value Hugging Face's losses (torch's cross_entropy ignore_index default) skip
-IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------------------- from lengths (collator)

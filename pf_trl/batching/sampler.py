@@ -1,7 +1,7 @@
 """TokenBudgetBatchSampler: shuffled, bin-packed batches under a token budget, sharded across ranks.
 
 Each batch is a list of dataset indices whose lengths sum to at most ``max_tokens``; the
-:class:`~pf_trl.collator.PaddingFreeCollator` turns it into one padding-free row. The sampler only
+:class:`~pf_trl.batching.collator.PaddingFreeCollator` turns it into one padding-free row. The sampler only
 reads per-example lengths (the shards' ``length`` column), never the tokens, and is plain
 Python/numpy: it imports neither torch nor transformers and works as a torch ``batch_sampler`` by duck
 typing (``__iter__`` / ``__len__``).

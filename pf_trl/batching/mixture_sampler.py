@@ -1,5 +1,5 @@
 """Mixtures with exact ratios: which rows each epoch trains (:class:`MixtureSchedule`), packed into token-budget
-batches (:class:`MixtureBatchSampler`). Plain Python/numpy, lengths only, like :mod:`pf_trl.sampler`.
+batches (:class:`MixtureBatchSampler`). Plain Python/numpy, lengths only, like :mod:`pf_trl.batching.sampler`.
 
 The rows are the concatenation of the sources (source ``s`` is rows ``bounds[s]``). An epoch is
 
@@ -18,7 +18,7 @@ repeated whole before any row is seen a third time.
 
 The batch count of an epoch is fixed for the whole run (the HF Trainer takes the step count from the first
 ``len()``): the largest count any epoch of the run packs into (planned for ``num_epochs`` epochs), reached in every
-epoch by the machinery of :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (merge or split bins).
+epoch by the machinery of :class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler` (merge or split bins).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from pf_trl.sampler import SamplerError, TokenBudgetBatchSampler, _best_fit_decreasing
+from pf_trl.batching.sampler import SamplerError, TokenBudgetBatchSampler, _best_fit_decreasing
 
 __all__ = ["MixtureBatchSampler", "MixtureSchedule"]
 
@@ -198,7 +198,7 @@ class _FixedCountSampler(TokenBudgetBatchSampler):
 class MixtureBatchSampler:
     """Token-budget batches over the rows that :class:`MixtureSchedule` draws for each epoch, for one rank.
 
-    The same protocol as :class:`~pf_trl.sampler.TokenBudgetBatchSampler` (``__iter__`` / ``__len__`` /
+    The same protocol as :class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler` (``__iter__`` / ``__len__`` /
     ``set_epoch`` / ``state_dict`` / ``load_state_dict`` / ``max_tokens``), so the trainer's resume works unchanged.
 
     Args:
@@ -207,7 +207,7 @@ class MixtureBatchSampler:
         seed: the packing seed (the trainer's data seed); the draws use the schedule's own seed.
         num_replicas, rank: data-parallel ranks.
         num_epochs: epochs the run will train (the batch count is fixed over them); see :meth:`for_max_steps`.
-        window, carry_below: packing options of :class:`~pf_trl.sampler.TokenBudgetBatchSampler`.
+        window, carry_below: packing options of :class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler`.
     """
 
     def __init__(self, schedule: MixtureSchedule, max_tokens: int, *, seed: int = 0, num_replicas: int = 1,
@@ -280,7 +280,7 @@ class MixtureBatchSampler:
         self._sampler()
 
     def set_partial_epoch(self, epoch: int, num_batches: int) -> None:
-        """See :meth:`pf_trl.sampler.TokenBudgetBatchSampler.set_partial_epoch`."""
+        """See :meth:`pf_trl.batching.sampler.TokenBudgetBatchSampler.set_partial_epoch`."""
         self._partial = (int(epoch), int(num_batches))
         self._current = None
 

@@ -1,9 +1,9 @@
 """Token-budget batches from a stream: a bounded look-ahead buffer packed to the budget (:class:`StreamPacker`).
 
 A stream has no lengths ahead of time, so the batches cannot be planned for an epoch as
-:class:`~pf_trl.sampler.TokenBudgetBatchSampler` plans them. Instead the packer keeps up to ``buffer_size`` examples
-read ahead; for each batch it packs the buffer with best-fit-decreasing and hands out the fullest bin, then reads
-examples until the buffer is full again. Memory is bounded by the buffer (plus, for resume, references to the
+:class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler` plans them. Instead the packer keeps up to ``buffer_size``
+examples read ahead; for each batch it packs the buffer with best-fit-decreasing and hands out the fullest bin, then
+reads examples until the buffer is full again. Memory is bounded by the buffer (plus, for resume, references to the
 buffers of the last few batches); batches stay near the budget because a bin is chosen from many candidates, and
 short examples left over wait in the buffer for the gaps of later bins.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pf_trl.sampler import SamplerError, _best_fit_decreasing
+from pf_trl.batching.sampler import SamplerError, _best_fit_decreasing
 
 __all__ = ["StreamPacker"]
 

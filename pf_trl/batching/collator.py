@@ -38,7 +38,7 @@ would change what this one returns or refuses:
   always adds ``seq_idx`` (pf-trl's stateful layers derive it from ``cu_seq_lens`` when a kernel wants it).
 
 The segment arithmetic itself (lengths -> ``cu_seq_lens`` / ``position_ids``, ``IGNORE_INDEX``) is
-:mod:`pf_trl.packing`'s, shared with the attention layers.
+:mod:`pf_trl.batching.packing`'s, shared with the attention layers.
 """
 
 from __future__ import annotations
@@ -48,9 +48,7 @@ from typing import Any
 
 import torch
 
-from pf_trl.data.image_tokens import IMAGE_KEYS, TOKEN_TYPE_KEYS
-from pf_trl.errors import PackingError
-from pf_trl.packing import (
+from pf_trl.batching.packing import (
     IGNORE_INDEX,
     cu_seqlens_from_lengths,
     cu_seqlens_from_position_ids,
@@ -58,6 +56,8 @@ from pf_trl.packing import (
     packed_position_ids,
     position_ids_from_lengths,
 )
+from pf_trl.data.image_tokens import IMAGE_KEYS, TOKEN_TYPE_KEYS
+from pf_trl.errors import PackingError
 
 __all__ = [
     "FLASH_KWARGS",
