@@ -1,7 +1,8 @@
 """k8s/: every manifest validates offline, and every command line in it parses with the real parser.
 
-- core kinds: strict validation (unknown fields fail) against the Kubernetes 1.37 OpenAPI schemas shipped
-  inside the `kubernetes-validate` package (no network);
+- core kinds: strict validation (unknown fields fail) against two Kubernetes versions' OpenAPI schemas shipped
+  inside the `kubernetes-validate` package (no network): 1.31, the oldest the templates claim, and the newest the
+  package ships (fields required in one and optional in the other, e.g. a podFailurePolicy condition's status);
 - the PyTorchJob: against the CRD schema kept in k8s/crds/ (strict: unknown fields fail), and its pod
   templates against the core/v1 PodTemplate schema;
 - `pf-trl serve` / `pf-trl pretokenize` / `pf-trl train` / `torchrun` / the service client / the merge
@@ -28,7 +29,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-K8S_VERSION = "1.37"
 SERVICE_URL = "http://pf-trl-preprocess:8000"
 # Set in the pods by the Job controller / the Training Operator, with sample values for parsing.
 INJECTED = {"JOB_COMPLETION_INDEX": "0", "PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "8",
@@ -188,13 +188,23 @@ try:
 except ImportError:  # the parser/launcher tests below still run
     kv = None
 requires_kv = pytest.mark.skipif(kv is None, reason="kubernetes-validate not installed (pip install kubernetes-validate==1.37.0)")
+# The oldest Kubernetes the templates claim (podFailurePolicy GA, backoffLimitPerIndex beta) and the newest schema
+# kubernetes-validate ships: a field one of them requires and the other does not is caught either way.
+OLDEST_K8S = "1.31"
+K8S_VERSIONS = (OLDEST_K8S, kv.latest_version()) if kv is not None else (OLDEST_K8S,)
+
+
+def validate_core(d: dict, versions: tuple[str, ...] = K8S_VERSIONS) -> None:
+    """Strict validation (unknown fields fail, required fields must be there) on every version of ``versions``."""
+    for version in versions:
+        kv.validate(d, version, strict=True)
 
 
 @pytest.mark.parametrize("path,d", [pytest.param(p, d, id=f"{p.relative_to(K8S)}:{d['kind']}/{d['metadata']['name']}")
                                      for p, d in ALL_DOCS if d["kind"] not in CRDS])
 @requires_kv
 def test_core_manifests_validate_strict(path, d):
-    kv.validate(d, K8S_VERSION, strict=True)
+    validate_core(d)
 
 
 @requires_kv
@@ -202,11 +212,43 @@ def test_strict_validation_catches_a_typo():
     bad = copy.deepcopy(doc("Job", "pf-trl-train"))
     bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
     with pytest.raises(kv.ValidationError):
-        kv.validate(bad, K8S_VERSION, strict=True)
+        validate_core(bad)
     bad = copy.deepcopy(doc("Deployment", "pf-trl-preprocess"))
     bad["spec"]["replicas"] = "one"
     with pytest.raises(kv.ValidationError):
-        kv.validate(bad, K8S_VERSION, strict=True)
+        validate_core(bad)
+
+
+def _pod_failure_policies() -> list[tuple[str, dict]]:
+    """(where, podFailurePolicy) of every Job spec in k8s/: Jobs, and the Jobs a JobSet or a runtime makes."""
+    out = []
+    for path, d in ALL_DOCS:
+        where = f"{path.relative_to(K8S)}:{d['kind']}/{d['metadata']['name']}"
+        specs = [d["spec"]] if d["kind"] == "Job" else []
+        if d["kind"] in ("JobSet", "ClusterTrainingRuntime"):
+            jobset = d["spec"]["template"]["spec"] if d["kind"] == "ClusterTrainingRuntime" else d["spec"]
+            specs += [r["template"]["spec"] for r in jobset["replicatedJobs"]]
+        out += [(where, s["podFailurePolicy"]) for s in specs if "podFailurePolicy" in s]
+    return out
+
+
+@requires_kv
+def test_pod_condition_rules_carry_their_status_for_older_clusters():
+    """Kubernetes <= 1.34 requires `status` in a podFailurePolicy's onPodConditions (1.35 made it optional): a Job
+    without it is rejected by the API server of a 1.31 cluster. The newest schema alone would not catch it."""
+    policies = _pod_failure_policies()
+    conditions = [(w, c) for w, p in policies for r in p["rules"] for c in r.get("onPodConditions", [])]
+    assert any(c["type"] == "DisruptionTarget" for _, c in conditions), "the train Job ignores disruptions"
+    for where, c in conditions:
+        assert c.get("status") == "True", f"{where}: onPodConditions {c} without status: \"True\""
+    # the negative control: the rule as it was (no status) is refused on 1.31 and accepted by the newest schema
+    job = copy.deepcopy(doc("Job", "pf-trl-train"))
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        for c in rule.get("onPodConditions", []):
+            c.pop("status")
+    with pytest.raises(kv.ValidationError, match="'status' is a required property"):
+        kv.validate(job, OLDEST_K8S, strict=True)
+    kv.validate(job, K8S_VERSIONS[-1], strict=True)
 
 
 def _crd_validator(kind: str = "PyTorchJob"):
@@ -243,7 +285,7 @@ def _pytorchjobs() -> list[dict]:
 @requires_kv
 def test_crd_is_a_valid_crd_for_kubeflow_v1():
     crd, _ = _crd_validator()
-    kv.validate(crd, K8S_VERSION, strict=True)
+    validate_core(crd)
     assert crd["metadata"]["name"] == "pytorchjobs.kubeflow.org" and crd["spec"]["names"]["kind"] == "PyTorchJob"
 
 
@@ -257,7 +299,7 @@ def test_pytorchjob_validates_against_the_crd_and_pod_templates_against_core():
         for rtype, spec in job["spec"]["pytorchReplicaSpecs"].items():
             wrapper = {"apiVersion": "v1", "kind": "PodTemplate",
                        "metadata": {"name": f"{job['metadata']['name']}-{rtype.lower()}"}, "template": spec["template"]}
-            kv.validate(wrapper, K8S_VERSION, strict=True)
+            validate_core(wrapper)
 
 
 @pytest.mark.parametrize("mutate", [
@@ -285,7 +327,7 @@ def _multinode_jobs() -> list[dict]:
 @pytest.mark.parametrize("kind", ["TrainJob", "ClusterTrainingRuntime", "JobSet"])
 def test_v2_and_jobset_validate_against_their_crds_and_pods_against_core(kind):
     crd, validator = _crd_validator(kind)
-    kv.validate(crd, K8S_VERSION, strict=True)
+    validate_core(crd)
     assert crd["spec"]["names"]["kind"] == kind
     found = docs_of(kind)
     assert found, f"no {kind} in k8s/"
@@ -298,7 +340,7 @@ def test_v2_and_jobset_validate_against_their_crds_and_pods_against_core(kind):
         if kind == "TrainJob":  # the pod the Trainer makes from the runtime and the TrainJob's trainer fields
             wrapper = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
                        "template": {"spec": trainjob_pod(d)}}
-            kv.validate(wrapper, K8S_VERSION, strict=True)
+            validate_core(wrapper)
             continue
         spec = d["spec"]["template"]["spec"] if kind == "ClusterTrainingRuntime" else d["spec"]
         for rjob in spec["replicatedJobs"]:  # each replicated Job: a batch/v1 Job spec with its pod template
@@ -306,7 +348,7 @@ def test_v2_and_jobset_validate_against_their_crds_and_pods_against_core(kind):
                    "spec": copy.deepcopy(rjob["template"]["spec"])}
             if kind == "ClusterTrainingRuntime":  # the Trainer fills the container's image from the TrainJob
                 job["spec"]["template"]["spec"]["containers"][0].setdefault("image", "x")
-            kv.validate(job, K8S_VERSION, strict=True)
+            validate_core(job)
             # podFailurePolicy (exit status 2: no retry) needs restartPolicy Never, set here, not defaulted
             assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
 
@@ -367,7 +409,7 @@ def test_kustomize_renders_and_the_output_validates(where):
                          "PersistentVolumeClaim", "PersistentVolumeClaim", "Service"], kinds
         assert not any(d["kind"] == "Secret" for d in rendered), "no Secret (and no token) in the kustomization"
         for d in rendered:
-            kv.validate(d, K8S_VERSION, strict=True)
+            validate_core(d)
         cms = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "ConfigMap"}
         for name, files in configmap_files().items():
             for key, path in files.items():
@@ -388,7 +430,7 @@ def test_kustomize_renders_and_the_output_validates(where):
                 _, validator = _crd_validator(d["kind"])
                 assert not list(validator.iter_errors(d))
             else:
-                kv.validate(d, K8S_VERSION, strict=True)
+                validate_core(d)
 
 
 def test_the_slice_count_is_one_knob(tmp_path):
@@ -519,7 +561,7 @@ def test_postgres_component_validates_and_parses(tmp_path):
     from pf_trl.cli.serve import build_parser
 
     pg = _postgres_deployment()
-    kv.validate(pg, K8S_VERSION, strict=True)
+    validate_core(pg)
     pod = pg["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     argv = argv_of(c)
@@ -548,7 +590,7 @@ def test_postgres_component_validates_and_parses(tmp_path):
     proc = subprocess.run([*cmd, str(overlay)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     (rendered,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "Deployment"]
-    kv.validate(rendered, K8S_VERSION, strict=True)
+    validate_core(rendered)
     assert rendered["spec"]["replicas"] == 2
     assert rendered["spec"]["template"]["spec"] == {**pg["spec"]["template"]["spec"],
                                                    "containers": rendered["spec"]["template"]["spec"]["containers"]}
@@ -883,7 +925,7 @@ def test_restart_policies_restart_with_the_same_command():
     assert single["spec"]["backoffLimit"] >= 1
     rules = single["spec"]["podFailurePolicy"]["rules"]
     assert {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "In", "values": [2]}} in rules
-    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
     for kind, name in (("JobSet", "pf-trl-train-jobset"), ("ClusterTrainingRuntime", "pf-trl-torch")):
         spec = doc(kind, name)["spec"]
         spec = spec["template"]["spec"] if kind == "ClusterTrainingRuntime" else spec
