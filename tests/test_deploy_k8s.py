@@ -837,10 +837,11 @@ def test_single_gpu_train_job():
 def _torchrun_args(argv: list[str]):
     from torch.distributed.run import get_args_parser
 
-    assert argv[0] == "torchrun"
+    # `pf-trl torchrun`: torchrun's own parser and options, a worker's exit 2 kept (tests/test_torchrun_exit.py)
+    assert argv[:2] == ["pf-trl", "torchrun"], argv[:2]
     tparser = get_args_parser()
-    assert_exact_flags([a for a in argv[1:argv.index("-m")]], tparser)
-    return tparser.parse_args(argv[1:])
+    assert_exact_flags([a for a in argv[2:argv.index("-m")]], tparser)
+    return tparser.parse_args(argv[2:])
 
 
 def test_multinode_templates_run_one_command_line():
@@ -936,6 +937,10 @@ def test_restart_policies_restart_with_the_same_command():
         container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]["name"]
         assert {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In", "values": [2]}} \
             in rjob["template"]["spec"]["podFailurePolicy"]["rules"]
+    # the exit-2 rule sees the worker's status: torchrun alone exits 1 whatever its worker's status was
+    for job, pod, c, injected in _multinode_pods():
+        argv = _train_argv(pod, c, injected)
+        assert argv[:2] == ["pf-trl", "torchrun"], f"{job['kind']}: plain torchrun turns exit 2 into 1"
 
 
 def test_a_flag_in_the_job_args_overrides_the_configmap():

@@ -133,9 +133,9 @@ class Cluster:
                  "--per_device_train_batch_size", "1"]
         argv = [host_path(a) for a in argv]
         assert argv[:2] == ["python", str(mounts["/etc/pf-trl/scripts"] / "with_args_file.py")]
-        assert argv[2] == "torchrun"
+        assert argv[2:4] == ["pf-trl", "torchrun"]
         argv[0] = sys.executable
-        argv[2] = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+        argv[2] = shutil.which("pf-trl", path=os.path.dirname(sys.executable)) or "pf-trl"
         return argv, env
 
     def outputs(self, claim: str = "pf-trl-outputs") -> Path:
@@ -249,7 +249,7 @@ def _kill_restart_and_refuse(cluster: Cluster, torch) -> None:
     # the operator restarts the pods: the same command line
     restarted = cluster.start("restarted")
     # meanwhile: the pods without a shared output volume stopped at start, both, with one line naming the volume
-    assert _wait(rwo, "rwo", cluster) == [1, 1]  # torchrun's status when its worker failed
+    assert _wait(rwo, "rwo", cluster) == [2, 2]  # the worker's "bad input", kept by `pf-trl torchrun` (torchrun: 1)
     for rank in (0, 1):
         log = cluster.log("rwo", rank)
         assert re.search(r"exitcode\s*: 2 ", log), log[-3000:]  # the worker's: pf-trl's "bad input"

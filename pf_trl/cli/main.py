@@ -16,6 +16,7 @@ COMMANDS = {
     "serve": ("pf_trl.cli.serve", "run the preprocessing service (FastAPI)"),
     "bench": ("pf_trl.cli.bench", "padded vs TRL padding-free vs pf-trl, side by side"),
     "demo": ("pf_trl.cli.demo", "pretokenize the shipped sample and train the tiny default a few steps"),
+    "torchrun": ("pf_trl.cli.torchrun", "torchrun, exiting 2 when a worker exited 2 (bad input: no retry)"),
 }
 
 # `serve` spells its flags with dashes and accepts underscores itself.
