@@ -29,6 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
+OBJECT_STORAGE = K8S / "object-storage"  # the variant without a shared volume
 SERVICE_URL = "http://pf-trl-preprocess:8000"
 # Set in the pods by the Job controller / the Training Operator, with sample values for parsing.
 INJECTED = {"JOB_COMPLETION_INDEX": "0", "PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "8",
@@ -65,7 +66,10 @@ pretokenize_slice = _load_module("pf_trl_k8s_pretokenize_slice", K8S / "scripts"
 
 
 def manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.rglob("*.yaml") if p.name not in ("kustomization.yaml", ".yamllint.yaml"))
+    """The manifests of the default (ReadWriteMany) deployment; k8s/object-storage/ is tested rendered, on its own
+    (tests/test_k8s_object_storage.py)."""
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name not in ("kustomization.yaml", ".yamllint.yaml")
+                  and OBJECT_STORAGE not in p.parents)
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
