@@ -119,7 +119,7 @@ class Cluster:
             env[e["name"]] = host_path(e["value"]) if "value" in e else f"<{e['name']}>"
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                   PF_TRL_SHARED_DIR_WAIT_S="2")
+                   PF_TRL_SHARED_DIR_WAIT_S="2", PYTHONFAULTHANDLER="1")  # a stuck process's stack: see _wait
         env.pop("CUDA_VISIBLE_DEVICES", None)
         argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in [*c["command"], *c["args"]]]
         # docs/kubernetes.md: the Indexed-Job route replaces the two --dataset_* flags with the merged shards
@@ -183,10 +183,32 @@ def _wait(procs, tag, cluster, timeout=420) -> list[int]:
         try:
             p.wait(timeout=max(1, deadline - time.time()))
         except subprocess.TimeoutExpired:
+            stuck = _dump_stuck(procs)
             for q in procs:
                 cluster.kill(q)
-            pytest.fail(f"{tag} did not finish:\n" + cluster.log(tag, 0)[-3000:])
+            pytest.fail(f"{tag} did not finish; still running: {stuck}\n"
+                        + "\n".join(f"--- pod {rank} ---\n" + cluster.log(tag, rank)[-4000:] for rank in (0, 1)))
     return [p.returncode for p in procs]
+
+
+def _dump_stuck(procs) -> list[str]:
+    """The processes of the pods still running (torchrun and its workers), each made to print the Python stack of
+    every thread into its pod's log (SIGABRT; PYTHONFAULTHANDLER is set in the pods) before the pods are killed."""
+    alive = []
+    for rank, p in enumerate(procs):
+        try:
+            tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in reversed(tree):  # the workers first, then their torchrun
+            try:
+                role = "torchrun" if proc.pid == p.pid else "worker"
+                alive.append(f"pod {rank} {role} pid {proc.pid} ({proc.status()})")
+                proc.send_signal(signal.SIGABRT)
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(2)
+    return alive
 
 
 def _final(out: Path) -> dict:
