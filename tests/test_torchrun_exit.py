@@ -97,3 +97,33 @@ def test_exit_status_reads_the_root_cause():
     assert exit_status(ChildFailedError("w", {1: failure(1, 2), 0: failure(0, -15)})) == 2
     assert exit_status(ChildFailedError("w", {1: failure(1, -9), 0: failure(0, 2)})) == 1
     assert exit_status(ChildFailedError("w", {0: failure(0, 1)})) == 1
+
+
+LEAVER = textwrap.dedent("""
+    import json, os, sys, time
+    import torch.distributed as dist
+    from pf_trl.parallel.launch import leave_process_group
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(float(sys.argv[1]))  # still writing, as rank 0 writes the model at the end of a run
+    start = time.monotonic()
+    leave_process_group()
+    json.dump({"waited": time.monotonic() - start, "initialized": dist.is_initialized()},
+              open(f"rank{rank}.json", "w"))
+""")
+
+
+@pytest.mark.slow
+def test_ranks_leave_together_and_tear_the_group_down(tmp_path):
+    """pf-trl train's last call: a rank that is done waits for the one still working, then every rank destroys the
+    process group (none leaves while a peer still works on it)."""
+    import json
+
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER, encoding="utf-8")
+    proc = _launch(_pf_trl(), script, "1.5", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["waited"] >= 1.0 > r1["waited"]  # rank 0 left only when rank 1 was done
+    assert r0["initialized"] is False and r1["initialized"] is False

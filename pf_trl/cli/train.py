@@ -744,6 +744,11 @@ def _run(argv: list[str]) -> int:
         from pf_trl.trainer.adapters import save_merged
 
         print(f"pf-trl: merged model saved to {save_merged(trainer, os.path.join(config.output_dir, 'merged'))}")
+    from pf_trl.parallel.launch import leave_process_group
+
+    # every rank leaves when rank 0 has written the model, the process group torn down by all at once (a rank that
+    # exits while its peer still works can abort in gloo's teardown: its torchrun then holds the job 300 s)
+    leave_process_group(trainer.accelerator.wait_for_everyone)
     return 0
 
 

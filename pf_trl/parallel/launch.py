@@ -1,4 +1,6 @@
-"""torchrun with pf-trl's exit status: a worker's "bad input" (exit 2) stays exit 2 through the launcher.
+"""How a distributed pf-trl run ends: torchrun with pf-trl's exit status, and the ranks leaving together.
+
+**Exit status.** A worker's "bad input" (exit 2) stays exit 2 through the launcher.
 
 torchrun exits 1 whenever a worker fails, whatever the worker's own status was, so a Kubernetes Job's
 ``podFailurePolicy`` rule "exit code 2: fail the Job, do not retry" (pf-trl's user errors: a wrong flag, a missing
@@ -7,6 +9,14 @@ manifest, wrong credentials) never matched a pod that ran torchrun: the Job retr
 reads the exit status of the failure torchrun itself names as the root cause (the first one it observed, from its
 ``ChildFailedError``): 2 there gives exit 2; anything else (a crash, a signal, a collective that broke because a peer
 died) stays exit 1, which the templates retry.
+
+**Leaving together.** Without a last synchronization the ranks of a run leave one by one: after the final save the
+other ranks exit while rank 0 is still writing the model, and their interpreters tear the process group down
+(gloo's sockets and threads) while a peer still works on it, which now and then aborts the process ("terminate
+called without an active exception", exit -6) on a loaded machine. The run's work is done, but torchrun on that
+node then reports a failure and leaves without its exit barrier, and torchrun on rank 0's node waits that barrier's
+300 s after "model saved": the job hangs, then fails. :func:`leave_process_group` ends every rank at a barrier (the
+model is written) and destroys the process group on all of them, as torch asks before a program exits.
 """
 
 from __future__ import annotations
@@ -40,3 +50,16 @@ def run_torchrun(argv: list[str]) -> int:
                   f"exit {USER_ERROR}, which the Kubernetes templates do not retry", file=sys.stderr, flush=True)
         return status
     return 0
+
+
+def leave_process_group(wait_for_everyone=None) -> None:
+    """The end of a run under torch.distributed: every rank waits until all are done (rank 0 may still be writing the
+    model), then the process group is destroyed on every rank. ``wait_for_everyone``: the barrier to use (the
+    trainer's ``accelerator.wait_for_everyone``, which knows its backend); ``torch.distributed.barrier`` when None.
+    Nothing to do in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    (wait_for_everyone or dist.barrier)()
+    dist.destroy_process_group()
