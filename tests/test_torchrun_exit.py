@@ -85,6 +85,7 @@ def test_plain_torchrun_exits_1_for_a_workers_exit_2(worker, tmp_path):
     assert re.search(r"exitcode\s*: 2 ", proc.stderr), proc.stderr[-3000:]  # the worker's status, in its summary
 
 
+@pytest.mark.slow  # imports torch's elastic launcher (seconds)
 def test_exit_status_reads_the_root_cause():
     """The first failure torchrun observed decides (a peer it stopped itself afterwards, -15, does not)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
