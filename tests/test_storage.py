@@ -1,0 +1,263 @@
+"""Object storage (pf_trl.storage) against a real S3 server the tests start (SeaweedFS, tests/s3_server.py):
+URIs and the credential chain's messages, datasets committed by their manifest written last and read back through
+the node cache (one download per node, verified, bounded), refusals in one line."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from s3_server import s3_server_or_skip
+
+REPO = Path(__file__).resolve().parents[1]
+PF_TRL = str(Path(sys.executable).parent / "pf-trl")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = s3_server_or_skip(tmp_path_factory.mktemp("s3"))
+    server.make_bucket("pfdata")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket_env(s3, monkeypatch, tmp_path):
+    """This process reaches the server through the AWS environment, with a node cache of its own."""
+    from pf_trl.storage import filesystem
+
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "node"))
+    filesystem.forget_filesystems()
+    yield s3
+    filesystem.forget_filesystems()
+
+
+def test_uris_are_parsed_in_one_place():
+    from pathlib import PurePosixPath
+
+    from pf_trl.storage import StorageError, is_remote, parse_uri
+
+    assert [is_remote(u) for u in ("s3://b/k", "gs://b/k", "gcs://b", "az://c/k", "abfs://c/k", "abfss://c/k")] == [
+        True] * 6
+    assert not any(is_remote(u) for u in ("data/x.jsonl", "/abs/s3://x", "hf://datasets/x", PurePosixPath("s3://b")))
+    uri = parse_uri("s3://bkt/datasets/name/")
+    assert (uri.bucket, uri.key, uri.protocol, str(uri.join("w-1", "a.arrow"))) == (
+        "bkt", "datasets/name", "s3", "s3://bkt/datasets/name/w-1/a.arrow")
+    assert parse_uri("gs://b/x").protocol == "gcs" and parse_uri("abfss://c/x").protocol == "abfs"
+    with pytest.raises(StorageError, match="no bucket named"):
+        parse_uri("s3:///key")
+
+
+def test_each_cloud_names_where_credentials_come_from(monkeypatch, tmp_path):
+    from pf_trl.storage.credentials import credential_source
+
+    for name in list(os.environ):
+        if name.startswith(("AWS_", "AZURE_", "GOOGLE_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert "instance metadata" in credential_source("s3") and "AWS S3" in credential_source("s3")
+    monkeypatch.setenv("AWS_ROLE_ARN", "arn:aws:iam::1:role/pf")
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/token")
+    assert "IRSA: role arn:aws:iam::1:role/pf" in credential_source("s3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE1234")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
+    said = credential_source("s3")
+    assert "AWS_ACCESS_KEY_ID ...1234 without AWS_SECRET_ACCESS_KEY" in said and "endpoint http://minio:9000" in said
+    assert "AKIAEXAMPLE" not in said
+    assert "metadata server (Workload Identity" in credential_source("gcs")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "sa.json"))
+    assert "sa.json: no such file" in credential_source("gcs")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    assert "DefaultAzureCredential for account acct" in credential_source("az")
+    monkeypatch.setenv("AZURE_CLIENT_ID", "cid")
+    monkeypatch.setenv("AZURE_FEDERATED_TOKEN_FILE", "/t")
+    assert "workload identity (AZURE_CLIENT_ID cid" in credential_source("abfs")
+    monkeypatch.setenv("AZURE_STORAGE_KEY", "secret")
+    assert "account key of acct" in credential_source("az") and "secret" not in credential_source("az")
+
+
+def test_gcs_and_azure_filesystems_come_from_their_packages(monkeypatch):
+    """gcsfs and adlfs are installed (the cloud extra) and serve gs:// and az:// (no request is made here)."""
+    from pf_trl.storage.filesystem import filesystem
+
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    monkeypatch.setenv("AZURE_STORAGE_KEY", "a2V5")
+    assert type(filesystem("az://container/x")).__module__.startswith("adlfs")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "")
+    import gcsfs  # noqa: F401  (creating one would probe the metadata server)
+
+
+def _pretokenize(env, source, dest, *extra):
+    return subprocess.run([PF_TRL, "pretokenize", source, dest, "--no_progress", *extra], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def committed(s3, sample_path, tmp_path_factory):
+    """The shipped sample pretokenized by the CLI from a bucket source into a bucket prefix."""
+    s3.filesystem().put_file(str(sample_path), "pfdata/src/train.jsonl")
+    env = {**os.environ, **s3.env(), "PF_TRL_CACHE": str(tmp_path_factory.mktemp("writer"))}
+    done = _pretokenize(env, "s3://pfdata/src/train.jsonl", "s3://pfdata/datasets/sample")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output_dir"] == "s3://pfdata/datasets/sample"
+    assert not list((Path(env["PF_TRL_CACHE"]) / "staging").iterdir())  # the staging copy is gone
+    return "s3://pfdata/datasets/sample"
+
+
+@pytest.mark.slow
+def test_pretokenize_commits_a_dataset_that_trains_like_the_local_one(bucket_env, committed, sample_shards):
+    from pf_trl.data.shards import load_shards
+    from pf_trl.data.sources import load_training_data
+    from pf_trl.data.tokenizer import resolve_tokenizer
+
+    fs = bucket_env.filesystem()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.find("pfdata/datasets/sample"))
+    manifest = json.loads(fs.cat("pfdata/datasets/sample/pf_manifest.json"))
+    writer = manifest["storage_files_prefix"]
+    listed = manifest["checksums"]["files"]
+    assert names == sorted([*listed, "pf_manifest.json"])
+    for name, entry in listed.items():  # every file listed with its size and checksum, under the writer's folder
+        assert fs.info(f"pfdata/datasets/sample/{writer}/{name}")["size"] == entry["bytes"] and entry["digest"]
+    remote = load_training_data(committed, resolve_tokenizer(None, None))
+    local = load_shards(sample_shards)
+    assert remote["input_ids"] == local["input_ids"] and remote["labels"] == local["labels"]
+    assert remote.cache_files[0]["filename"].startswith(os.environ["PF_TRL_CACHE"])  # memory-mapped from the cache
+
+
+def _fetch_and_count(uri, counter):
+    """In a forked child: the parent's filesystem is not used (one made here), and downloads are counted."""
+    from pf_trl.data.remote import local_path
+    from pf_trl.storage import cache
+
+    real = cache.download
+
+    def counted(source, target):
+        with open(counter, "a") as f:
+            f.write(f"{os.getpid()} {source}\n")
+        real(source, target)
+
+    cache.download = counted
+    print(local_path(uri))
+
+
+@pytest.mark.slow
+def test_ranks_of_one_node_download_once(bucket_env, committed, tmp_path):
+    from pf_trl.storage.filesystem import filesystem
+
+    filesystem(committed)  # the parent holds a handle before it forks
+    counter = tmp_path / "downloads"
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=_fetch_and_count, args=(committed, counter)) for _ in range(3)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(120)
+    assert [p.exitcode for p in ranks] == [0, 0, 0]
+    lines = counter.read_text().splitlines()
+    assert len(lines) == 3 and len({line.split()[0] for line in lines}) == 1  # 3 files, all by one process
+
+
+def test_a_prefix_without_manifest_is_refused(bucket_env, sample_shards):
+    from pf_trl.data.sources import DataSourceError, check_source_path
+
+    fs = bucket_env.filesystem()
+    for p in sample_shards.iterdir():
+        if p.name != "pf_manifest.json":  # an upload cut short before its commit
+            fs.put_file(str(p), f"pfdata/datasets/uncommitted/{p.name}")
+    with pytest.raises(DataSourceError) as exc:
+        check_source_path("s3://pfdata/datasets/uncommitted", flag="--training_data_path")
+    assert "\n" not in str(exc.value)
+    assert "s3://pfdata/datasets/uncommitted has no pf_manifest.json" in str(exc.value)
+
+
+@pytest.mark.slow
+def test_a_corrupted_shard_is_refused_and_not_cached(bucket_env, committed):
+    from pf_trl.data.remote import local_path, publish_shards
+    from pf_trl.data.shards import ShardsError
+
+    # a copy of the committed dataset whose Arrow file is changed in the bucket (same size, other bytes)
+    local = local_path(committed)
+    publish_shards(local, "s3://pfdata/datasets/corrupt")
+    fs = bucket_env.filesystem()
+    manifest = json.loads(fs.cat("pfdata/datasets/corrupt/pf_manifest.json"))
+    arrow = next(n for n in manifest["checksums"]["files"] if n.endswith(".arrow"))
+    key = f"pfdata/datasets/corrupt/{manifest['storage_files_prefix']}/{arrow}"
+    data = bytearray(fs.cat(key))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe(key, bytes(data))
+    with pytest.raises(ShardsError, match=f"s3://pfdata/datasets/corrupt: shard file {arrow} does not match") as exc:
+        local_path("s3://pfdata/datasets/corrupt")
+    assert "\n" not in str(exc.value)
+    assert not [p for p in (Path(os.environ["PF_TRL_CACHE"]) / "remote").iterdir() if p.is_dir() and p != local]
+    fs.pipe(key, bytes(data[:-1]))  # cut short: its size differs from the manifest
+    from pf_trl.storage import StorageError
+
+    with pytest.raises(StorageError, match="its manifest says"):
+        local_path("s3://pfdata/datasets/corrupt")
+
+
+@pytest.mark.slow
+def test_two_writers_never_mix_files(bucket_env, committed, tmp_path):
+    """Two pretokenize runs into one prefix: each uploads into its own folder; the last manifest names only its own."""
+    from pf_trl.data.remote import local_path, publish_shards
+    from pf_trl.data.shards import load_shards, write_manifest
+    from pf_trl.storage.datasets import FILES_KEY
+
+    first = Path(local_path(committed))
+    second = tmp_path / "second"
+    load_shards(first).select(range(10)).save_to_disk(str(second))
+    manifest = json.loads((first / "pf_manifest.json").read_text())
+    manifest.pop(FILES_KEY)
+    manifest["counts"]["examples"] = 10
+    write_manifest(second, manifest)
+    publish_shards(first, "s3://pfdata/datasets/shared")
+    publish_shards(second, "s3://pfdata/datasets/shared", overwrite=True)
+    fs = bucket_env.filesystem()
+    writers = {p.rsplit("/", 1)[-1] for p in fs.ls("pfdata/datasets/shared") if "/w-" in p}
+    assert len(writers) == 2
+    assert load_shards(local_path("s3://pfdata/datasets/shared")).num_rows == 10
+    from pf_trl.storage import StorageError
+
+    with pytest.raises(StorageError, match="already holds a committed dataset"):
+        publish_shards(first, "s3://pfdata/datasets/shared")
+
+
+@pytest.mark.slow
+def test_the_cache_is_bounded(bucket_env, committed, monkeypatch):
+    from pf_trl.data.remote import local_path
+    from pf_trl.storage import StorageError
+
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", "1KiB")
+    with pytest.raises(StorageError, match="do not fit the node cache .* raise PF_TRL_REMOTE_CACHE_SIZE"):
+        local_path(committed)
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", "not-a-size")
+    with pytest.raises(StorageError, match="is not a size"):
+        local_path(committed)
+    monkeypatch.delenv("PF_TRL_REMOTE_CACHE_SIZE")
+    first = local_path(committed)
+    size = sum(p.stat().st_size for p in first.iterdir())
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(int(size * 1.5)))
+    bucket_env.filesystem().put_file(str(REPO / "pf_trl/data/samples/sharegpt_sample.jsonl"), "pfdata/src/b.jsonl")
+    local_path("s3://pfdata/src/b.jsonl")  # needs room: the least recently used entry goes
+    assert not first.exists()
+
+
+def test_bucket_errors_are_one_line(bucket_env, monkeypatch):
+    from pf_trl.data.remote import local_path
+    from pf_trl.storage import StorageError, filesystem
+
+    with pytest.raises(StorageError, match=r"s3://nobucket/x.jsonl: bucket nobucket does not exist") as exc:
+        local_path("s3://nobucket/x.jsonl")
+    assert "credentials from the environment (AWS_ACCESS_KEY_ID" in str(exc.value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    filesystem.forget_filesystems()
+    with pytest.raises(StorageError, match=r"s3://pfdata/src/train.jsonl: access denied") as exc:
+        local_path("s3://pfdata/src/train.jsonl")
+    assert "\n" not in str(exc.value)
