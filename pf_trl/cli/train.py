@@ -297,7 +297,8 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.data.shards import is_shards_dir, read_manifest
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
-    from pf_trl.trainer.output_dir import OutputDirError, check_output_dir
+    from pf_trl.trainer.output_dir import OutputDirError
+    from pf_trl.trainer.remote_checkpoints import check_any_output_dir
 
     args = _light_args(argv)
     _check_data_choice(args)
@@ -350,7 +351,7 @@ def precheck(argv: list[str], *, say=print) -> None:
         raise TrainCLIError(f"{flag}: {exc}") from exc
     if given is not None:
         try:
-            check_output_dir(getattr(given, "output_dir", DEFAULT_OUTPUT_DIR),
+            check_any_output_dir(getattr(given, "output_dir", DEFAULT_OUTPUT_DIR),
                              resume_from_checkpoint=getattr(given, "resume_from_checkpoint", None),
                              overwrite_output_dir=getattr(given, "overwrite_output_dir", False), cli=True)
         except OutputDirError as exc:
@@ -700,14 +701,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from pf_trl.trainer.output_dir import check_output_dir
+    from pf_trl.trainer.remote_checkpoints import check_any_output_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         argv = normalize_argv(argv)  # once: what follows reads the normalized command line (no second warning)
         precheck(argv)  # before transformers / TRL are imported (seconds) and before the model loads
         model_args, data_args, config = parse_args(argv)
-        check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
+        check_any_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
                          overwrite_output_dir=config.overwrite_output_dir, cli=True)
         from pf_trl.cli.model_args import given_flags
 

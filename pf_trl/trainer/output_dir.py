@@ -51,13 +51,6 @@ def check_output_dir(output_dir: str | Path, *, resume_from_checkpoint=None, ove
         OutputDirError: checkpoints are there, no resume and no overwrite; the message names the latest one and the
             two ways on (spelled as flags when ``cli``, else as Python arguments).
     """
-    from pf_trl.storage import is_remote
-
-    if is_remote(output_dir):  # a bucket prefix: its checkpoint-<step> prefixes
-        from pf_trl.trainer.remote_checkpoints import check_remote_output
-
-        return check_remote_output(output_dir, resume_from_checkpoint=resume_from_checkpoint,
-                                   overwrite_output_dir=overwrite_output_dir, cli=cli)
     found = checkpoints(output_dir)
     if not found or wants_resume(resume_from_checkpoint):
         return []

@@ -14,7 +14,7 @@ import re
 from pf_trl.storage import RemoteURI, parse_uri
 from pf_trl.trainer.checkpoints import COMPLETE_MARKER
 
-__all__ = ["check_remote_output", "checkpoint_problem", "latest_complete", "remote_checkpoints",
+__all__ = ["check_any_output_dir", "check_remote_output", "checkpoint_problem", "latest_complete", "remote_checkpoints",
            "remove_remote_checkpoints"]
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -88,3 +88,14 @@ def remove_remote_checkpoints(found: list[RemoteURI]) -> None:
     for folder in found:
         remove(folder.join(COMPLETE_MARKER))
         remove(folder, recursive=True)
+
+
+def check_any_output_dir(output_dir: str, *, resume_from_checkpoint, overwrite_output_dir: bool, cli: bool) -> list:
+    """:func:`~pf_trl.trainer.output_dir.check_output_dir` for a local folder, :func:`check_remote_output` for a
+    bucket URI (the CLI's check, before anything heavy is imported)."""
+    from pf_trl.storage import is_remote
+    from pf_trl.trainer.output_dir import check_output_dir
+
+    check = check_remote_output if is_remote(output_dir) else check_output_dir
+    return check(output_dir, resume_from_checkpoint=resume_from_checkpoint, overwrite_output_dir=overwrite_output_dir,
+                 cli=cli)
