@@ -28,6 +28,7 @@ PF_TRL = str(Path(sys.executable).parent / "pf-trl")
 TINY = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
 MAX_STEPS, SAVE_STEPS = 6, 2
 DATA = "s3://pfruns/datasets/d"
+WRONG_SECRET = "not-the-secret-5f3a"
 
 
 def _argv(output_dir: str, data: str = DATA) -> list[str]:
@@ -52,8 +53,13 @@ class Node:
                               timeout=timeout)
 
     def start(self, argv: list[str]) -> subprocess.Popen:
-        log = open(self.root / "train.log", "w")
-        return subprocess.Popen(argv, env=self.env, cwd=self.root / "work", stdout=log, stderr=subprocess.STDOUT)
+        with open(self.root / "train.log", "w") as log:
+            proc = subprocess.Popen(argv, env=self.env, cwd=self.root / "work", stdout=log, stderr=subprocess.STDOUT)
+        proc.node = self
+        return proc
+
+    def log(self) -> str:
+        return (self.root / "train.log").read_text()
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -73,12 +79,12 @@ def _losses(fs, run: str) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
-def _refused(done: subprocess.CompletedProcess, *phrases: str) -> str:
-    assert done.returncode == 2, done.stderr[-3000:]
-    line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith("pf-trl train: error: "), done.stderr[-3000:]
-    for phrase in phrases:
-        assert phrase in line, line
+def _refused(proc: subprocess.Popen) -> str:
+    """The refusal's one line (exit 2: a user error, never retried)."""
+    assert proc.wait(120) == 2, proc.node.log()[-3000:]
+    line = proc.node.log().strip().splitlines()[-1]
+    assert line.startswith("pf-trl train: error: "), proc.node.log()[-3000:]
+    assert WRONG_SECRET not in line  # no secret printed
     return line
 
 
@@ -108,21 +114,13 @@ def _two_nodes(s3, tmp_path):
                        "--no_progress"])
     assert done.returncode == 0, done.stderr[-3000:]
 
-    # the uninterrupted run: checkpoints, save_total_limit and the final model in the bucket
-    done = ref.run(_argv("s3://pfruns/runs/ref"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "pf-trl: model saved to s3://pfruns/runs/ref" in done.stdout
-    top = {p[len("pfruns/runs/ref/"):].split("/")[0] for p in fs.find("pfruns/runs/ref")}  # objects, not folders
-    assert {"model.safetensors", "config.json", "train_results.json", "tokenizer.json"} <= top
-    assert {t for t in top if t.startswith("checkpoint-")} == {"checkpoint-4", "checkpoint-6"}  # save_total_limit 2
-    reference = _losses(fs, "ref")
-    assert len(reference) == MAX_STEPS
-
-    # node A: killed (SIGKILL) once two checkpoints are committed in the bucket
+    # the uninterrupted run (node "ref") and the run to kill (node A) side by side
+    reference_run = ref.start(_argv("s3://pfruns/runs/ref"))
     victim = a.start(_argv("s3://pfruns/runs/job"))
-    deadline = time.time() + 240
+    deadline = time.time() + 300
+    # node A: killed (SIGKILL) once two checkpoints are committed in the bucket
     while not fs.exists(f"pfruns/runs/job/checkpoint-{2 * SAVE_STEPS}/pf_trl_checkpoint_complete.json"):
-        assert victim.poll() is None and time.time() < deadline, (a.root / "train.log").read_text()[-3000:]
+        assert victim.poll() is None and time.time() < deadline, a.log()[-3000:]
         time.sleep(0.05)
     _kill(victim)
     assert not fs.exists("pfruns/runs/job/train_results.json"), "killed too late: the run had finished"
@@ -132,33 +130,49 @@ def _two_nodes(s3, tmp_path):
     fs.rm(newest)
     cut_short = newest.split("/")[-2]
 
-    # node B, empty disk, same command: resumes from the latest complete checkpoint and ends as the reference did
-    assert not (b.root / "cache").exists()
-    done = b.run(_argv("s3://pfruns/runs/job"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"s3://pfruns/runs/job/{cut_short} is not complete" in done.stdout
-    assert "resuming from s3://pfruns/runs/job/checkpoint-" in done.stdout
-    np.testing.assert_allclose(_losses(fs, "job"), reference, rtol=1e-5, atol=1e-6)
-
-    # refusals, each in one line naming the URI, with nothing written
-    line = _refused(Node(tmp_path / "wrong-key", s3, AWS_SECRET_ACCESS_KEY="wrong").run(_argv("s3://pfruns/runs/x")),
-                    DATA, "access denied", "credentials from the environment (AWS_ACCESS_KEY_ID")
-    assert "wrong" not in line  # no secret printed
-    started = time.time()
-    _refused(Node(tmp_path / "dead", s3, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_dead_port()}").run(
-        _argv("s3://pfruns/runs/x")), DATA, "unreachable")
-    assert time.time() - started < 60
+    # what the refusals read: a copy of the dataset with one byte of its Arrow file changed, one without manifest
     manifest = json.loads(fs.cat("pfruns/datasets/d/pf_manifest.json"))
     writer_dir = f"pfruns/datasets/d/{manifest['storage_files_prefix']}"
-    for name in manifest["checksums"]["files"]:  # a copy whose Arrow file has one byte changed
+    for name in manifest["checksums"]["files"]:
         data = bytearray(fs.cat(f"{writer_dir}/{name}"))
         if name.endswith(".arrow"):
             data[len(data) // 2] ^= 0xFF
         fs.pipe(f"pfruns/datasets/corrupt/{manifest['storage_files_prefix']}/{name}", bytes(data))
         fs.pipe(f"pfruns/datasets/uncommitted/{manifest['storage_files_prefix']}/{name}", bytes(data))
     fs.pipe("pfruns/datasets/corrupt/pf_manifest.json", json.dumps(manifest).encode())
-    _refused(Node(tmp_path / "corrupt", s3).run(_argv("s3://pfruns/runs/x", "s3://pfruns/datasets/corrupt")),
-             "s3://pfruns/datasets/corrupt: shard file", "does not match its xxh3_128 checksum")
-    _refused(Node(tmp_path / "no-manifest", s3).run(_argv("s3://pfruns/runs/x", "s3://pfruns/datasets/uncommitted")),
-             "s3://pfruns/datasets/uncommitted has no pf_manifest.json")
-    assert not fs.find("pfruns/runs/x")
+
+    # node B, empty disk, same command: resumes from the latest complete checkpoint; the refusals meanwhile
+    assert not (b.root / "cache").exists()
+    resumed = b.start(_argv("s3://pfruns/runs/job"))
+    started = time.time()
+    refusals = {
+        "wrong key": Node(tmp_path / "wrong-key", s3, AWS_SECRET_ACCESS_KEY=WRONG_SECRET).start(_argv("s3://pfruns/runs/x")),
+        "dead endpoint": Node(tmp_path / "dead", s3, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_dead_port()}").start(
+            _argv("s3://pfruns/runs/x")),
+        "corrupt": Node(tmp_path / "corrupt", s3).start(_argv("s3://pfruns/runs/x", "s3://pfruns/datasets/corrupt")),
+        "no manifest": Node(tmp_path / "no-manifest", s3).start(
+            _argv("s3://pfruns/runs/x", "s3://pfruns/datasets/uncommitted")),
+    }
+    lines = {what: _refused(p) for what, p in refusals.items()}
+    assert time.time() - started < 60
+    assert DATA in lines["wrong key"] and "access denied" in lines["wrong key"]
+    assert "credentials from the environment (AWS_ACCESS_KEY_ID" in lines["wrong key"]
+    assert DATA in lines["dead endpoint"] and "unreachable" in lines["dead endpoint"]
+    assert "s3://pfruns/datasets/corrupt: shard file" in lines["corrupt"]
+    assert "does not match its xxh3_128 checksum" in lines["corrupt"]
+    assert "s3://pfruns/datasets/uncommitted has no pf_manifest.json" in lines["no manifest"]
+    assert not fs.find("pfruns/runs/x")  # nothing written
+
+    assert reference_run.wait(300) == 0, ref.log()[-3000:]
+    top = {p[len("pfruns/runs/ref/"):].split("/")[0] for p in fs.find("pfruns/runs/ref")}  # objects, not folders
+    assert {"model.safetensors", "config.json", "train_results.json", "tokenizer.json"} <= top
+    assert {t for t in top if t.startswith("checkpoint-")} == {"checkpoint-4", "checkpoint-6"}  # save_total_limit 2
+    assert "pf-trl: model saved to s3://pfruns/runs/ref" in ref.log()
+    reference = _losses(fs, "ref")
+    assert len(reference) == MAX_STEPS
+
+    assert resumed.wait(300) == 0, b.log()[-3000:]
+    said = b.log()
+    assert f"s3://pfruns/runs/job/{cut_short} is not complete" in said
+    assert "resuming from s3://pfruns/runs/job/checkpoint-" in said
+    np.testing.assert_allclose(_losses(fs, "job"), reference, rtol=1e-5, atol=1e-6)
