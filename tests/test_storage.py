@@ -261,3 +261,41 @@ def test_bucket_errors_are_one_line(bucket_env, monkeypatch):
     with pytest.raises(StorageError, match=r"s3://pfdata/src/train.jsonl: access denied") as exc:
         local_path("s3://pfdata/src/train.jsonl")
     assert "\n" not in str(exc.value)
+
+
+def _k8s_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"pf_trl_k8s_{name}", REPO / "k8s" / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_indexed_slices_and_merge_in_a_bucket(bucket_env, sample_rows, capsys):
+    """The Indexed pretokenize Job without a shared volume: slices into s3://.../parts, merge into s3://.../datasets;
+    the merge waits for every marker, and its result trains like any committed dataset."""
+    from pf_trl.data.remote import local_path
+    from pf_trl.data.shards import load_shards
+
+    slicer, merger = _k8s_script("pretokenize_slice"), _k8s_script("merge_shards")
+    fs = bucket_env.filesystem()
+    for i in range(2):
+        fs.pipe(f"pfdata/src/slice-{i}.jsonl", "".join(json.dumps(r) + "\n" for r in sample_rows[i * 20:(i + 1) * 20])
+                .encode())
+    parts = "s3://pfdata/parts/job"
+    flags = ["--no_progress", "--max_seq_len", "256"]
+    assert slicer.main([parts, "--index", "0", "--count", "2", "--", "s3://pfdata/src/slice-0.jsonl", *flags]) == 0
+    assert merger.main([parts, "s3://pfdata/datasets/merged", "--expect", "2"]) == 2  # slice 1 is not done
+    assert "1 parts, expected 2" in capsys.readouterr().err
+    assert slicer.main([parts, "--index", "1", "--count", "2", "--", "s3://pfdata/src/slice-1.jsonl", *flags]) == 0
+    assert slicer.main([parts, "--index", "1", "--count", "3", "--", "s3://pfdata/src/slice-1.jsonl", *flags]) == 2
+    assert "holds a run of 2 slices" in capsys.readouterr().err
+    assert fs.exists("pfdata/parts/job/part-1.done.json") and fs.exists("pfdata/parts/job/part-1/pf_manifest.json")
+    assert merger.main([parts, "s3://pfdata/datasets/merged", "--expect", "2"]) == 0
+    merged = load_shards(local_path("s3://pfdata/datasets/merged"))
+    one = [load_shards(local_path(f"{parts}/part-{i}")) for i in range(2)]
+    assert list(merged["input_ids"]) == list(one[0]["input_ids"]) + list(one[1]["input_ids"])
+    assert merger.main([parts, "s3://pfdata/datasets/merged", "--expect", "2"]) == 2  # committed: not overwritten
+    assert "already holds a committed dataset" in capsys.readouterr().err

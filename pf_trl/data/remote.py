@@ -101,3 +101,14 @@ def publish_through_staging(uri: str, write, *, overwrite: bool = False, say=Non
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
+
+
+def read_remote_manifest(uri: str) -> dict[str, Any]:
+    """The manifest of the committed dataset ``uri`` (nothing downloaded).
+
+    Raises:
+        StorageError: no manifest (not committed), unreadable, or the bucket cannot be reached.
+    """
+    from pf_trl.storage.datasets import read_committed_manifest
+
+    return read_committed_manifest(uri, MANIFEST_FILE)[0]
