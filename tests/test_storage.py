@@ -299,3 +299,50 @@ def test_indexed_slices_and_merge_in_a_bucket(bucket_env, sample_rows, capsys):
     assert list(merged["input_ids"]) == list(one[0]["input_ids"]) + list(one[1]["input_ids"])
     assert merger.main([parts, "s3://pfdata/datasets/merged", "--expect", "2"]) == 2  # committed: not overwritten
     assert "already holds a committed dataset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_service_publishes_finished_datasets_to_a_bucket(s3, tmp_path, sample_rows):
+    """PF_SERVICE_PUBLISH_URI: a finished dataset is uploaded (manifest last), its shards_path is the URI, and a
+    trainer on another machine reads it from there (nothing shared but the bucket)."""
+    from pf_trl.data.service_client import wait_for_dataset
+    from pf_trl.data.shards import load_shards
+
+    from test_service_support import Server, wait_state, write_rows
+
+    root = tmp_path / "data"
+    root.mkdir()
+    write_rows(root / "rows.jsonl", sample_rows[:30])
+    server = Server(tmp_path / "service", [root], env={**s3.env(), "PF_SERVICE_PUBLISH_URI": "s3://pfdata/published/"})
+    server.start()
+    try:
+        with server.client() as client:
+            r = client.post("/v1/datasets", json={"source": {"path": "rows.jsonl"}})
+            assert r.status_code in (200, 202), r.text
+            status = wait_state(client, r.json()["id"])
+        assert status["state"] == "succeeded", status
+        dataset_id = status["id"]
+        assert status["shards_path"] == f"s3://pfdata/published/{dataset_id}"
+        local = tmp_path / "service" / "datasets" / dataset_id
+        remote = json.loads(s3.filesystem().cat(f"pfdata/published/{dataset_id}/pf_manifest.json"))
+        assert remote["checksums"] == json.loads((local / "pf_manifest.json").read_text())["checksums"]
+        # a trainer elsewhere: its own cache, the bucket through the AWS environment
+        env = {**s3.env(), "PF_TRL_CACHE": str(tmp_path / "trainer")}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            from pf_trl.storage.filesystem import forget_filesystems
+
+            forget_filesystems()
+            fetched = wait_for_dataset(server.url, dataset_id, timeout_s=30, progress=False)
+            assert str(fetched).startswith(str(tmp_path / "trainer"))
+            assert list(load_shards(fetched)["input_ids"]) == list(load_shards(local)["input_ids"])
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            forget_filesystems()
+    finally:
+        server.stop()
