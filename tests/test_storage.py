@@ -346,3 +346,63 @@ def test_the_service_publishes_finished_datasets_to_a_bucket(s3, tmp_path, sampl
             forget_filesystems()
     finally:
         server.stop()
+
+
+def _forward_later(listen_port: int, target_port: int, delay_s: float) -> None:
+    """After ``delay_s``, accept on ``listen_port`` and relay each connection to ``target_port`` (an endpoint that
+    comes back: before that, connections are refused)."""
+    import socket
+    import threading
+    import time
+
+    def pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve():
+        time.sleep(delay_s)
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", listen_port))
+        server.listen(16)
+        server.settimeout(30)
+        try:
+            while True:
+                client, _ = server.accept()
+                upstream = socket.create_connection(("127.0.0.1", target_port))
+                for a, b in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+        except OSError:
+            server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+
+def test_transient_errors_are_retried_with_bounded_backoff(bucket_env, monkeypatch, caplog):
+    """An endpoint that refuses connections for ~2 s, then answers: the read succeeds after retries (logged), while
+    an endpoint that never answers fails in bounded time (test_bucket_training)."""
+    import socket
+
+    from pf_trl.storage import filesystem
+    from pf_trl.storage.filesystem import read_bytes
+
+    bucket_env.filesystem().pipe("pfdata/retry/x.txt", b"payload")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    filesystem.forget_filesystems()
+    _forward_later(port, bucket_env.port, delay_s=2.0)
+    with caplog.at_level("WARNING", logger="pf_trl.storage"):
+        assert read_bytes("s3://pfdata/retry/x.txt") == b"payload"
+    assert any("retrying in" in r.getMessage() for r in caplog.records)
