@@ -38,8 +38,9 @@ def _options(protocol: str) -> dict[str, Any]:
         return {"config_kwargs": {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
                                   "retries": {"max_attempts": 2, "mode": "standard"}}}
     if protocol == "gcs":
-        return {"timeout": READ_TIMEOUT_S, "retries": 2}
-    return {"anon": False}  # adlfs: the account and credentials from AZURE_STORAGE_* / workload identity
+        return {"requests_timeout": READ_TIMEOUT_S}
+    # adlfs: the account and credentials from AZURE_STORAGE_* / workload identity
+    return {"anon": False, "connection_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}
 
 
 def filesystem(uri: str | RemoteURI):
