@@ -406,3 +406,21 @@ def test_transient_errors_are_retried_with_bounded_backoff(bucket_env, monkeypat
     with caplog.at_level("WARNING", logger="pf_trl.storage"):
         assert read_bytes("s3://pfdata/retry/x.txt") == b"payload"
     assert any("retrying in" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_a_data_config_names_bucket_sources_and_writes_to_a_bucket(bucket_env, committed, sample_rows, tmp_path):
+    """--data_config with s3:// data paths (a data file and a committed dataset), mixed into a bucket prefix."""
+    from pf_trl.cli.pretokenize import main
+    from pf_trl.data.remote import local_path
+    from pf_trl.data.shards import load_shards
+
+    bucket_env.filesystem().pipe("pfdata/src/extra.jsonl",
+                                 "".join(json.dumps(r) + "\n" for r in sample_rows[:20]).encode())
+    config = tmp_path / "mix.yaml"
+    config.write_text("datasets:\n"
+                      "  - name: extra\n    sampling: 0.5\n    data_paths: [s3://pfdata/src/extra.jsonl]\n"
+                      f"  - name: sample\n    sampling: 0.5\n    data_paths: [{committed}]\n")
+    assert main(["--data_config", str(config), "s3://pfdata/datasets/mixed", "--no_progress"]) == 0
+    mixed = load_shards(local_path("s3://pfdata/datasets/mixed"))
+    assert [s["name"] for s in mixed.pf_manifest["sources"]] == ["extra", "sample"]
