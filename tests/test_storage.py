@@ -125,6 +125,10 @@ def test_pretokenize_commits_a_dataset_that_trains_like_the_local_one(bucket_env
     assert names == sorted([*listed, "pf_manifest.json"])
     for name, entry in listed.items():  # every file listed with its size and checksum, under the writer's folder
         assert fs.info(f"pfdata/datasets/sample/{writer}/{name}")["size"] == entry["bytes"] and entry["digest"]
+    inspected = subprocess.run([PF_TRL, "inspect", committed, "--json"], env=os.environ, capture_output=True,
+                               text=True, timeout=120)
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["checksums"] == manifest["checksums"]  # pf-trl inspect reads a bucket too
     remote = load_training_data(committed, resolve_tokenizer(None, None))
     local = load_shards(sample_shards)
     assert remote["input_ids"] == local["input_ids"] and remote["labels"] == local["labels"]
