@@ -168,6 +168,8 @@ def _two_nodes(s3, tmp_path):
     assert {"model.safetensors", "config.json", "train_results.json", "tokenizer.json"} <= top
     assert {t for t in top if t.startswith("checkpoint-")} == {"checkpoint-4", "checkpoint-6"}  # save_total_limit 2
     assert "pf-trl: model saved to s3://pfruns/runs/ref" in ref.log()
+    (staged,) = (ref.root / "cache" / "staging").glob("output-*")
+    assert [p.name for p in staged.glob("checkpoint-*")] == [f"checkpoint-{MAX_STEPS}"]  # the node keeps the newest
     reference = _losses(fs, "ref")
     assert len(reference) == MAX_STEPS
 

@@ -10,8 +10,9 @@ staging, committed by the completion marker, found again by ``resume_from_checkp
   stream positions, ZeRO / FSDP shards on theirs); every rank reports its result to all; only when all confirmed does
   rank 0 write :data:`~pf_trl.trainer.checkpoints.COMPLETE_MARKER` into the bucket, listing every object of the
   checkpoint with its size, last. A pod killed during an upload leaves no marker: ``auto`` never takes it.
-  ``save_total_limit`` is then applied in the bucket (oldest first, each marker deleted before its files).
-  Uploads run inside the save: the next step starts once the checkpoint is committed.
+  ``save_total_limit`` is then applied in the bucket (oldest first, each marker deleted before its files), and the
+  node's staging keeps only the newest checkpoint (and the best). Uploads run inside the save: the next step starts
+  once the checkpoint is committed.
 - **The final model** (``save_model()`` into ``output_dir``): the staged root (every file but the checkpoints)
   uploaded by rank 0.
 - **Resume** (``auto`` / ``True`` / a checkpoint URI): rank 0 picks the latest complete checkpoint in the bucket
@@ -199,19 +200,31 @@ class RemoteCheckpointCallback(TrainerCallback):
             files.pop(COMPLETE_MARKER, None)
             body = {"global_step": int(state.global_step), "world_size": int(args.world_size), "files": files}
             write_bytes(target.join(COMPLETE_MARKER), json.dumps(body, indent=1).encode())  # the commit, last
-            self._rotate(args)
+            self._rotate(args, state.global_step)
+        if args.local_process_index == 0:
+            self._trim_staging(local)
         _barrier()
 
-    def _rotate(self, args) -> None:
+    def _rotate(self, args, step: int) -> None:
+        """``save_total_limit`` in the bucket, over the checkpoints up to this step: a newer leftover of a killed
+        attempt (no marker) is not counted, so it can never push the checkpoint just committed out."""
         limit = args.save_total_limit
         if not limit or limit < 1:
             return
-        found = remote_checkpoints(self.remote.uri)
+        found = [u for s, u, _ in remote_checkpoints(self.remote.uri) if s <= step]
         best = self.trainer.state.best_model_checkpoint
-        keep = {u for _, u, _ in found[-limit:]}
+        keep = set(found[-limit:])
         if best:
             keep.add(self.remote.uri.join(Path(best).name))
-        remove_remote_checkpoints([u for _, u, _ in found if u not in keep])
+        remove_remote_checkpoints([u for u in found if u not in keep])
+
+    def _trim_staging(self, current: Path) -> None:
+        """Once a checkpoint is committed the bucket holds it: the node keeps only the newest (and the best) in
+        staging, so the node's disk holds one checkpoint whatever ``save_total_limit`` is."""
+        best = self.trainer.state.best_model_checkpoint
+        for folder in current.parent.iterdir():
+            if CHECKPOINT.match(folder.name) and folder != current and (not best or folder.name != Path(best).name):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _local_world(args) -> int:
