@@ -391,10 +391,11 @@ def _forward_later(listen_port: int, target_port: int, delay_s: float) -> None:
     threading.Thread(target=serve, daemon=True).start()
 
 
-def test_transient_errors_are_retried_with_bounded_backoff(bucket_env, monkeypatch, caplog):
+def test_transient_errors_are_retried_with_bounded_backoff(bucket_env, monkeypatch):
     """An endpoint that refuses connections for ~2 s, then answers: the read succeeds after retries (logged), while
     an endpoint that never answers fails in bounded time (test_bucket_training)."""
     import socket
+    import time
 
     from pf_trl.storage import filesystem
     from pf_trl.storage.filesystem import read_bytes
@@ -407,9 +408,9 @@ def test_transient_errors_are_retried_with_bounded_backoff(bucket_env, monkeypat
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     filesystem.forget_filesystems()
     _forward_later(port, bucket_env.port, delay_s=2.0)
-    with caplog.at_level("WARNING", logger="pf_trl.storage"):
-        assert read_bytes("s3://pfdata/retry/x.txt") == b"payload"
-    assert any("retrying in" in r.getMessage() for r in caplog.records)
+    started = time.monotonic()
+    assert read_bytes("s3://pfdata/retry/x.txt") == b"payload"  # refused for 2 s: only pf-trl's retries get here
+    assert time.monotonic() - started >= 1.5
 
 
 @pytest.mark.slow
