@@ -99,6 +99,7 @@ def publisher(settings, built: Path, target: Path, scratch: Path) -> Callable[[]
     def publish() -> dict[str, Any] | None:
         from pf_trl.data.shards import ShardsError, is_shards_dir, read_manifest, verify_shards
 
+        kept = None
         try:
             os.rename(built, target)
         except OSError:
@@ -106,11 +107,36 @@ def publisher(settings, built: Path, target: Path, scratch: Path) -> Callable[[]
                 raise
             try:
                 verify_shards(target)
-                return read_manifest(target)
+                kept = read_manifest(target)
             except ShardsError:
                 os.rename(target, scratch / "replaced")
                 os.rename(built, target)
+        if settings.publish_uri:
+            upload_dataset(settings, target)
+        if kept is not None:
+            return kept
         crash_point(settings, "renamed")
         return None
 
     return publish
+
+
+def upload_dataset(settings, folder: Path) -> str:
+    """The published dataset ``folder`` uploaded to ``<publish_uri>/<id>`` (manifest last), unless the bucket already
+    holds this very dataset (the same checksums: a retried job, another replica). Returns the URI."""
+    from pf_trl.data.remote import publish_shards, read_remote_manifest
+    from pf_trl.data.shards import read_manifest
+    from pf_trl.storage import StorageError
+
+    uri = settings.reported_shards_path(folder.name)
+    try:
+        if read_remote_manifest(uri).get("checksums") == read_manifest(folder).get("checksums"):
+            return uri
+    except StorageError:
+        pass  # not there yet (or unreadable: written again below, and a real access problem fails there)
+    try:
+        publish_shards(folder, uri, overwrite=True)
+    except StorageError as exc:
+        raise JobError("storage", f"the dataset was built but not uploaded to {uri}: {exc}") from exc
+    logger.info("dataset %s uploaded to %s", folder.name, uri)
+    return uri

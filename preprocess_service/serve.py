@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"'{os.pathsep}'-separated] (default none: uploads only)")
     add("--public-cache-dir",
         help="where training pods mount the cache dir, for reported shards paths [PF_SERVICE_PUBLIC_CACHE_DIR]")
+    add("--publish-uri", metavar="s3://BUCKET/PREFIX",
+        help="also upload each finished dataset to PREFIX/<id> (manifest last) and report that URI as its shards "
+        "path; credentials from the cloud's standard chain [PF_SERVICE_PUBLISH_URI] (default: local paths only)")
     add("--workers", type=int, help="jobs that run at once, one worker process each [PF_SERVICE_WORKERS] (default 1)")
     add("--num-proc", type=int, help="tokenizer processes per job [PF_SERVICE_NUM_PROC] (default 1)")
     add("--max-queued", type=int, help="waiting jobs before POST answers 503 [PF_SERVICE_MAX_QUEUED] (default 64)")

@@ -66,6 +66,10 @@ class Settings:
             data root can carry in a file from outside it; allow only when every writer of the roots is trusted).
         rate_limit_per_minute: POST/DELETE requests per client address per minute (a token bucket that holds
             a minute's worth); beyond it 429 with Retry-After. 0: no limit.
+        publish_uri: a bucket prefix (``s3://BUCKET/datasets``; ``gs://``, ``az://``): each finished dataset is also
+            uploaded to ``<publish_uri>/<id>`` (files under a writer folder, manifest last) and its reported
+            ``shards_path`` is that URI, so trainers need no shared volume (credentials from the cloud's standard
+            chain; ``cache_dir`` can then be a ReadWriteOnce volume or an emptyDir). None: local paths only.
         debug_progress_delay_s: TEST-ONLY: sleep this long in every progress callback (slows jobs for
             crash tests; 0 in production).
         debug_crash_at: TEST-ONLY: a worker kills itself (SIGKILL) at this step of a job: ``claimed``,
@@ -101,6 +105,7 @@ class Settings:
     max_uploads_bytes: int = 16 * 2**30
     rate_limit_per_minute: int = 600
     allow_hardlinks: bool = False
+    publish_uri: str | None = None
     debug_progress_delay_s: float = 0.0
     debug_crash_at: str = ""
 
@@ -115,6 +120,15 @@ class Settings:
         elif not self.database_url.startswith(("postgresql://", "postgres://")):
             raise SettingsError("database_url must start with postgresql:// (PostgreSQL is the only other store; "
                                 "leave it unset for the embedded SQLite store)")
+        if not self.publish_uri:
+            self.publish_uri = None
+        else:
+            from pf_trl.storage import is_remote
+
+            if not is_remote(self.publish_uri):
+                raise SettingsError(f"publish_uri {self.publish_uri!r} is not a bucket URI; use s3://BUCKET/PREFIX, "
+                                    "gs://BUCKET/PREFIX or az://CONTAINER/PREFIX")
+            self.publish_uri = self.publish_uri.rstrip("/")
         self.replica_id = re.sub(r"[^A-Za-z0-9_.-]", "_", self.replica_id or "local")[:64]
         for name in ("workers", "num_proc", "max_attempts", "preflight_procs", "max_row_bytes", "max_json_depth",
                      "max_field_bytes", "max_row_group_bytes"):
@@ -171,6 +185,12 @@ class Settings:
     def lock_path(self) -> Path:
         return self.cache_dir / "service.lock"
 
+    def reported_shards_path(self, dataset_id: str) -> str:
+        """Where trainers read a finished dataset: ``<publish_uri>/<id>`` when set, else :meth:`shards_path`."""
+        if self.publish_uri:
+            return f"{self.publish_uri}/{dataset_id}"
+        return str(self.shards_path(dataset_id))
+
     def shards_path(self, dataset_id: str) -> Path:
         return Path(self.public_cache_dir) / "datasets" / dataset_id
 
@@ -214,7 +234,8 @@ class Settings:
         from preprocess_service.store import describe_database
 
         return {"data_roots": [str(p) for p in self.data_roots], "cache_dir": str(self.cache_dir),
-                "public_cache_dir": str(self.public_cache_dir), "auth": "on" if self.token else "off",
+                "public_cache_dir": str(self.public_cache_dir), "publish_uri": self.publish_uri,
+                "auth": "on" if self.token else "off",
                 "workers": self.workers, "num_proc": self.num_proc, "database": describe_database(self),
                 "replica": self.replica_id, "host": self.host, "port": self.port}
 

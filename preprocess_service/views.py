@@ -65,7 +65,7 @@ class DatasetViews:
                     "size_bytes": req["source_size"]},
             tokenizer={"name": req["tokenizer_name"], "sha256": req["tokenizer_sha256"]},
             options=req["options"],
-            shards_path=str(settings.shards_path(row["id"])) if state == "succeeded" else None,
+            shards_path=settings.reported_shards_path(row["id"]) if state == "succeeded" else None,
             manifest=manifest if state == "succeeded" else None,
             links={"self": f"/v1/datasets/{row['id']}", "lengths": f"/v1/datasets/{row['id']}/lengths",
                    "events": f"/v1/datasets/{row['id']}/events", "cancel": f"/v1/datasets/{row['id']}/cancel"},

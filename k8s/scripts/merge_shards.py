@@ -14,6 +14,11 @@ temporary sibling directory renamed into place), like pretokenize itself, its ma
 Parts written by ``pretokenize_slice.py`` (the Indexed Job) carry a plan (``slices.json``) and one
 completion marker per slice (``part-I.done.json``): then every planned slice must have its marker, and
 the marker must describe the part next to it, else the merge is refused (a slice that did not finish).
+
+PARTS_DIR and OUTPUT_DIR may be bucket prefixes (``s3://``, ``gs://``, ``az://``; the cloud's standard credential
+chain): each committed part is fetched into the node cache (``$PF_TRL_CACHE/remote``, verified against its
+manifest), the plan and markers beside them, the same checks run on that local view, and the merged dataset is
+written into ``$PF_TRL_CACHE/staging`` and uploaded, its manifest last.
 """
 
 from __future__ import annotations
@@ -106,8 +111,50 @@ def part_records(parts: list[Path], manifests: list[dict]) -> list[dict]:
     return records
 
 
+def local_view(parts_uri: str, staging: Path) -> Path:
+    """A local folder standing for the bucket prefix ``parts_uri``: each committed ``part-N`` (fetched into the node
+    cache, verified) linked as ``part-N``, the plan and the completion markers downloaded beside them. A part whose
+    upload was cut short has no manifest and is left out (then an index is missing, and the merge is refused)."""
+    from pf_trl.data.remote import fetch_shards
+    from pf_trl.storage import parse_uri
+    from pf_trl.storage.filesystem import download, list_files
+
+    root = parse_uri(parts_uri)
+    view = staging / "parts"
+    view.mkdir(parents=True)
+    for name in sorted(list_files(root)):
+        top, _, rest = name.partition("/")
+        if PART_RE.match(top) and rest == "pf_manifest.json":
+            (view / top).symlink_to(fetch_shards(str(root.join(top))), target_is_directory=True)
+        elif not rest and (name == "slices.json" or re.fullmatch(r"part-\d+\.done\.json", name)):
+            download(root.join(name), view / name)
+    return view
+
+
 def merge(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None = None,
           overwrite: bool = False) -> dict:
+    """Merge the parts (see the module docstring); either side may be a bucket prefix."""
+    from pf_trl.storage import is_remote
+
+    if not (is_remote(str(parts_dir)) or is_remote(str(output_dir))):
+        return merge_local(parts_dir, output_dir, expect=expect, overwrite=overwrite)
+    from pf_trl.data.remote import publish_through_staging
+    from pf_trl.storage.cache import staging_dir
+
+    staging_dir().mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="merge-", dir=staging_dir()))
+    try:
+        parts = local_view(str(parts_dir), work) if is_remote(str(parts_dir)) else Path(parts_dir)
+        if not is_remote(str(output_dir)):
+            return merge_local(parts, output_dir, expect=expect, overwrite=overwrite)
+        return publish_through_staging(str(output_dir), lambda local: merge_local(parts, local, expect=expect),
+                                       overwrite=overwrite)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def merge_local(parts_dir: str | Path, output_dir: str | Path, *, expect: int | None = None,
+                overwrite: bool = False) -> dict:
     import datasets
     import numpy as np
 

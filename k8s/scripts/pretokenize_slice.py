@@ -14,6 +14,11 @@ completion marker.
 
 ``merge_shards.py`` merges only when every index 0..N-1 has its marker, and writes the merged manifest
 last. Exit status 2 with a one-line reason on a refused run.
+
+PARTS_DIR may be a bucket prefix (``s3://BUCKET/parts/NAME``, ``gs://``, ``az://``; credentials from the cloud's
+standard chain): the plan and the markers are objects there, and each part is a dataset committed by its manifest
+(``pf-trl pretokenize SOURCE s3://.../part-I``: written in the pod's ``$PF_TRL_CACHE/staging``, uploaded, manifest
+last), so a slice killed mid-upload leaves no committed part and no marker. SOURCE may be a bucket URI too.
 """
 
 from __future__ import annotations
@@ -45,6 +50,16 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _same_plan(parts_dir, existing: dict, count: int, flags: list[str]) -> dict:
+    if existing["count"] != count:
+        raise SliceError(f"{parts_dir} holds a run of {existing['count']} slices, this run has {count}: their "
+                         "parts cannot be merged; use a new parts directory (or delete this one)")
+    if existing["pretokenize_flags"] != flags:
+        raise SliceError(f"{parts_dir} holds a run with other pretokenize flags ({existing['pretokenize_flags']}); "
+                         "use a new parts directory (or delete this one)")
+    return existing
+
+
 def check_plan(parts_dir: Path, count: int, flags: list[str]) -> dict:
     """Create the plan or check it: the same slice count and pretokenize flags as the run that made it."""
     plan = {"count": count, "pretokenize_flags": flags}
@@ -52,14 +67,7 @@ def check_plan(parts_dir: Path, count: int, flags: list[str]) -> dict:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        existing = json.loads(path.read_text(encoding="utf-8"))
-        if existing["count"] != count:
-            raise SliceError(f"{parts_dir} holds a run of {existing['count']} slices, this run has {count}: their "
-                             "parts cannot be merged; use a new parts directory (or delete this one)") from None
-        if existing["pretokenize_flags"] != flags:
-            raise SliceError(f"{parts_dir} holds a run with other pretokenize flags ({existing['pretokenize_flags']}); "
-                             "use a new parts directory (or delete this one)") from None
-        return existing
+        return _same_plan(parts_dir, json.loads(path.read_text(encoding="utf-8")), count, flags)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(plan, f, indent=2, sort_keys=True)
     return plan
@@ -70,10 +78,49 @@ def read_marker(parts_dir: Path, index: int) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
+def run_remote_slice(parts_uri: str, index: int, count: int, source: str, flags: list[str]) -> dict:
+    """:func:`run_slice` into a bucket prefix: the plan and markers are objects, the part a committed dataset."""
+    from pf_trl.cli.pretokenize import main as pretokenize_main
+    from pf_trl.data.remote import read_remote_manifest
+    from pf_trl.storage import StorageError, parse_uri
+    from pf_trl.storage.filesystem import exists, read_bytes, remove, write_bytes
+
+    root = parse_uri(parts_uri)
+    if not 0 <= index < count:
+        raise SliceError(f"--index {index} is outside 0..{count - 1} (--count {count})")
+    plan, plan_uri = {"count": count, "pretokenize_flags": flags}, root.join(PLAN)
+    if exists(plan_uri):
+        _same_plan(root, json.loads(read_bytes(plan_uri)), count, flags)
+    else:  # every index writes the same plan; a different one written meanwhile is caught by the check after
+        write_bytes(plan_uri, json.dumps(plan, indent=2, sort_keys=True).encode())
+        _same_plan(root, json.loads(read_bytes(plan_uri)), count, flags)
+    part, marker_uri = root.join(f"part-{index}"), root.join(f"part-{index}.done.json")
+    if exists(marker_uri):
+        done = json.loads(read_bytes(marker_uri))
+        try:
+            if read_remote_manifest(str(part))["source"]["sha256"] == done["source_sha256"]:
+                return done  # already complete: a retry does nothing
+        except (StorageError, KeyError):
+            pass
+    remove(marker_uri)  # about to rewrite the part: not done until the end
+    rc = pretokenize_main([source, str(part), "--overwrite", *flags])
+    if rc != 0:
+        raise SliceError(f"pf-trl pretokenize failed on slice {index} (exit {rc}); see its message above")
+    manifest = read_remote_manifest(str(part))
+    marker = {"index": index, "count": count, "source": source, "source_sha256": manifest["source"]["sha256"],
+              "examples": manifest["counts"]["examples"], "source_rows": manifest["counts"]["source_rows"]}
+    write_bytes(marker_uri, json.dumps(marker, indent=2, sort_keys=True).encode())  # last: the slice is done
+    return marker
+
+
 def run_slice(parts_dir: str | Path, index: int, count: int, source: str, flags: list[str]) -> dict:
     """Tokenize one slice (or find it done); returns its marker."""
     from pf_trl.cli.pretokenize import main as pretokenize_main
     from pf_trl.data.shards import ShardsError, read_manifest
+    from pf_trl.storage import is_remote
+
+    if is_remote(str(parts_dir)):
+        return run_remote_slice(str(parts_dir), index, count, source, flags)
 
     parts_dir = Path(parts_dir)
     if not 0 <= index < count:
@@ -127,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, source, flags = split_argv(sys.argv[1:] if argv is None else argv)
         marker = run_slice(args.parts_dir, args.index, args.count, source, flags)
-    except (SliceError, OSError, ValueError) as exc:
+    except (SliceError, OSError, ValueError) as exc:  # StorageError (a bucket refused, in one line) is an OSError
         print(f"pretokenize_slice: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(marker))

@@ -139,7 +139,9 @@ def main(argv: list[str]) -> int:
             raise InspectCLIError(f"--samples must be >= 0, got {args.samples}")
         if any(b <= 0 for b in args.max_tokens):
             raise InspectCLIError("--max_tokens values must be positive integers")
-        ds = load_shards(args.shards_dir)
+        from pf_trl.data.remote import local_path
+
+        ds = load_shards(local_path(args.shards_dir))  # a bucket URI: its node-cache copy, verified
         manifest = ds.pf_manifest
         if args.json:
             print(json.dumps(manifest, indent=2))

@@ -97,7 +97,14 @@ def _pretokenize_mixture(data_config, args: argparse.Namespace, config: Pretoken
     from pathlib import Path
 
     from pf_trl.data.mixture import load_mixture, write_mixture_shards
+    from pf_trl.storage import is_remote
 
+    if is_remote(args.output_dir):  # written into staging, then uploaded (manifest last)
+        from pf_trl.data.remote import publish_through_staging
+
+        return publish_through_staging(args.output_dir, lambda local: write_mixture_shards(
+            load_mixture(data_config, tokenizer, config, num_proc=args.num_proc, progress=not args.no_progress),
+            local, shard_size=config.shard_size), overwrite=args.overwrite)
     if Path(args.output_dir).exists() and not args.overwrite:
         raise PretokenizeCLIError(f"output {args.output_dir} already exists; choose a new directory or pass --overwrite")
     say = (lambda *_: None) if args.no_progress else (lambda msg: print(f"pf-trl: {msg}", file=sys.stderr, flush=True))
@@ -118,7 +125,7 @@ def main(argv: list[str]) -> int:
             raise PretokenizeCLIError("pass a SOURCE or --data_config FILE (not both) before OUTPUT_DIR")
         data_config = _read_data_config(args.data_config) if args.data_config else None
         if data_config is None:
-            check_source_path(args.source, flag="source")
+            args.source = str(check_source_path(args.source, flag="source"))  # a bucket URI: its cached copy
         config = config_from_args(args)
         if data_config is None:
             check_json_lines(args.source)  # the first bad line, numbered, before the tokenizer loads

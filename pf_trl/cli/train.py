@@ -297,7 +297,8 @@ def precheck(argv: list[str], *, say=print) -> None:
     from pf_trl.data.shards import is_shards_dir, read_manifest
     from pf_trl.data.sources import DataSourceError, check_source_path
     from pf_trl.data.tokenizer import TokenizerLoadError, default_tokenizer_for, resolve_tokenizer_path
-    from pf_trl.trainer.output_dir import OutputDirError, check_output_dir
+    from pf_trl.trainer.output_dir import OutputDirError
+    from pf_trl.trainer.remote_checkpoints import check_any_output_dir
 
     args = _light_args(argv)
     _check_data_choice(args)
@@ -309,6 +310,7 @@ def precheck(argv: list[str], *, say=print) -> None:
             check_data_config_paths(read_data_config(args.data_config))
         except DataConfigError as exc:
             raise TrainCLIError(f"--data_config: {exc}") from exc
+    local: dict[str, str] = {}  # a bucket URI -> its node-cache copy (fetched once per node, verified)
     for flag, path in (("--training_data_path", args.training_data_path),
                        ("--validation_data_path", args.validation_data_path)):
         if path:
@@ -316,7 +318,7 @@ def precheck(argv: list[str], *, say=print) -> None:
                 if flag == "--validation_data_path" and is_data_config_path(path):
                     check_data_config_paths(read_data_config(path))  # eval on several datasets: all their rows
                 else:
-                    check_source_path(path, flag=flag)
+                    local[path] = str(check_source_path(path, flag=flag))
             except (DataSourceError, DataConfigError) as exc:
                 raise TrainCLIError(f"{flag}: {exc}" if isinstance(exc, DataConfigError) else str(exc)) from exc
     _check_data_options(args)
@@ -325,6 +327,7 @@ def precheck(argv: list[str], *, say=print) -> None:
                        ("max_eval_tokens_per_batch", args.validation_data_path)):
         if getattr(args, flag) is not None:
             budget = _positive_int(getattr(args, flag), f"--{flag}")
+            path = local.get(path, path)
             if path and is_shards_dir(path):  # shards know their longest example: no need to wait for the data
                 check_budget(types.SimpleNamespace(pf_manifest=read_manifest(path)), budget, f"--{flag}")
     given = fast_parse(argv)  # every other flag and value (None: no flag table for these versions)
@@ -348,7 +351,7 @@ def precheck(argv: list[str], *, say=print) -> None:
         raise TrainCLIError(f"{flag}: {exc}") from exc
     if given is not None:
         try:
-            check_output_dir(getattr(given, "output_dir", DEFAULT_OUTPUT_DIR),
+            check_any_output_dir(getattr(given, "output_dir", DEFAULT_OUTPUT_DIR),
                              resume_from_checkpoint=getattr(given, "resume_from_checkpoint", None),
                              overwrite_output_dir=getattr(given, "overwrite_output_dir", False), cli=True)
         except OutputDirError as exc:
@@ -357,7 +360,7 @@ def precheck(argv: list[str], *, say=print) -> None:
                        ("--validation_data_path", args.validation_data_path)):
         if path and not is_data_config_path(path):
             try:  # a streaming scan (once per file version): the first bad line, numbered, before any import
-                check_json_lines(path, flag=flag)
+                check_json_lines(local.get(path, path), flag=flag)
             except JsonLinesError as exc:
                 raise TrainCLIError(str(exc)) from exc
     if args.dataset_service_url:
@@ -698,14 +701,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from pf_trl.trainer.output_dir import check_output_dir
+    from pf_trl.trainer.remote_checkpoints import check_any_output_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         argv = normalize_argv(argv)  # once: what follows reads the normalized command line (no second warning)
         precheck(argv)  # before transformers / TRL are imported (seconds) and before the model loads
         model_args, data_args, config = parse_args(argv)
-        check_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
+        check_any_output_dir(config.output_dir, resume_from_checkpoint=config.resume_from_checkpoint,
                          overwrite_output_dir=config.overwrite_output_dir, cli=True)
         from pf_trl.cli.model_args import given_flags
 
@@ -724,8 +727,8 @@ def _run(argv: list[str]) -> int:
     if trainer.is_world_process_zero():
         print("***** train metrics *****")
         print(format_metrics(metrics))
-        os.makedirs(config.output_dir, exist_ok=True)
-        with open(os.path.join(config.output_dir, "train_results.json"), "w") as f:
+        os.makedirs(trainer.args.output_dir, exist_ok=True)  # a bucket output_dir: its staging, uploaded below
+        with open(os.path.join(trainer.args.output_dir, "train_results.json"), "w") as f:
             json.dump(metrics, f, indent=2)
     if trainer.eval_dataset is not None and config.eval_strategy != "no":
         ev = final_step_eval(trainer) or trainer.evaluate()  # the last step's evaluation, when it ran one
@@ -737,13 +740,20 @@ def _run(argv: list[str]) -> int:
         # Trainer.save_model writes on the main process only (args.should_save) and lets the others join the gather
         trainer.save_model()
         if trainer.is_world_process_zero():
-            print(f"pf-trl: model saved to {config.output_dir}", flush=True)
+            where = trainer.pf_remote_output.uri if trainer.pf_remote_output is not None else config.output_dir
+            print(f"pf-trl: model saved to {where}", flush=True)
     elif trainer.is_world_process_zero():
         print("pf-trl: --save_strategy no: no model saved (pass --save_strategy steps|epoch to keep one)", flush=True)
     if model_args.merge_adapter and config.save_strategy != "no" and trainer.is_world_process_zero():
         from pf_trl.trainer.adapters import save_merged
 
-        print(f"pf-trl: merged model saved to {save_merged(trainer, os.path.join(config.output_dir, 'merged'))}")
+        merged = save_merged(trainer, os.path.join(trainer.args.output_dir, "merged"))
+        if trainer.pf_remote_output is not None:
+            from pf_trl.trainer.remote_output import upload_final
+
+            upload_final(trainer, trainer.pf_remote_output)
+            merged = f"{config.output_dir}/merged"
+        print(f"pf-trl: merged model saved to {merged}")
     from pf_trl.parallel.launch import leave_process_group
 
     # every rank leaves when rank 0 has written the model, the process group torn down by all at once (a rank that

@@ -233,7 +233,12 @@ def _parse_dataset(item: Any, i: int, base: Path | None, where: str) -> MixtureS
 
 
 def _resolve_path(path: str, base: Path | None) -> str:
-    """Relative data paths: from the working directory (fms-hf-tuning's rule), else from the config's folder."""
+    """Relative data paths: from the working directory (fms-hf-tuning's rule), else from the config's folder. A bucket
+    URI is kept as written."""
+    from pf_trl.storage import is_remote
+
+    if is_remote(path):
+        return path
     p = Path(path).expanduser()
     if p.is_absolute() or base is None or p.exists() or glob.glob(str(p)):
         return str(p)
@@ -283,7 +288,19 @@ def coerce_data_config(obj: Any) -> DataConfig | None:
 
 def expand_data_path(path: str) -> list[Path]:
     """A data path as concrete sources: a file, a shards / ``save_to_disk`` directory, every readable file of a
-    plain folder (sorted), or the matches of a glob (sorted)."""
+    plain folder (sorted), or the matches of a glob (sorted). A bucket URI (a data file or a committed dataset) is
+    its node-cache copy (:func:`pf_trl.data.remote.local_path`)."""
+    from pf_trl.storage import is_remote
+
+    if is_remote(path):
+        from pf_trl.data.remote import local_path
+        from pf_trl.data.shards import ShardsError
+        from pf_trl.storage import StorageError
+
+        try:
+            return [Path(local_path(path))]
+        except (StorageError, ShardsError) as exc:
+            raise DataConfigError(f"data path {exc}") from exc
     p = Path(path)
     if any(ch in path for ch in "*?[") and not p.exists():
         matches = sorted(Path(m) for m in glob.glob(path))

@@ -398,7 +398,8 @@ def pretokenize(
     Args:
         source: JSON / JSONL / Parquet / CSV file, a ``datasets.save_to_disk`` directory, or a ``datasets.Dataset``
             / ``DatasetDict`` (its ``train`` split).
-        output_dir: the shards directory to create (must not exist unless ``overwrite``).
+        output_dir: the shards directory to create (must not exist unless ``overwrite``), or a bucket URI
+            (``s3://BUCKET/datasets/NAME``: written into ``$PF_TRL_CACHE/staging`` then uploaded, manifest last).
         config: formats, lengths, truncation and chat template (:class:`PretokenizeConfig`).
         tokenizer: an embedded name, a local folder, or a loaded fast tokenizer (``config.chat_template``, when set,
             replaces its template for this call; the tokenizer object itself is not changed).
@@ -415,6 +416,15 @@ def pretokenize(
     Raises:
         PretokenizeError: bad source, format, options or rows; the message names the row and the fix.
     """
+    from pf_trl.data.remote import local_path, publish_through_staging
+    from pf_trl.storage import is_remote
+
+    source = local_path(source)  # a bucket URI: the node cache's copy
+    if is_remote(output_dir):  # tokenized into staging, then uploaded (manifest last)
+        return publish_through_staging(str(output_dir), lambda local: pretokenize(
+            source, local, config, tokenizer=tokenizer, num_proc=num_proc, progress=progress,
+            progress_callback=progress_callback, source_fingerprint_value=source_fingerprint_value, limits=limits,
+            image_roots=image_roots), overwrite=overwrite)
     import datasets
     from tqdm.auto import tqdm
 

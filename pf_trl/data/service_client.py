@@ -260,6 +260,16 @@ def _finished(dataset_id: str, status: dict[str, Any]) -> Path | None:
     """The shards path once succeeded; raises for failed / cancelled; None while it runs."""
     state = status.get("state")
     if state == "succeeded":
+        from pf_trl.storage import is_remote
+
+        if is_remote(status.get("shards_path")):  # published to a bucket (the service's publish_uri)
+            from pf_trl.data.remote import fetch_shards
+            from pf_trl.storage import StorageError
+
+            try:
+                return fetch_shards(status["shards_path"])
+            except StorageError as exc:
+                raise DatasetServiceError(f"dataset {dataset_id}: {exc}") from exc
         path = Path(status.get("shards_path") or "")
         if not status.get("shards_path") or not is_shards_dir(path):
             raise DatasetServiceError(

@@ -38,7 +38,19 @@ def _quiet(_: str) -> None:
 
 
 def check_source_path(path: str | Path, *, flag: str = "source") -> Path:
-    """Cheap checks of a local source before anything heavy is imported: it exists and is a readable kind."""
+    """Cheap checks of a local source before anything heavy is imported: it exists and is a readable kind. A bucket
+    URI is fetched into the node cache first (:func:`pf_trl.data.remote.local_path`) and its local copy returned."""
+    from pf_trl.storage import is_remote
+
+    if is_remote(path):
+        from pf_trl.data.remote import local_path
+        from pf_trl.data.shards import ShardsError
+        from pf_trl.storage import StorageError
+
+        try:
+            path = local_path(path)
+        except (StorageError, ShardsError) as exc:
+            raise DataSourceError(f"{flag} {exc}") from exc
     source = Path(path).expanduser()
     if not source.exists():
         raise DataSourceError(f"{flag} {path}: no such file or directory")
@@ -111,12 +123,14 @@ def load_training_data(source: Any, tokenizer, config: PretokenizeConfig | None 
     """
     from pf_trl.data.shards import ShardsError, is_shards_dir, load_shards
     from pf_trl.data.tokenizer import tokenizer_fingerprint, with_chat_template
+    from pf_trl.storage import is_remote
 
     config = config or PretokenizeConfig()
     tokenizer = with_chat_template(tokenizer, config.chat_template)  # the template the data is (to be) rendered with
     expected = tokenizer_fingerprint(tokenizer)
     if isinstance(source, (str, os.PathLike)):
         path = check_source_path(source, flag=f"{what} data")
+        source = path if is_remote(source) else source  # a bucket URI: its node-cache copy
         if is_shards_dir(path):
             say(f"{what} data: shards directory {path} (no tokenization)")
             try:

@@ -29,7 +29,9 @@ This module orchestrates: data preparation is :func:`pf_trl.data.prepare.prepare
 
 from __future__ import annotations
 
+import copy
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,6 +149,13 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         # TRL would act on padding_free=True (its own collator, its max_length check), checks assistant_only_loss
         # against raw rows and would prepare (re-truncate, re-shuffle) the rows pf-trl has prepared: hidden during its
         # init (see hidden_from_trl)
+        from pf_trl.storage import is_remote
+        from pf_trl.trainer.remote_output import stage_output_dir
+
+        # a bucket output_dir: Trainer writes into node-local staging, pf-trl uploads (remote_output)
+        if is_remote(args.output_dir):
+            args = copy.copy(args)  # the caller's config keeps its URI (a second trainer from it stages again)
+        self.pf_remote_output = stage_output_dir(args)
         tokenized = is_tokenized(train_dataset)
         with hidden_from_trl(args, active=tokenized, skip_prepare=tokenized and self.pf_mode != "none"), \
                 admit_head_adapters(self.pf_mode != "none"):
@@ -160,6 +169,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         self._pf_init_metrics()
         self.add_callback(SamplerStateCallback(self))
         self.add_callback(CheckpointCompleteCallback(self))  # after the sampler state: the marker comes last
+        if self.pf_remote_output is not None:
+            from pf_trl.trainer.remote_output import RemoteCheckpointCallback
+
+            self.add_callback(RemoteCheckpointCallback(self, self.pf_remote_output))  # uploads, then its marker
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_resume_dir: str | None = None
         self._pf_stream, self._pf_packer = pf_stream, None  # a streamed train set and its packer (data_inputs)
@@ -349,6 +362,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             if is_adapter(self.model):  # PEFT rewrote the card on save (base_model: '' without a Hub id)
                 write_model_card(self, tags=list(getattr(self, "_tag_names", [])),
                                  output_dir=output_dir or self.args.output_dir)
+        remote = getattr(self, "pf_remote_output", None)
+        if remote is not None and not _internal_call and (output_dir is None or Path(output_dir) == remote.staging):
+            from pf_trl.trainer.remote_output import upload_final
+
+            upload_final(self, remote)  # the final model into the bucket (rank 0)
         return result
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
@@ -374,8 +392,25 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 load_result = type(load_result)(untied, list(load_result.unexpected_keys))
         return super()._issue_warnings_after_load(load_result)
 
+    def _pf_prepare_remote(self, resume_from_checkpoint):
+        """A bucket ``output_dir``: the overwrite check against the bucket's checkpoints, then the checkpoint to
+        resume from downloaded into staging (:func:`pf_trl.trainer.remote_output.prepare_resume`)."""
+        from pf_trl.trainer.remote_checkpoints import check_remote_output, remove_remote_checkpoints
+        from pf_trl.trainer.remote_output import prepare_resume
+
+        remote = self.pf_remote_output
+        stale = check_remote_output(str(remote.uri), resume_from_checkpoint=resume_from_checkpoint,
+                                    overwrite_output_dir=self.args.overwrite_output_dir, cli=False)
+        if stale and self.is_world_process_zero():
+            remove_remote_checkpoints(stale)
+            print(f"pf-trl: overwrite_output_dir: removed {len(stale)} checkpoint(s) of an earlier run from "
+                  f"{remote.uri}", flush=True)
+        return prepare_resume(self, remote, resume_from_checkpoint)
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        if trial is None:  # a hyperparameter search trains each trial in its own folder
+        if trial is None and self.pf_remote_output is not None:  # a bucket output_dir
+            resume_from_checkpoint = self._pf_prepare_remote(resume_from_checkpoint)
+        elif trial is None:  # a hyperparameter search trains each trial in its own folder
             from pf_trl.trainer.output_dir import check_output_dir, remove_checkpoints
 
             stale = check_output_dir(self.args.output_dir, resume_from_checkpoint=resume_from_checkpoint,

@@ -1,0 +1,165 @@
+"""The node-local cache of remote files: ``$PF_TRL_CACHE/remote/<key>/``, one download per node, bounded.
+
+Every rank of a node asks for the same entry; a file lock (``<key>.lock``, ``fcntl.flock``: released by the kernel
+when its holder dies) lets the first download it into a temporary folder, check every file's size (and whatever
+``verify`` checks: the shards' checksums), then rename it into place with a ``.complete`` mark; the others wait on
+the lock and find it done. A download cut short leaves only a temporary folder, removed by the next holder.
+
+Bounded by ``PF_TRL_REMOTE_CACHE_SIZE`` (``40GiB``, ``500MB``, bytes; default 80% of the free space of the cache's
+disk plus what the cache holds): the least recently used complete entries that no process holds are evicted to
+make room; when that is not enough the download is refused with one line (a full disk is refused the same way).
+Checkpoints are staged beside it, under ``$PF_TRL_CACHE/staging/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from pf_trl.storage.errors import StorageError
+from pf_trl.storage.filesystem import download
+from pf_trl.storage.uri import RemoteURI
+
+SIZE_ENV = "PF_TRL_REMOTE_CACHE_SIZE"
+COMPLETE = ".complete"
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30,
+          "ti": 2**40}
+
+
+def pf_trl_cache() -> Path:
+    """``$PF_TRL_CACHE`` (a pod's ``emptyDir``) or ``~/.cache/pf-trl``."""
+    return Path(os.environ.get("PF_TRL_CACHE", Path.home() / ".cache" / "pf-trl")).expanduser()
+
+
+def remote_cache_dir() -> Path:
+    return pf_trl_cache() / "remote"
+
+
+def staging_dir() -> Path:
+    """Where checkpoints and datasets are written before they are uploaded."""
+    return pf_trl_cache() / "staging"
+
+
+def parse_size(text: str) -> int:
+    """``"40GiB"`` -> bytes.
+
+    Raises:
+        StorageError: not a size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise StorageError(f"{SIZE_ENV}={text!r} is not a size; write e.g. 40GiB, 500MB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@contextlib.contextmanager
+def locked(path: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``path`` for the ``with`` block; yields False when ``blocking=False`` and another
+    process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _entry_bytes(entry: Path) -> int:
+    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+
+
+def _complete_entries(root: Path, exclude: str) -> list[tuple[float, Path]]:
+    found = []
+    for entry in root.iterdir() if root.is_dir() else []:
+        mark = entry / COMPLETE
+        if entry.name != exclude and entry.is_dir() and mark.is_file():
+            found.append((mark.stat().st_mtime, entry))
+    return sorted(found)
+
+
+def cache_limit(root: Path) -> int:
+    """The cache's bound in bytes: ``PF_TRL_REMOTE_CACHE_SIZE`` or 80% of (free space + what it holds)."""
+    text = os.environ.get(SIZE_ENV)
+    if text:
+        return parse_size(text)
+    held = sum(_entry_bytes(e) for _, e in _complete_entries(root, exclude=""))
+    return int(0.8 * (shutil.disk_usage(root).free + held))
+
+
+def _make_room(root: Path, need: int, key: str, what: str) -> None:
+    limit = cache_limit(root)
+    if need > limit:
+        raise StorageError(f"{what}: {need / 2**30:.2f} GiB do not fit the node cache {root} (limit "
+                           f"{limit / 2**30:.2f} GiB: {SIZE_ENV} or 80% of the free space); raise {SIZE_ENV} or give "
+                           "the pod a larger cache volume (emptyDir sizeLimit)")
+    entries = _complete_entries(root, exclude=key)
+    used = sum(_entry_bytes(e) for _, e in entries)
+    for _, entry in entries:  # least recently used first
+        if used + need <= limit:
+            return
+        with locked(root / f"{entry.name}.lock", blocking=False) as mine:
+            if mine:
+                size = _entry_bytes(entry)
+                shutil.rmtree(entry, ignore_errors=True)
+                used -= size
+
+
+def fetch(key: str, source: RemoteURI, files: dict[str, int], *, what: str,
+          extra: dict[str, bytes] | None = None, verify: Callable[[Path], None] | None = None) -> Path:
+    """The cache entry ``key`` holding ``files`` (``{relative name: bytes}``) downloaded from under ``source``
+    (plus the ``extra`` files written as given), downloading it once per node.
+
+    Raises:
+        StorageError: a file's size differs from ``files`` (the bucket copy changed), the cache is full, or a
+            download failed; ``verify``'s own errors pass through (nothing is kept then).
+    """
+    root = remote_cache_dir()
+    entry = root / key
+    with locked(root / f"{key}.lock"):
+        if (entry / COMPLETE).is_file():
+            os.utime(entry / COMPLETE)  # recently used
+            return entry
+        _make_room(root, sum(files.values()), key, what)
+        tmp = root / f".{key}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(entry, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+            for name, size in sorted(files.items()):
+                if ".." in Path(name).parts or Path(name).is_absolute():
+                    raise StorageError(f"{what}: the file list names a path outside the prefix ({name!r})")
+                target = tmp / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                download(source.join(name), target)
+                got = target.stat().st_size
+                if got != size:
+                    raise StorageError(f"{what}: {source.join(name)} has {got} bytes, its manifest says {size} (the "
+                                       "bucket copy was changed or cut short); write the dataset again")
+            for name, data in (extra or {}).items():
+                (tmp / name).write_bytes(data)
+            if verify is not None:
+                verify(tmp)
+            (tmp / COMPLETE).write_text(str(source))
+            os.replace(tmp, entry)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if exc.errno == errno.ENOSPC:
+                raise StorageError(f"{what}: the node cache's disk is full ({root}); set {SIZE_ENV} below the disk's "
+                                   "size or give the pod a larger cache volume") from exc
+            raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return entry

@@ -1,0 +1,217 @@
+"""Bucket access: one fsspec filesystem per process and protocol, every call retried and translated into one line.
+
+- **Credentials and endpoints** come only from each cloud's standard chain (s3fs / gcsfs / adlfs read it).
+- **Fork safety**: a filesystem is created in the process that uses it (keyed by pid, never fsspec's shared instance
+  cache): the async loop behind an fsspec handle does not survive a fork, so a DataLoader worker or a service
+  worker that forked from a parent holding one makes its own.
+- **Bounded time**: connect timeout 5 s, read timeout 60 s, two attempts inside botocore, then :func:`call` retries
+  transient errors (connection refused or reset, timeouts, throttling, 5xx) :data:`ATTEMPTS` times with backoff
+  1, 2, 4 s: an unreachable endpoint fails in about 20-30 s, a missing bucket or wrong credentials at once.
+- **One-line errors** (:class:`StorageError`) naming the URI, what failed and where credentials came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pf_trl.storage.credentials import credential_source
+from pf_trl.storage.errors import RemoteNotFound, StorageError
+from pf_trl.storage.uri import PACKAGES, RemoteURI, parse_uri
+
+logger = logging.getLogger("pf_trl.storage")
+
+ATTEMPTS = 4
+BACKOFF_S = (1.0, 2.0, 4.0)
+CONNECT_TIMEOUT_S = 5
+READ_TIMEOUT_S = 60
+
+_FILESYSTEMS: dict[tuple[int, str], Any] = {}
+T = TypeVar("T")
+
+
+def _options(protocol: str) -> dict[str, Any]:
+    if protocol == "s3":
+        return {"config_kwargs": {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                                  "retries": {"max_attempts": 2, "mode": "standard"}}}
+    if protocol == "gcs":
+        return {"requests_timeout": READ_TIMEOUT_S}
+    # adlfs: the account and credentials from AZURE_STORAGE_* / workload identity
+    return {"anon": False, "connection_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}
+
+
+def filesystem(uri: str | RemoteURI):
+    """The fsspec filesystem serving ``uri``, made in this process (a forked child makes its own).
+
+    Raises:
+        StorageError: the protocol's package (s3fs, gcsfs, adlfs) is not installed.
+    """
+    protocol = parse_uri(uri).protocol
+    key = (os.getpid(), protocol)
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
+        import fsspec
+
+        try:
+            fs = fsspec.filesystem(protocol, skip_instance_cache=True, use_listings_cache=False, **_options(protocol))
+        except ImportError as exc:
+            raise StorageError(f"{uri}: reading {protocol}:// needs the {PACKAGES[protocol]} package "
+                               "(pip install 'pf-trl[cloud]')") from exc
+        if protocol == "s3":
+            fs.retries = 1  # s3fs's own loop: pf-trl's call() retries, with a bound on the whole
+        for stale in [k for k in _FILESYSTEMS if k[0] != key[0]]:
+            del _FILESYSTEMS[stale]  # a parent's handles: never used in this process
+        _FILESYSTEMS[key] = fs
+    return fs
+
+
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return getattr(exc, "code", None) if isinstance(getattr(exc, "code", None), int) else None
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError", "ServiceUnavailableError",
+                "TransportError"}:
+        return True
+    status = _status(exc)
+    text = str(exc)
+    return (status is not None and (status >= 500 or status == 429)) or "SlowDown" in text or "Throttl" in text
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                         "ConnectionRefusedError"}) or isinstance(exc, ConnectionRefusedError)
+
+
+def describe(uri: str | RemoteURI) -> str:
+    """``"credentials from ..., endpoint ..."`` for ``uri``'s cloud."""
+    return credential_source(parse_uri(uri).protocol)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def translate(uri: str | RemoteURI, what: str, exc: BaseException) -> StorageError:
+    """``exc`` raised while doing ``what`` on ``uri`` as a one-line :class:`StorageError`."""
+    uri = parse_uri(uri)
+    where = describe(uri)
+    text = _one_line(exc)
+    if isinstance(exc, StorageError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        if "bucket" in text.lower() or "container" in text.lower():
+            return StorageError(f"{uri}: bucket {uri.bucket} does not exist ({what}; {where}); create it or fix the "
+                                "URI")
+        return RemoteNotFound(f"{uri}: not found ({what}; {where})")
+    if isinstance(exc, PermissionError) or _status(exc) in (401, 403) or "AccessDenied" in text \
+            or "SignatureDoesNotMatch" in text or "InvalidAccessKeyId" in text:
+        return StorageError(f"{uri}: access denied ({text}) while {what}, with {where}; fix the credentials (a "
+                            "Secret's keys, or the ServiceAccount's IRSA / Workload Identity annotation)")
+    if _is_unreachable(exc) or _is_transient(exc):
+        return StorageError(f"{uri}: the storage endpoint is unreachable after {ATTEMPTS} tries ({text}) while "
+                            f"{what}; {where}: check AWS_ENDPOINT_URL / the network")
+    return StorageError(f"{uri}: {what} failed ({type(exc).__name__}: {text}); {where}")
+
+
+def call(uri: str | RemoteURI, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, retried on transient errors (bounded: :data:`ATTEMPTS` tries, backoff :data:`BACKOFF_S`); any
+    failure raised as a one-line :class:`StorageError` (:class:`RemoteNotFound` for a missing object)."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return fn()
+        except Exception as exc:
+            if isinstance(exc, StorageError):
+                raise
+            if _is_transient(exc) and attempt + 1 < ATTEMPTS:
+                delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                logger.warning("pf-trl: %s: %s (%s); retrying in %.0f s", uri, what, _one_line(exc), delay)
+                time.sleep(delay)
+                continue
+            raise translate(uri, what, exc) from exc
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------------- operations on one URI
+
+
+def exists(uri: str | RemoteURI) -> bool:
+    u = parse_uri(uri)
+    return call(u, "checking it exists", lambda: filesystem(u).exists(u.path))
+
+
+def read_bytes(uri: str | RemoteURI) -> bytes:
+    u = parse_uri(uri)
+    return call(u, "reading it", lambda: filesystem(u).cat_file(u.path))
+
+
+def write_bytes(uri: str | RemoteURI, data: bytes) -> None:
+    """One PUT (atomic on S3, GCS and Azure: readers see the old object or the whole new one)."""
+    u = parse_uri(uri)
+    call(u, "writing it", lambda: filesystem(u).pipe_file(u.path, data))
+
+
+def upload(local: str | os.PathLike, uri: str | RemoteURI) -> None:
+    u = parse_uri(uri)
+    call(u, f"uploading {local}", lambda: filesystem(u).put_file(os.fspath(local), u.path))
+
+
+def download(uri: str | RemoteURI, local: str | os.PathLike) -> None:
+    u = parse_uri(uri)
+    call(u, f"downloading to {local}", lambda: filesystem(u).get_file(u.path, os.fspath(local)))
+
+
+def list_files(uri: str | RemoteURI) -> dict[str, int]:
+    """``{path relative to uri: size}`` of every object under prefix ``uri`` (empty when there is none)."""
+    u = parse_uri(uri)
+
+    def find():
+        fs = filesystem(u)
+        try:
+            found = fs.find(u.path, detail=True)
+        except FileNotFoundError as exc:
+            if "bucket" in str(exc).lower():
+                raise
+            return {}
+        base = u.path.rstrip("/") + "/"
+        return {p[len(base):]: int(info.get("size") or 0) for p, info in found.items()
+                if p.startswith(base) and info.get("type", "file") != "directory"}
+
+    return call(u, "listing it", find)
+
+
+def remove(uri: str | RemoteURI, *, recursive: bool = False) -> None:
+    u = parse_uri(uri)
+
+    def rm():
+        try:
+            filesystem(u).rm(u.path, recursive=recursive)
+        except FileNotFoundError as exc:
+            if "bucket" in str(exc).lower():
+                raise
+
+    call(u, "deleting it", rm)
+
+
+def check_access(uri: str | RemoteURI) -> None:
+    """Fail now, in one line, when the bucket of ``uri`` is missing, the credentials are refused or the endpoint
+    is unreachable (a listing of the prefix: the cheapest request that needs all three)."""
+    list_files(parse_uri(uri))
+
+
+def forget_filesystems() -> None:
+    """Drop this process's filesystems: the next call makes new ones from the environment as it is now (after
+    credentials rotate, or in tests that change them)."""
+    _FILESYSTEMS.clear()
