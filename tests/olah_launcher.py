@@ -8,6 +8,9 @@ Two offline answers of olah 0.5.4 differ from the Hub's and are wrapped before i
 2. A tree listing of a path the repository lacks answers 401 where the Hub answers 404 with
    ``X-Error-Code: EntryNotFound`` (transformers asks for ``additional_chat_templates``).
 
+A third difference is answered as the Hub answers it: a revision a mirrored repository lacks
+(``/api/{type}/{org}/{repo}/revision/{rev}``) gets 404 ``RevisionNotFound``, not olah's 401 ``RepoNotFound``.
+
 Two Hub behaviours olah does not have, for the error tests, read from the JSON file ``$PF_TRL_OLAH_RULES`` on each
 request (the test changes it while the server runs):
 
@@ -71,6 +74,25 @@ upstream.get_newest_commit_hf = newest_commit
 api_routes.tree_proxy_common = tree
 
 _REPO_IN_PATH = re.compile(r"^/(?:api/)?(?:(models|datasets)/)?([^/]+)/([^/]+)")
+_REVISION_INFO = re.compile(r"^/api/(models|datasets)/([^/]+)/([^/]+)/revision/(.+)$")
+
+
+def _missing_revision(app, path: str) -> str | None:
+    """The revision of a revision-info request that a mirrored repository lacks (None: present, or not mirrored)."""
+    match = _REVISION_INFO.match(path)
+    if not match:
+        return None
+    from urllib.parse import unquote
+
+    local = _mirror_repo(app, match.group(1), match.group(2), match.group(3))
+    revision = unquote(match.group(4))
+    if local is None:
+        return None
+    try:
+        local.commit(revision)
+    except (git.exc.BadName, ValueError, git.exc.GitCommandError):
+        return revision
+    return None
 
 
 def _rules() -> dict:
@@ -108,6 +130,11 @@ async def hub_access(request, call_next):
                 message = f"Access to model {org_repo} is restricted. You must have access to it and be authenticated."
                 return JSONResponse({"error": message}, status_code=403,
                                     headers={"x-error-code": "GatedRepo", "x-error-message": message})
+    missing = _missing_revision(request.app, request.url.path)
+    if missing is not None:
+        message = f"Invalid rev id: {missing}"
+        return JSONResponse({"error": message}, status_code=404,
+                            headers={"x-error-code": "RevisionNotFound", "x-error-message": message})
     if request.method == "GET" and "/resolve/" in request.url.path and _take_busy(rules):
         return JSONResponse({"error": "rate limited"}, status_code=429, headers={"retry-after": "1"})
     return await call_next(request)

@@ -147,8 +147,9 @@ def check_attention(attn: str | None, mode: str, backend: str | None) -> None:
     if attn is None:
         return
     if "/" in attn:
-        raise TrainCLIError(f"--attn_implementation {attn}: a kernel from the hub; pf-trl never downloads. Use "
-                            f"{', '.join(HF_ATTENTION)}, or --padding_free_mode internal (pf-trl's varlen kernels)")
+        raise TrainCLIError(f"--attn_implementation {attn}: a Hub kernel (the kernels package), which pf-trl's "
+                            f"padding-free attention does not route; use {', '.join(HF_ATTENTION)}, or "
+                            "--padding_free_mode internal (pf-trl's varlen kernels)")
     if attn not in HF_ATTENTION:
         raise TrainCLIError(f"--attn_implementation {attn!r} is unknown; use one of {', '.join(HF_ATTENTION)}")
     if mode == "internal":

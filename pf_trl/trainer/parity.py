@@ -237,10 +237,9 @@ FIELDS: dict[str, FieldParity] = {
                              "(a cache would let packed examples attend to each other)."),
     # ---------------------------------------------------------------- model
     "model_init_kwargs": FieldParity(
-        HONOURED, "When `model` is a name or folder (always on pf-trl train, which builds the model): dtype / "
-        "torch_dtype and attn_implementation are used, other keys refused (pf-trl builds embedded models from configs "
-        "and never downloads).",
-        refuse_if=lambda v: bool(set(v or {}) - {"dtype", "torch_dtype", "attn_implementation"}),
+        HONOURED, "When `model` is a name, folder or Hub id (always on pf-trl train, which builds the model): dtype / "
+        "torch_dtype, attn_implementation and revision (of a Hub id) are used, other keys refused.",
+        refuse_if=lambda v: bool(set(v or {}) - {"dtype", "torch_dtype", "attn_implementation", "revision"}),
         example={"device_map": "auto"}),
     "trust_remote_code": FieldParity(
         REFUSED, "pf-trl loads architectures transformers ships (padding-free support is checked per model type) and "
