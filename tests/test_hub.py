@@ -216,10 +216,10 @@ def test_offline_with_nothing_cached_and_an_unreachable_hub_fail_in_one_line(hub
     env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
     if where == "offline":
         env["HF_HUB_OFFLINE"] = "1"
-        words = ["--model_name_or_path org/tiny", "HF_HUB_OFFLINE is set", "not in the Hub cache"]
+        words = ["--dataset_name org/chat", "HF_HUB_OFFLINE is set", "not in the Hub cache"]
     else:
         env["HF_ENDPOINT"] = f"http://127.0.0.1:{closed_port()}"
-        words = ["--model_name_or_path org/tiny", "cannot be reached", "HF_ENDPOINT"]
+        words = ["--dataset_name org/chat", "cannot be reached", "HF_ENDPOINT"]
     start = time.perf_counter()
     proc = run([PF_TRL, "train", "--model_name_or_path", "org/tiny", "--dataset_name", "org/chat", "--output_dir",
                 str(tmp_path / "o")], env, timeout=120)

@@ -74,7 +74,7 @@ def _set(value: Any) -> bool:
 _T = _trainer()
 _LOG = _trainer("Logging, reporting and progress: transformers' Trainer, unchanged (pf-trl adds its own token metrics).")
 _SAVE = _trainer("Checkpointing: transformers' Trainer, unchanged; pf-trl adds its sampler state to each checkpoint.")
-_HUB = _trainer("Hub upload: transformers' Trainer, unchanged (pf-trl itself never downloads).")
+_HUB = _trainer("Hub upload: transformers' Trainer, unchanged.")
 _OPT = _trainer("Optimizer and schedule: transformers' Trainer, unchanged (the gradients are the padded run's).")
 _PREC = _trainer("Precision: transformers' Trainer, unchanged. PaddingFreeConfig defaults bf16 on only with CUDA "
                  "(TRL's default, which transformers refuses on CPU).")
@@ -243,7 +243,8 @@ FIELDS: dict[str, FieldParity] = {
         example={"device_map": "auto"}),
     "trust_remote_code": FieldParity(
         REFUSED, "pf-trl loads architectures transformers ships (padding-free support is checked per model type) and "
-        "never runs code from a model folder.", refuse_if=_is_true, example=True),
+        "never runs code from a model folder or a Hub repository (a Hub model of a shipped architecture needs no "
+        "remote code).", refuse_if=_is_true, example=True),
     "activation_offloading": _trainer("TRL's offloading context around the training step, unchanged."),
     "activation_checkpointing": _trainer("Trainer's checkpointing; on by default as in TRL."),
     "activation_checkpointing_kwargs": _T,

@@ -92,7 +92,8 @@ FIELDS: dict[str, ScriptField] = {
         MAPPED, "padding_free_mode huggingface (default) and none: the model's attention (sdpa, eager, "
         "flash_attention_2/3, flex_attention), checked to be usable here; internal: pf-trl's varlen kernel of that "
         "family (flash_attention_* -> attention_backend flash_attn, flex_attention -> flex, sdpa -> sdpa; eager "
-        "refused). A hub kernel id is refused (pf-trl never downloads)."),
+        "refused). A Hub kernel id (the kernels package) is refused: pf-trl's padding-free attention does not "
+        "route it."),
     "use_peft": ScriptField(MAPPED, "Trains a LoRA adapter, as --peft_method lora, with TRL's LoraConfig (bias none, "
                             "the lora_* flags; rank 16 unless --lora_r / --r)."),
     "lora_r": _lora("The LoRA rank (TRL's default 16 with --use_peft; --r, pf-trl's name, is the same setting, "
