@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-# Never reach a hub from tests, even by accident.
+# Never reach the Hub from tests, even by accident (tests/test_hub.py runs its processes online against its own Hub
+# server on 127.0.0.1: HF_ENDPOINT set, these unset).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -228,3 +228,31 @@ def test_offline_with_nothing_cached_and_an_unreachable_hub_fail_in_one_line(hub
     for word in words:
         assert word in lines[0], lines[0]
     assert time.perf_counter() - start < 60
+
+
+def test_service_builds_an_allowed_hub_dataset_and_refuses_any_other(hub, tmp_path):
+    from test_service_support import Server, wait_state
+
+    server = hub["server"]
+    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    service = Server(tmp_path / "cache", [], env={"HF_ENDPOINT": server.url, "PF_SERVICE_HUB_ALLOW": "org/chat",
+                                                  "HF_HUB_DISABLE_TELEMETRY": "1", **online}).start()
+    try:
+        with service.client() as client:
+            body = {"source": {"hub": {"repo_id": "org/chat", "config": "short"}}}
+            r = client.post("/v1/datasets", json=body)
+            assert r.status_code == 202, r.text
+            status = wait_state(client, r.json()["id"], timeout=180)
+            assert status["state"] == "succeeded", status
+            commit = status["manifest"]["source"]["hub"]["commit"]
+            assert status["manifest"]["source"]["hub"]["repo_id"] == "org/chat"
+            assert status["source"]["path"].startswith(f"hf://datasets/org/chat@{commit}/short/train.jsonl")
+            again = client.post("/v1/datasets", json=body)  # the same commit: the same dataset, no new job
+            assert again.status_code == 200 and again.json()["id"] == r.json()["id"]
+            # negative controls: a repository hub_allow does not name, and a URL instead of an id
+            refused = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/gated"}}})
+            assert refused.status_code == 403 and "hub_allow: org/chat" in refused.text, refused.text
+            url = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "http://evil.example/x"}}})
+            assert url.status_code == 422, url.text
+    finally:
+        service.stop()
