@@ -256,3 +256,29 @@ def test_service_builds_an_allowed_hub_dataset_and_refuses_any_other(hub, tmp_pa
             assert url.status_code == 422, url.text
     finally:
         service.stop()
+
+
+API = r"""
+import json, sys
+from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+def losses(model, data, out, **init):
+    args = PaddingFreeConfig(output_dir=out, max_steps=2, logging_steps=1, max_tokens_per_batch=64, report_to=[],
+                             save_strategy="no", use_cpu=True, seed=0, model_init_kwargs=init or None)
+    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=data)
+    trainer.train()
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+hub = losses("org/tiny", "org/chat", sys.argv[1] + "/hub", revision="v1")
+local = losses(sys.argv[2], sys.argv[3], sys.argv[1] + "/local")
+print("RESULT " + json.dumps([hub, local]))
+"""
+
+
+def test_python_api_takes_hub_ids_as_model_and_train_dataset(hub, tmp_path):
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    proc = run([sys.executable, "-c", API, str(tmp_path), str(hub["model"]), str(hub["data"] / "data" / "train.jsonl")],
+               env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from_hub, local = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(from_hub) == 2 and from_hub == local
