@@ -1,7 +1,9 @@
-"""Embedded tiny model defaults: random init from a config, never a hub download.
+"""Where a model comes from: an embedded tiny config (random init), a local folder, or a Hugging Face Hub id.
 
-``--model_name_or_path pf-trl/tiny-llama`` (or any name below) builds the model from these configs; a
-local folder path loads as usual with ``from_pretrained(local_files_only=True)``.
+``--model_name_or_path pf-trl/tiny-llama`` (or any name below) builds the model from these configs; a local folder
+loads with ``from_pretrained(folder)``; a Hub id (``ORG/NAME``) is downloaded by huggingface_hub into its cache
+(:mod:`pf_trl.hub`) and its snapshot folder loads as a local folder does. A local path wins over a Hub id of the same
+spelling, as in transformers.
 """
 
 from __future__ import annotations
@@ -76,10 +78,32 @@ def embedded_config(name: str, **overrides: Any):
     return AutoConfig.for_model(model_type, **spec)
 
 
+def resolve_model_path(name: str, *, revision: str | None = None, flag: str = "--model_name_or_path") -> str:
+    """``name`` as pf-trl loads it: an embedded model name as it is, a local folder (``~`` expanded), or the snapshot
+    folder of the Hub repository ``name`` at ``revision`` (downloaded by huggingface_hub, or from its cache).
+
+    Raises:
+        pf_trl.hub.HubError: a Hub failure (not found, gated, offline, unreachable) or a name that is neither.
+    """
+    from pathlib import Path
+
+    from pf_trl.hub import HubError, looks_like_repo_id, snapshot
+
+    if is_embedded_model(name):
+        return name
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return str(folder)
+    if folder.exists() or not looks_like_repo_id(name):
+        raise HubError(f"{flag} {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...), "
+                       "a local model folder, nor a Hub id (ORG/NAME)")
+    return snapshot(name, repo_type="model", revision=revision, flag=flag).folder
+
+
 def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementation: str | None = None, seed: int = 0,
-                quantization_config: Any = None, **overrides: Any):
-    """An embedded model (random init, seeded) or a local checkpoint folder (``quantization_config``: a
-    bitsandbytes config for QLoRA, folders only). Never contacts a hub."""
+                quantization_config: Any = None, revision: str | None = None, **overrides: Any):
+    """An embedded model (random init, seeded), a local checkpoint folder or a Hub id (its snapshot, at ``revision``)
+    (``quantization_config``: a bitsandbytes config for QLoRA, pretrained weights only)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +120,7 @@ def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementati
         # how to build these very initial weights again (the card's snippet for an adapter trained on them)
         model.pf_trl_build = {"seed": int(seed), "overrides": dict(overrides)}
         return model
+    name_or_path = resolve_model_path(name_or_path, revision=revision)
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     if quantization_config is not None:

@@ -45,6 +45,7 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
             raise ServiceError(422, "Unprocessable Content", f"sources[{i}].options: {exc}", kind="invalid-options",
                                field=f"sources.{i}.options") from exc
         path, shown = submitter.resolve_source(DatasetRequest(source=spec.source))
+        shown.pop("hub", None)  # a Hub part's commit is in its shown path
         sha, size, stat = submitter.source_sha(path)
         parts.append({"name": name, "source_path": str(path), "source_shown": shown, "source_sha256": sha,
                       "source_size": size, "source_stat": stat, "options": config.to_dict(), "weight": spec.weight})

@@ -86,6 +86,29 @@ class _Sandbox:
         self._tokenizer(req["name"])  # loaded (or refused with the reason) first
         return {"fingerprint": self._tokenizers.fingerprint(req["name"])}
 
+    def op_hub(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A Hub dataset's split (downloaded by huggingface_hub into the service's Hub cache) -> its one file and
+        the repository, revision and commit it came from. Its README is parsed here, in the sandbox."""
+        from pf_trl.data.local_datasets import LocalDatasetError, dataset_splits
+        from pf_trl.hub import origin_of
+
+        repo_id, split = req["repo_id"], req["split"]
+        try:
+            splits = dataset_splits(repo_id, config=req.get("config"), revision=req.get("revision"),
+                                    flag="source.hub")
+        except LocalDatasetError as exc:
+            raise _unprocessable("source.hub", str(exc), "invalid-source") from exc
+        files = splits.get(split)
+        if not files:
+            raise _unprocessable("source.hub.split", f"source.hub {repo_id}: no {split!r} split (its splits: "
+                                 f"{', '.join(splits)})", "invalid-source")
+        if len(files) != 1 or not Path(files[0]).is_file():
+            raise _unprocessable("source.hub.split", f"source.hub {repo_id}: the {split!r} split has {len(files)} "
+                                 "files; the service reads a split of one file (train the rest with pf-trl train "
+                                 "--dataset_name)", "invalid-source")
+        origin = origin_of(files[0])
+        return {"path": files[0], "hub": {**origin.record(), "revision": req.get("revision")} if origin else None}
+
     def op_identify(self, req: dict[str, Any]) -> dict[str, Any]:
         from pf_trl.data.pretokenize import source_fingerprint
         from pf_trl.data.source_files import SourceFileError, save_to_disk_files

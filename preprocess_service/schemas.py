@@ -25,17 +25,32 @@ MAX_MIXTURE_SOURCES = 16
 
 
 def _exactly_one_schema(schema: dict[str, Any]) -> None:
-    """OpenAPI: exactly one of the two fields, neither null (what the validator below enforces)."""
-    for name in ("path", "upload_id"):
+    """OpenAPI: exactly one of the three fields, neither null (what the validator below enforces)."""
+    for name in ("path", "upload_id", "hub"):
         prop = schema["properties"][name]
         branch = next(b for b in prop.pop("anyOf") if b.get("type") != "null")
         prop.update(branch)
         prop.pop("default", None)
-    schema["oneOf"] = [{"required": ["path"]}, {"required": ["upload_id"]}]
+    schema["oneOf"] = [{"required": ["path"]}, {"required": ["upload_id"]}, {"required": ["hub"]}]
+
+
+class HubSource(BaseModel):
+    """A split of a Hugging Face Hub dataset, by repository id (never a URL); the service's ``hub_allow`` setting
+    must name the repository or its organisation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    repo_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$",
+                         description="ORG/NAME of a dataset repository.", examples=["my-org/chat-data"])
+    revision: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\w./-]+$",
+                                 description="A branch, tag or commit (default: main).")
+    config: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\w.-]+$",
+                               description="A configuration of its README `configs:` (default: the default one).")
+    split: str = Field("train", min_length=1, max_length=200, pattern=r"^[\w.-]+$", description="The split to read.")
 
 
 class SourceSpec(BaseModel):
-    """Where the rows come from: exactly one of ``path`` or ``upload_id``."""
+    """Where the rows come from: exactly one of ``path``, ``upload_id`` or ``hub``."""
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_exactly_one_schema)
 
@@ -52,11 +67,13 @@ class SourceSpec(BaseModel):
         pattern=UPLOAD_ID_PATTERN,
         description="The `upload_id` returned by `POST /v1/uploads`.",
     )
+    hub: HubSource | None = Field(None, description="A split of a Hugging Face Hub dataset the service allows.")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> SourceSpec:
-        if (self.path is None) == (self.upload_id is None):
-            raise ValueError("give exactly one of `path` (a file under a data root) or `upload_id` (from POST /v1/uploads)")
+        if sum(v is not None for v in (self.path, self.upload_id, self.hub)) != 1:
+            raise ValueError("give exactly one of `path` (a file under a data root), `upload_id` (from POST "
+                             "/v1/uploads) or `hub` (a Hub dataset the service allows)")
         return self
 
 

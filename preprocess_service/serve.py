@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allow-hardlinks", action="store_true", default=None,
         help="accept source files with several hard links (only when every writer of the data roots is trusted) "
         "[PF_SERVICE_ALLOW_HARDLINKS]")
+    add("--hub-allow", dest="hub_allow", action="append", metavar="ORG[/NAME]",
+        help="a Hugging Face Hub organisation or dataset requests may name as source.hub (repeat for several) "
+        "[PF_SERVICE_HUB_ALLOW, comma-separated] (default none: no Hub source, offline)")
     add("--token-file", help="file holding the bearer token (else PF_SERVICE_TOKEN; neither: auth off)")
     add("--database-url", metavar="postgresql://USER@HOST/DB",
         help="keep jobs in PostgreSQL so several replicas can share them and one cache volume "

@@ -70,6 +70,9 @@ class Settings:
             uploaded to ``<publish_uri>/<id>`` (files under a writer folder, manifest last) and its reported
             ``shards_path`` is that URI, so trainers need no shared volume (credentials from the cloud's standard
             chain; ``cache_dir`` can then be a ReadWriteOnce volume or an emptyDir). None: local paths only.
+        hub_allow: Hugging Face Hub datasets requests may name as a source: organisations (``org``) or repositories
+            (``org/name``); empty (the default): none, and the service runs offline. Downloads use the Hub's own
+            environment (``HF_ENDPOINT``, ``HF_TOKEN`` from the service's Secret); a caller never gives a URL.
         debug_progress_delay_s: TEST-ONLY: sleep this long in every progress callback (slows jobs for
             crash tests; 0 in production).
         debug_crash_at: TEST-ONLY: a worker kills itself (SIGKILL) at this step of a job: ``claimed``,
@@ -106,6 +109,7 @@ class Settings:
     rate_limit_per_minute: int = 600
     allow_hardlinks: bool = False
     publish_uri: str | None = None
+    hub_allow: list[str] = field(default_factory=list)
     debug_progress_delay_s: float = 0.0
     debug_crash_at: str = ""
 
@@ -149,6 +153,10 @@ class Settings:
         if self.debug_crash_at not in ("", "claimed", "written", "renamed", "committed"):
             raise SettingsError(f"debug_crash_at must be one of claimed, written, renamed, committed, got "
                                 f"{self.debug_crash_at!r}")
+        for entry in self.hub_allow:
+            if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", entry):
+                raise SettingsError(f"hub_allow entry {entry!r} is neither an organisation (org) nor a repository "
+                                    "(org/name)")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
         for root in self.data_roots:
@@ -205,13 +213,19 @@ class Settings:
         for d in (self.cache_dir, self.datasets_dir, self.uploads_dir, self.tmp_dir, self.scratch_dir):
             d.mkdir(parents=True, exist_ok=True)
 
+    def hub_allows(self, repo_id: str) -> bool:
+        """True when ``hub_allow`` names the repository or its organisation."""
+        org = repo_id.split("/", 1)[0] if "/" in repo_id else None
+        return any(entry == repo_id or (org is not None and entry == org) for entry in self.hub_allow)
+
     def child_env(self) -> dict[str, str]:
-        """Environment for the service and its workers: offline, every cache inside ``cache_dir``."""
+        """Environment for the service and its workers: every cache inside ``cache_dir``; offline unless
+        ``hub_allow`` names Hub datasets (then the Hub's own ``HF_ENDPOINT`` / ``HF_TOKEN`` are used)."""
         hf = self.cache_dir / "hf"
+        offline = {} if self.hub_allow else {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                                               "TRANSFORMERS_OFFLINE": "1"}
         return {
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
+            **offline,
             "HF_HOME": str(hf),
             "HF_DATASETS_CACHE": str(hf / "datasets"),
             "PF_TRL_CACHE": str(self.cache_dir / "pf-trl"),  # the converted embedded tokenizer lands here
@@ -237,7 +251,7 @@ class Settings:
                 "public_cache_dir": str(self.public_cache_dir), "publish_uri": self.publish_uri,
                 "auth": "on" if self.token else "off",
                 "workers": self.workers, "num_proc": self.num_proc, "database": describe_database(self),
-                "replica": self.replica_id, "host": self.host, "port": self.port}
+                "replica": self.replica_id, "host": self.host, "port": self.port, "hub_allow": self.hub_allow}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Settings:
@@ -262,6 +276,8 @@ def _convert(name: str, raw: str, *, env_name: str) -> Any:
     try:
         if name == "data_roots":
             return [p for p in raw.split(os.pathsep) if p]
+        if name == "hub_allow":
+            return [p for p in re.split(r"[,\s]+", raw) if p]
         if name in ("max_upload_bytes", "max_body_bytes", "min_free_bytes", "preflight_memory_bytes", "max_row_bytes",
                     "max_field_bytes", "max_row_group_bytes", "max_uploads_bytes"):
             return parse_size(raw, env_name)

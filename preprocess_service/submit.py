@@ -40,9 +40,14 @@ def content_address(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
-def dataset_id(source_sha256: str, tokenizer_sha256: str, options: dict[str, Any]) -> str:
-    """Content address: sha256 of the source bytes' hash, the tokenizer identity and every option."""
-    return content_address({"source_sha256": source_sha256, "tokenizer_sha256": tokenizer_sha256, "options": options})
+def dataset_id(source_sha256: str, tokenizer_sha256: str, options: dict[str, Any],
+               hub: dict[str, Any] | None = None) -> str:
+    """Content address: sha256 of the source bytes' hash, the tokenizer identity and every option (and, for a Hub
+    source, its repository and resolved commit, as ``pf-trl train``'s cache key)."""
+    key = {"source_sha256": source_sha256, "tokenizer_sha256": tokenizer_sha256, "options": options}
+    if hub:
+        key["hub"] = [hub.get("repo_id"), hub.get("commit")]
+    return content_address(key)
 
 
 def _unprocessable(field: str, detail: str, kind: str = "invalid-request") -> ServiceError:
@@ -62,6 +67,8 @@ class Submitter:
     # ----------------------------------------------------------------------------------- source
     def resolve_source(self, request: DatasetRequest) -> tuple[Path, dict[str, Any]]:
         spec = request.source
+        if spec.hub is not None:
+            return self._hub_source(spec.hub)
         if spec.upload_id is not None:
             path = self.settings.uploads_dir / spec.upload_id
             if not path.is_file():
@@ -85,6 +92,22 @@ class Submitter:
         if not path.is_file() and not path.is_dir():
             raise _unprocessable("source.path", f"source.path: {path} is not a regular file or folder", "invalid-source")
         return path, shown
+
+    def _hub_source(self, hub) -> tuple[Path, dict[str, Any]]:
+        """A split of a Hub dataset that ``hub_allow`` names, resolved (and downloaded) in the sandbox."""
+        if not self.settings.hub_allows(hub.repo_id):
+            allowed = ", ".join(self.settings.hub_allow) or "none"
+            raise ServiceError(403, "Forbidden", f"source.hub.repo_id: {hub.repo_id} is not a Hub dataset this service "
+                               f"may read (hub_allow: {allowed}); ask its operator to add the repository or its "
+                               "organisation to --hub-allow", kind="hub-forbidden", field="source.hub.repo_id")
+        answer = self._sandbox({"op": "hub", **hub.model_dump()}, what=f"Hub dataset {hub.repo_id}")
+        origin = answer.get("hub") or {}
+        path = Path(answer["path"])
+        where = path.name
+        if origin.get("commit") and f"/snapshots/{origin['commit']}/" in path.as_posix():
+            where = path.as_posix().split(f"/snapshots/{origin['commit']}/", 1)[1]
+        shown = {"path": f"hf://datasets/{hub.repo_id}@{origin.get('commit') or hub.revision or 'main'}/{where}"}
+        return path, {**shown, "hub": origin}
 
     def _refuse_hardlinks(self, path: Path, field: str) -> None:
         """403 for a file (or a file in a folder) with several hard links: one can carry a file from outside the
@@ -139,7 +162,8 @@ class Submitter:
             name = DEFAULT_TOKENIZER
         else:
             unknown = (f"tokenizer: {raw!r} is neither the embedded {DEFAULT_TOKENIZER!r} nor a tokenizer folder "
-                       "under the data roots; the service never downloads from a hub: copy the tokenizer files "
+                       "under the data roots; the service loads tokenizers from its data roots only (no Hub): copy "
+                       "the tokenizer files "
                        "(tokenizer.json, tokenizer_config.json) into a folder under a data root and pass its path")
             if not self.settings.data_roots:
                 raise _unprocessable("tokenizer", unknown, "unknown-tokenizer")
@@ -197,7 +221,8 @@ class Submitter:
         tok_name, fingerprint = self.tokenizer(request.tokenizer)
         sha, size, stat = self.source_sha(path)
         options = config.to_dict()
-        job_id = dataset_id(sha, fingerprint["sha256"], options)
+        hub = shown.pop("hub", None)
+        job_id = dataset_id(sha, fingerprint["sha256"], options, hub)
         record = {
             "source_path": str(path), "source_shown": shown, "source_sha256": sha, "source_size": size,
             "source_stat": stat,

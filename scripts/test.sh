@@ -6,7 +6,7 @@
 # main suite runs; every background job's output is printed whole when it ends, and the run ends with one line
 # per suite (pytest's closing line), the main suite's last. The exit status is nonzero when any part failed.
 #   PF_TRL_TEST_WORKERS  pytest-xdist workers for the main suite (default: the CPU count, at most 8)
-#   PF_TRL_REAL=0|1, PF_TRL_SKIP_LEGACY=1, PF_TRL_SKIP_NEWEST=1, PF_TRL_SKIP_POSTGRES=1: see below
+#   PF_TRL_REAL=0|1, PF_TRL_SKIP_LEGACY=1, PF_TRL_SKIP_NEWEST=1, PF_TRL_SKIP_POSTGRES=1, PF_TRL_SKIP_OLAH=1: see below
 # Extra arguments go to the main suite's pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,12 @@ real=0 legacy=0 newest=0
 
 # The legacy venv needs only python3 and pip (mostly network and disk): it is built while setup.sh builds .venv.
 (( legacy )) && job_start legacy-venv bash scripts/test_legacy.sh --prepare
+# The Hub tests run against a real Hub protocol server (olah, in its own venv .venv-olah: ~25 s to build from the
+# registry, mostly download) that they start themselves. Built while setup.sh builds .venv; required on this path
+# (CI): they skip only when PF_TRL_SKIP_OLAH=1 says olah is not available on this machine.
+olah=0
+[[ -z "${PF_TRL_SKIP_OLAH:-}" ]] && olah=1
+(( olah )) && job_start olah-venv bash scripts/olah.sh
 if ! bash scripts/setup.sh; then
   wait
   exit 1
@@ -47,6 +53,10 @@ if [[ -z "${PF_TRL_SKIP_POSTGRES:-}" ]]; then
     export PF_TRL_POSTGRES_BIN=$bindir
   fi
   export PF_TRL_REQUIRE_POSTGRES=1
+fi
+if (( olah )); then
+  job_finish olah-venv && export PF_TRL_OLAH_PYTHON=$PWD/.venv-olah/bin/python
+  export PF_TRL_REQUIRE_OLAH=1
 fi
 
 # The object-storage tests run against a real S3 server they start (SeaweedFS's `weed`, from the dev extra; installed

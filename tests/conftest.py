@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-# Never reach a hub from tests, even by accident.
+# Never reach the Hub from tests, even by accident (tests/test_hub.py runs its processes online against its own Hub
+# server on 127.0.0.1: HF_ENDPOINT set, these unset).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -69,7 +70,7 @@ ONE_WORKER_MODULES = frozenset({
     "tests/test_coverage.py", "tests/test_distributed.py", "tests/test_sequence_parallel.py", "tests/test_sharded.py",
     "tests/test_service.py", "tests/test_service_conventions.py", "tests/test_service_data_options.py",
     "tests/test_service_fuzz.py", "tests/test_service_hostile.py", "tests/test_k8s_object_storage.py",
-    "tests/test_storage.py", "tests/test_bucket_training.py",
+    "tests/test_storage.py", "tests/test_bucket_training.py", "tests/test_hub.py",
 })
 
 

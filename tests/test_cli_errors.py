@@ -86,7 +86,7 @@ def test_file_not_found_is_found_before_transformers_is_imported(tmp_path):
         (["--truncation", "chop"], ["--truncation 'chop' is unknown"]),
         (["--max_tokens_per_batch", "-3"], ["--max_tokens_per_batch must be a positive integer"]),
         (["--chat_template", "/nope.jinja"], ["--chat_template /nope.jinja: no such file"]),
-        (["--tokenizer_name_or_path", "/nope-tok"], ["--tokenizer_name_or_path", "never downloads"]),
+        (["--tokenizer_name_or_path", "/nope-tok"], ["--tokenizer_name_or_path", "nor a Hub id"]),
         (["--no_such_flag", "3"], ["unknown arguments: --no_such_flag 3"]),
         (["--max_steps", "abc"], ["max_steps", "abc"]),
         (["--eval_strategy", "steps"], ["--eval_strategy steps needs --validation_data_path"]),
@@ -175,7 +175,7 @@ def test_pretokenize_errors_and_spellings(capsys, tmp_path, data):
     assert_one_line_error(*run(capsys, "pretokenize", data, tmp_path / "e", "--max_seq_len", "x")[::2], "max_seq_len")
     assert_one_line_error(*run(capsys, "pretokenize", data, tmp_path / "a")[::2], "already exists", "--overwrite")
     assert_one_line_error(*run(capsys, "pretokenize", data, tmp_path / "f", "--tokenizer", "/nope")[::2],
-                          "never downloads")
+                          "nor a Hub id")
 
 
 @pytest.mark.slow

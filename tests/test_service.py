@@ -246,7 +246,7 @@ def _bad_cases():
          {"source": {"path": "no_template.jsonl"}, "options": {"input_format": "text", "response_template": "### Response:"}},
          None, 422, "options.response_template", "row 0: response template '### Response:' not found"),
         ("unknown-tokenizer", "POST", "/v1/datasets", {"source": {"path": "sample.jsonl"}, "tokenizer": "gpt2"}, None, 422,
-         "tokenizer", "never downloads"),
+         "tokenizer", "from its data roots only"),
         ("tokenizer-outside-roots", "POST", "/v1/datasets", {"source": {"path": "sample.jsonl"}, "tokenizer": "/usr/lib"},
          None, 403, "tokenizer", "outside the data roots"),
         ("tokenizer-remote-code", "POST", "/v1/datasets",

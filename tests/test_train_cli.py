@@ -99,7 +99,7 @@ def test_sample_end_to_end_raw_prompt_completion(tmp_path, sample_path, sample_r
         ("--no_such_flag 3", "unknown arguments"),
         ("--training_data_path /nonexistent/data.json", "no such file"),
         ("", "no training data"),
-        ("--model_name_or_path org/some-hub-model", "never downloads"),
+        ("--model_name_or_path ./no/such-model", "nor a Hub id"),
         ("--eval_strategy steps", "needs --validation_data_path"),
         ("--dataset_service_url http://x", "needs --dataset_id"),
     ],

@@ -50,3 +50,21 @@ def test_vlm_chat_rows_train_every_token_as_trl_with_assistant_only_loss_false(t
     _, batch_true, loss_true = pf(True)
     assert int((batch_true["labels"] != -100).sum()) < int((batch["labels"] != -100).sum())
     assert abs(loss_true.item() - ref.item()) > 1e-3
+
+
+def test_a_template_trl_cannot_mark_is_refused_naming_assistant_only_loss_false(tmp_path):
+    from datasets import Dataset
+
+    from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
+    from pf_trl_dev.tiny_vlm import tiny_vlm
+
+    model, processor = tiny_vlm("qwen2_vl")
+    # a template of no known model: no {% generation %} blocks and no training variant in TRL
+    processor.chat_template = "{% for m in messages %}{{ m['role'] }}: ...\n{% endfor %}"
+    args = PaddingFreeConfig(output_dir=str(tmp_path / "pf"), report_to=[], use_cpu=True, max_length=None,
+                             max_tokens_per_batch=100_000, save_strategy="no", assistant_only_loss=True)
+    with pytest.raises(ValueError) as caught:
+        PaddingFreeSFTTrainer(model, args=args, train_dataset=Dataset.from_list(chat_rows()),
+                              processing_class=processor)
+    message = str(caught.value)
+    assert "\n" not in message and "--assistant_only_loss False (TRL's default) to train every token" in message

@@ -1,6 +1,6 @@
 """What TRL / transformers would fail on after tokenizing and building the model is refused first, in one line, exit
 2, without importing torch or transformers: a reporter or liger-kernel without its package, `--push_to_hub` offline /
-without a token / without a network, a Hub id given as the model, tokenizer or data (pf-trl never downloads)."""
+without a token / without a network, a Hub id given as a data path (a Hub dataset is --dataset_name)."""
 
 from __future__ import annotations
 
@@ -62,10 +62,8 @@ def test_missing_packages_and_hub_access_fail_in_one_line(tmp_path):
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     assert f"but {endpoint} cannot be reached" in refused(["--push_to_hub", "True", "--hub_token", "hf_x"], tmp_path,
                                                           **online, HF_ENDPOINT=endpoint)
-    line = refused(["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], tmp_path)
-    assert "pf-trl never downloads" in line and "`hf download Qwen/Qwen2.5-0.5B --local-dir Qwen2.5-0.5B`" in line
     line = refused(["--validation_data_path", "HuggingFaceH4/ultrachat_200k"], tmp_path)
-    assert "`hf download HuggingFaceH4/ultrachat_200k --repo-type dataset --local-dir ultrachat_200k`" in line
+    assert "--dataset_name HuggingFaceH4/ultrachat_200k" in line and "local file or folder" in line
 
 
 def test_the_checks_pass_what_upstream_accepts(tmp_path, monkeypatch):

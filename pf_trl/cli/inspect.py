@@ -66,7 +66,9 @@ def _manifest_tokenizer(manifest: dict, override: str | None):
     info = manifest["tokenizer"]
     name = override or (info.get("name") if str(info.get("name", "")).startswith("pf-trl/") else info.get("path"))
     try:
-        tokenizer = load_tokenizer(name or info.get("name"))
+        # a Hub tokenizer at the very commit the shards were made with (found in the Hub cache, or downloaded)
+        commit = None if name else (info.get("hub") or {}).get("commit")
+        tokenizer = load_tokenizer(name or info.get("name"), revision=commit)
     except TokenizerLoadError as exc:
         if override:
             raise

@@ -90,8 +90,9 @@ def model_init_kwargs(get: Get) -> dict[str, Any]:
         raise TrainCLIError(f"--model_init_kwargs must be a JSON object, got {value!r}")
     extra = sorted(set(value) - {"dtype", "torch_dtype", "attn_implementation"})
     if extra:
-        raise TrainCLIError(f"--model_init_kwargs keys {extra} are not applied by pf-trl train (it loads local folders "
-                            "itself); use dtype, torch_dtype and attn_implementation only")
+        raise TrainCLIError(f"--model_init_kwargs keys {extra} are not applied by pf-trl train (it builds the model "
+                            "itself); use dtype, torch_dtype and attn_implementation only (--model_revision for a Hub "
+                            "revision)")
     return value
 
 
@@ -147,8 +148,9 @@ def check_attention(attn: str | None, mode: str, backend: str | None) -> None:
     if attn is None:
         return
     if "/" in attn:
-        raise TrainCLIError(f"--attn_implementation {attn}: a kernel from the hub; pf-trl never downloads. Use "
-                            f"{', '.join(HF_ATTENTION)}, or --padding_free_mode internal (pf-trl's varlen kernels)")
+        raise TrainCLIError(f"--attn_implementation {attn}: a Hub kernel (the kernels package), which pf-trl's "
+                            f"padding-free attention does not route; use {', '.join(HF_ATTENTION)}, or "
+                            "--padding_free_mode internal (pf-trl's varlen kernels)")
     if attn not in HF_ATTENTION:
         raise TrainCLIError(f"--attn_implementation {attn!r} is unknown; use one of {', '.join(HF_ATTENTION)}")
     if mode == "internal":
@@ -181,8 +183,9 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
 
     _refuse_script_values(get, given)
     if _as_bool(get("trust_remote_code")):  # SFTConfig's field, in every mode (pf-trl never runs a folder's code)
-        raise TrainCLIError("--trust_remote_code True: pf-trl loads architectures transformers ships and never runs "
-                            "code from a model folder; drop it (or train that model with trl sft)")
+        raise TrainCLIError("--trust_remote_code True: pf-trl loads architectures transformers ships (padding-free "
+                            "support is checked per model type) and never runs code from a model folder or Hub "
+                            "repository; drop it (or train that model with trl sft)")
     use_peft = _as_bool(get("use_peft"))
     lora = use_peft or (get("peft_method") or "none") == "lora"
     shaping = [f"--{n}" for n in LORA_FLAGS if n in given]  # as typed: their defaults are no request

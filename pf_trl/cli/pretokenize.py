@@ -113,6 +113,27 @@ def _pretokenize_mixture(data_config, args: argparse.Namespace, config: Pretoken
     return write_mixture_shards(mixture, args.output_dir, overwrite=args.overwrite, shard_size=config.shard_size)
 
 
+def _hub_source(args: argparse.Namespace):
+    """SOURCE given as a Hub dataset id: its ``train`` split (downloaded by huggingface_hub): one file replaces
+    ``args.source``, several files are returned as a data config (else None)."""
+    from pf_trl.hub import looks_like_repo_id
+
+    if not looks_like_repo_id(args.source):
+        return None
+    from pf_trl.data.data_config import DataConfig
+    from pf_trl.data.local_datasets import LocalDatasetError, resolve_dataset_name
+
+    try:
+        data = resolve_dataset_name(args.source, config=None, train_split="train", test_split="test", evaluate=False,
+                                    flag="source")
+    except LocalDatasetError as exc:
+        raise PretokenizeCLIError(str(exc)) from None
+    if isinstance(data.train, DataConfig):
+        return data.train
+    args.source = data.train
+    return None
+
+
 def main(argv: list[str]) -> int:
     try:
         argv = normalize_flags(argv, command="pretokenize")  # `pf-trl train` spellings: pf_trl.cli.flags.FLAG_ALIASES
@@ -124,6 +145,8 @@ def main(argv: list[str]) -> int:
         if (args.source is None) == (args.data_config is None):
             raise PretokenizeCLIError("pass a SOURCE or --data_config FILE (not both) before OUTPUT_DIR")
         data_config = _read_data_config(args.data_config) if args.data_config else None
+        if data_config is None:
+            data_config = _hub_source(args)  # a Hub dataset id (a bucket URI or a local path is not one)
         if data_config is None:
             args.source = str(check_source_path(args.source, flag="source"))  # a bucket URI: its cached copy
         config = config_from_args(args)

@@ -189,20 +189,21 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_model_name(name: str) -> str:
-    """``--model_name_or_path`` as pf-trl loads it: an embedded model name, or a local folder (``~`` expanded);
-    raises TrainCLIError for anything else (pf-trl never downloads)."""
-    from pf_trl.models import is_embedded_model
+def check_model_name(name: str, revision: str | None = None) -> str:
+    """``--model_name_or_path`` as pf-trl loads it: an embedded model name, a local folder (``~`` expanded), or the
+    snapshot folder of a Hub id at ``--model_revision`` (downloaded by huggingface_hub, or from its cache); raises
+    TrainCLIError in one line for anything else."""
+    from pf_trl.hub import HubError, looks_like_repo_id
+    from pf_trl.models import is_embedded_model, resolve_model_path
 
-    if is_embedded_model(name):
-        return name
-    folder = Path(name).expanduser()
-    if not folder.is_dir():
-        raise TrainCLIError(
-            f"--model_name_or_path {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...) "
-            "nor a local folder; pf-trl never downloads models"
-        )
-    return str(folder)
+    pinned = revision not in (None, "", "main")
+    if pinned and (is_embedded_model(name) or not looks_like_repo_id(name)):
+        raise TrainCLIError(f"--model_revision {revision}: {name} is not a Hub id (a local folder or an embedded model "
+                            "has one revision); drop --model_revision, or pass the Hub id")
+    try:
+        return resolve_model_path(name, revision=revision if pinned else None)
+    except HubError as exc:
+        raise TrainCLIError(str(exc)) from None
 
 
 def _positive_int(value: Any, flag: str) -> int:
@@ -303,8 +304,8 @@ def precheck(argv: list[str], *, say=print) -> None:
     args = _light_args(argv)
     _check_data_choice(args)
     _precheck_trl_data(args)
-    check_hub_ids({f"--{name}": getattr(args, name) for name in ("model_name_or_path", "tokenizer_name_or_path",
-                                                                 "training_data_path", "validation_data_path")})
+    check_hub_ids({f"--{name}": getattr(args, name) for name in ("training_data_path", "validation_data_path")
+                   if name not in args.pf_data_flags})
     if args.data_config:
         try:
             check_data_config_paths(read_data_config(args.data_config))
@@ -313,6 +314,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     local: dict[str, str] = {}  # a bucket URI -> its node-cache copy (fetched once per node, verified)
     for flag, path in (("--training_data_path", args.training_data_path),
                        ("--validation_data_path", args.validation_data_path)):
+        flag = args.pf_data_flags.get(flag[2:], flag)  # the flag the user gave (--dataset_name)
         if path:
             try:
                 if flag == "--validation_data_path" and is_data_config_path(path):
@@ -334,7 +336,7 @@ def precheck(argv: list[str], *, say=print) -> None:
     if given is not None:
         check_combinations(lambda flag, default=None: getattr(given, flag, default))
     _precheck_model(argv, args, given)
-    name = check_model_name(args.model_name_or_path)
+    name = check_model_name(args.model_name_or_path, getattr(args, "model_revision", None))
     positions = _max_positions(name)
     if positions is not None and max_seq_len is not None and max_seq_len > positions:
         raise TrainCLIError(
@@ -358,6 +360,7 @@ def precheck(argv: list[str], *, say=print) -> None:
             raise TrainCLIError(str(exc)) from exc
     for flag, path in (("--training_data_path", args.training_data_path),
                        ("--validation_data_path", args.validation_data_path)):
+        flag = args.pf_data_flags.get(flag[2:], flag)
         if path and not is_data_config_path(path):
             try:  # a streaming scan (once per file version): the first bad line, numbered, before any import
                 check_json_lines(local.get(path, path), flag=flag)
@@ -373,10 +376,13 @@ def _precheck_trl_data(args: argparse.Namespace) -> None:
     from pf_trl.cli import trl_data
 
     train, evalset, _ = trl_data.resolve(args, args.eval_strategy)
+    args.pf_data_flags = {}  # checked under the flag the user gave
     if train is not None:  # a single path is checked below like --training_data_path (its lines scanned too)
         args.training_data_path = train if isinstance(train, str) else None
+        args.pf_data_flags["training_data_path"] = "--dataset_name" if args.dataset_name else "--datasets"
         if isinstance(evalset, str):
             args.validation_data_path = evalset
+            args.pf_data_flags["validation_data_path"] = "--dataset_name"
     trl_data.validation_split(args.validation_data_path)
     if args.chat_template_path:  # TRL's name for the same setting: checked as --chat_template below
         args.chat_template = trl_data.chat_template_path(args.chat_template_path, args.chat_template)
@@ -608,7 +614,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     _check_data_choice(data_args)
     if data_args.dataset_service_url and not data_args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
-    name = check_model_name(model_args.model_name_or_path)
+    name = check_model_name(model_args.model_name_or_path, getattr(model_args, "model_revision", None))
     check_combinations(lambda flag, default=None: next(
         (getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)), default))
     overrides = _parse_overrides(model_args.model_overrides)

@@ -130,20 +130,17 @@ def looks_like_hub_id(value: Any) -> bool:
     return bool(HUB_ID.match(text)) and not text.startswith("pf-trl/") and not Path(text).expanduser().exists()
 
 
-def hub_id_message(flag: str, value: str, *, dataset: bool = False) -> str:
-    """The one line for a Hub id given where a local folder or file is wanted."""
-    kind = " --repo-type dataset" if dataset else ""
-    folder = value.split("/")[-1]
-    return (f"{flag} {value!r} looks like a Hugging Face Hub id, and pf-trl never downloads; get the folder with "
-            f"`hf download {value}{kind} --local-dir {folder}` and pass {flag} {folder}")
+def hub_id_message(flag: str, value: str) -> str:
+    """The one line for a Hub dataset id given to a flag that takes a local file or folder."""
+    return (f"{flag} {value!r} is no local file or folder and looks like a Hugging Face Hub id; a Hub dataset is "
+            f"named with --dataset_name {value} (its splits with --dataset_train_split / --dataset_test_split)")
 
 
 def check_hub_ids(values: dict[str, Any]) -> None:
-    """``{flag: value}`` of the model, tokenizer and data flags: a Hub id is refused with the download command."""
+    """``{flag: value}`` of pf-trl's data path flags: a Hub id is refused, naming --dataset_name."""
     for flag, value in values.items():
         if value and looks_like_hub_id(value):
-            dataset = "model" not in flag and "tokenizer" not in flag
-            raise UpstreamError(hub_id_message(flag, str(value), dataset=dataset))
+            raise UpstreamError(hub_id_message(flag, str(value)))
 
 
 def check_upstream(get: Callable[..., Any]) -> None:

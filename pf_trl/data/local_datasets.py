@@ -2,8 +2,9 @@
 ``--dataset_test_split`` and a ``datasets:`` mixture list, resolved to the sources pf-trl's data path reads.
 
 ``trl sft`` calls ``datasets.load_dataset(dataset_name, name=dataset_config)`` and trains on
-``dataset[dataset_train_split]`` (evaluating on ``dataset[dataset_test_split]`` when evaluation is on). pf-trl never
-downloads, so ``dataset_name`` is a local path, of any kind pf-trl reads:
+``dataset[dataset_train_split]`` (evaluating on ``dataset[dataset_test_split]`` when evaluation is on). ``dataset_name``
+is a Hub dataset id (``ORG/NAME``: huggingface_hub downloads its snapshot, :mod:`pf_trl.hub`, which is then read as
+the folder it is) or a local path, of any kind pf-trl reads (a local path wins over a Hub id of the same spelling):
 
 - a data file (JSON / JSONL / Parquet / CSV): one split, ``train``;
 - a folder of such files: its splits and configurations exactly as ``datasets`` reads a folder (file names such as
@@ -45,13 +46,20 @@ class ResolvedData:
     eval_split: str | None = None
 
 
-def _hub_hint(name: str, flag: str) -> str:
-    looks_like_id = not name.startswith(("/", ".", "~")) and not Path(name).suffix  # `org/name` or `name`
-    if looks_like_id:
-        return (f"{flag} {name}: no such local file or folder; pf-trl never downloads datasets: get it first (hf "
-                f"download {name} --repo-type dataset --local-dir DIR, or save_to_disk(DIR) a loaded copy) and pass "
-                "the folder")
-    return f"{flag} {name}: no such file or folder"
+def local_or_hub(name: str, *, revision: str | None = None, flag: str = "--dataset_name") -> Path:
+    """The folder or file ``name`` names: a local path as it is, else the snapshot of the Hub dataset ``name``
+    (downloaded by huggingface_hub, or found in its cache). Raises LocalDatasetError in one line."""
+    from pf_trl.hub import HubError, looks_like_repo_id, snapshot
+
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if not looks_like_repo_id(name):
+        raise LocalDatasetError(f"{flag} {name}: no such file or folder")
+    try:
+        return Path(snapshot(name, repo_type="dataset", revision=revision, flag=flag).folder)
+    except HubError as exc:
+        raise LocalDatasetError(str(exc)) from None
 
 
 def _is_shards(path: Path) -> bool:
@@ -59,11 +67,11 @@ def _is_shards(path: Path) -> bool:
 
 
 def dataset_splits(name: str, *, config: str | None = None, data_dir: str | None = None,
-                   data_files: Any = None, flag: str = "--dataset_name") -> dict[str, list[str]]:
-    """``{split: [paths]}`` of a local dataset (see the module docstring). Raises LocalDatasetError."""
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise LocalDatasetError(_hub_hint(name, flag))
+                   data_files: Any = None, flag: str = "--dataset_name",
+                   revision: str | None = None) -> dict[str, list[str]]:
+    """``{split: [paths]}`` of a local dataset or a Hub dataset's snapshot (see the module docstring). Raises
+    LocalDatasetError."""
+    path = local_or_hub(name, revision=revision, flag=flag)
     single = path.is_file() or _is_shards(path) or (path / "state.json").is_file() or \
         (path / "dataset_dict.json").is_file()
     if single and (config or data_dir or data_files):
@@ -133,9 +141,9 @@ def _pick(splits: dict[str, list[str]], split: str, flag: str, name: str, what: 
 
 
 def resolve_dataset_name(name: str, *, config: str | None, train_split: str, test_split: str,
-                         evaluate: bool) -> ResolvedData:
+                         evaluate: bool, flag: str = "--dataset_name") -> ResolvedData:
     """The train source (and the test split's, when ``evaluate``) of ``--dataset_name``, as ``trl sft`` picks them."""
-    splits = dataset_splits(name, config=config)
+    splits = dataset_splits(name, config=config, flag=flag)
     train = _pick(splits, train_split, "--dataset_train_split", name, "train on")
     evalset = _pick(splits, test_split, "--dataset_test_split", name, "evaluate on") if evaluate else None
     return ResolvedData(train=as_source(train, f"{Path(name).name}-{train_split}"),

@@ -45,6 +45,7 @@ def prepare_dataset(dataset, *, tokenizer, model, args, options=None, what: str)
     """
     if dataset is None:
         return dataset
+    dataset = _hub_dataset(dataset, what)
     from pf_trl.data import inputs
 
     options = options if options is not None else data_options(args)
@@ -52,6 +53,21 @@ def prepare_dataset(dataset, *, tokenizer, model, args, options=None, what: str)
     if not done:
         dataset = _prepare_rows(dataset, tokenizer=tokenizer, model=model, args=args, options=options, what=what)
     return inputs.finish(dataset, tokenizer=tokenizer, args=args, what=what)
+
+
+def _hub_dataset(dataset, what: str):
+    """A Hub dataset id given as the dataset: its ``train`` split (``test`` for evaluation data), as a path or a data
+    config of its files; anything else as it is (a local path wins over an id of the same spelling)."""
+    from pf_trl.hub import looks_like_repo_id
+
+    if not isinstance(dataset, str) or not looks_like_repo_id(dataset):
+        return dataset
+    from pf_trl.data.local_datasets import resolve_dataset_name
+
+    split = "train" if what == "training" else "test"
+    flag = "train_dataset" if what == "training" else "eval_dataset"
+    data = resolve_dataset_name(dataset, config=None, train_split=split, test_split=split, evaluate=False, flag=flag)
+    return data.train
 
 
 def prepare_train_and_eval(train_dataset, eval_dataset, *, tokenizer, model, args, options=None):

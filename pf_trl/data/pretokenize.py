@@ -115,6 +115,13 @@ def _train_split(ds, where: str):
     return ds["train"]
 
 
+def _hub_record(source: Any) -> dict[str, Any] | None:
+    from pf_trl.hub import origin_of
+
+    found = origin_of(source) if isinstance(source, (str, os.PathLike)) else None
+    return found.record() if found else None
+
+
 def describe_source(source: Any) -> str:
     """A path, or ``datasets.Dataset(<rows> rows, fingerprint ...)`` for a dataset in memory."""
     if isinstance(source, (str, os.PathLike)):
@@ -520,6 +527,7 @@ def pretokenize(
             "tokenize_seconds": round(time.time() - started, 3),
             "source": {
                 "path": describe_source(source),
+                "hub": _hub_record(source),  # repo id, revision and commit of a Hub dataset's file (else None)
                 "sha256": source_sha,
                 "rows": rows_total,
                 "input_format": input_format,

@@ -71,15 +71,34 @@ def check_source_path(path: str | Path, *, flag: str = "source") -> Path:
     return source
 
 
+def hub_origin(source: Any) -> dict[str, Any] | None:
+    """The Hub repository, revision and commit a source path was downloaded from (None: not a Hub snapshot)."""
+    from pf_trl.hub import origin_of
+
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    found = origin_of(source)
+    return found.record() if found else None
+
+
 def dataset_cache_key(source: Any, tokenizer, options: dict[str, Any]) -> str:
-    """Content address of the shards of ``source`` tokenized by ``tokenizer`` with ``options``."""
+    """Content address of the shards of ``source`` tokenized by ``tokenizer`` with ``options``: the source's bytes
+    and, for Hub snapshots, the dataset's and the tokenizer's resolved commits; the tokenizer's identity by content;
+    the options; pf-trl's shards format version (rows cached by another format are never reused)."""
     from pf_trl.data.pretokenize import source_fingerprint
+    from pf_trl.data.shards import FORMAT_VERSION
     from pf_trl.data.tokenizer import tokenizer_fingerprint
 
     digest = hashlib.sha256()
+    digest.update(f"pf-trl shards format {FORMAT_VERSION}".encode())
     digest.update(source_fingerprint(source).encode())
     identity = tokenizer_fingerprint(tokenizer)
     digest.update(identity["sha256"].encode())
+    origin = hub_origin(source)
+    hubs = [(origin or {}).get("repo_id"), (origin or {}).get("commit"),
+            (identity.get("hub") or {}).get("repo_id"), (identity.get("hub") or {}).get("commit")]
+    if any(hubs):  # a key without Hub commits stays what it was for local data
+        digest.update(json.dumps(hubs).encode())
     # special ids set in memory (e.g. SFTConfig.eos_token) change the tokens written but not the tokenizer's files
     digest.update(json.dumps([identity["bos_token_id"], identity["eos_token_id"]]).encode())
     digest.update(json.dumps(options, sort_keys=True).encode())

@@ -1,4 +1,5 @@
-"""Tokenizer loading without any hub access, and the tokenizer identity recorded in manifests.
+"""Tokenizer loading (an embedded name, a local folder, or a Hub id's snapshot) and the tokenizer identity recorded in
+manifests.
 
 The embedded default is the Mistral-7B v0.1 sentencepiece model shipped inside the ``mistral-common``
 package (``mistral_common/data/tokenizer.model.v1``). Pitfall on transformers 5.x:
@@ -121,38 +122,49 @@ def _embedded_tokenizer_dir() -> Path:
     return target
 
 
-def resolve_tokenizer_path(name_or_path: str) -> tuple[str, Path]:
-    """Map a tokenizer name to ``(display name, local folder)``; never touches a hub."""
+def resolve_tokenizer_path(name_or_path: str, *, revision: str | None = None,
+                           flag: str = "--tokenizer_name_or_path") -> tuple[str, Path]:
+    """Map a tokenizer name to ``(display name, local folder)``: the embedded one, a local folder, or the snapshot of
+    a Hub repository (``ORG/NAME`` at ``revision``, downloaded by huggingface_hub or found in its cache)."""
     if name_or_path in EMBEDDED_TOKENIZER_NAMES:
         return DEFAULT_TOKENIZER, _embedded_tokenizer_dir()
     path = Path(name_or_path).expanduser()
     if not path.exists():
-        raise TokenizerLoadError(
-            f"tokenizer {name_or_path!r} is neither a local folder nor an embedded name "
-            f"({DEFAULT_TOKENIZER!r}); pf-trl never downloads from a hub: pass a folder that holds "
-            "tokenizer.json / tokenizer.model"
-        )
+        from pf_trl.hub import HubError, looks_like_repo_id, snapshot
+
+        if not looks_like_repo_id(name_or_path):
+            raise TokenizerLoadError(
+                f"tokenizer {name_or_path!r} is neither a local folder, an embedded name ({DEFAULT_TOKENIZER!r}) nor "
+                "a Hub id (ORG/NAME); pass a folder that holds tokenizer.json / tokenizer.model, or a Hub id")
+        try:
+            path = Path(snapshot(name_or_path, repo_type="model", revision=revision, flag=flag).folder)
+        except HubError as exc:
+            raise TokenizerLoadError(str(exc)) from None
     if path.is_file():
         raise TokenizerLoadError(f"tokenizer path {path} is a file; pass the folder that contains it")
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise TokenizerLoadError(f"folder {path} holds no tokenizer files (expected tokenizer.json or tokenizer.model)")
     path = path.resolve()  # manifests record it: an absolute path works from any working directory
-    return str(path), path
+    from pf_trl.hub import origin_of
+
+    hub = origin_of(path)
+    return (hub.repo_id if hub else str(path)), path
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, **kwargs: Any):
-    """Load a Hugging Face tokenizer from local files only.
+def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, *, revision: str | None = None, **kwargs: Any):
+    """Load a Hugging Face tokenizer: the embedded one, a local folder, or a Hub id (its snapshot folder).
 
     Args:
-        name_or_path: ``"pf-trl/mistral-7b-v0.1"`` (the embedded default) or a local folder.
+        name_or_path: ``"pf-trl/mistral-7b-v0.1"`` (the embedded default), a local folder or a Hub id.
+        revision: the branch, tag or commit of a Hub id.
         kwargs: forwarded to ``AutoTokenizer.from_pretrained``.
 
-    Remote code is never executed and no hub is contacted. The returned tokenizer carries
+    Remote code is never executed; the folder is read as it is. The returned tokenizer carries
     ``pf_trl_name`` and ``pf_trl_path`` attributes used for its manifest identity.
     """
     from transformers import AutoTokenizer
 
-    name, path = resolve_tokenizer_path(name_or_path)
+    name, path = resolve_tokenizer_path(name_or_path, revision=revision)
     kwargs.setdefault("local_files_only", True)
     kwargs["trust_remote_code"] = False
     if any((path / f).is_file() for f in PROCESSOR_FILES):
@@ -222,9 +234,14 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     # The chat template may be set in memory after loading; it changes the rendering of chat data.
     template = getattr(tokenizer, "chat_template", None)
     digest.update(str(template).encode())
+    from pf_trl.hub import origin_of
+
+    hub = origin_of(path)
     return {
         "name": getattr(tokenizer, "pf_trl_name", None) or getattr(tokenizer, "name_or_path", None),
         "path": str(path) if path else None,
+        # the Hub repository and commit the tokenizer was downloaded from (None: a local folder or the embedded one)
+        "hub": hub.record() if hub else None,
         "class": type(tokenizer).__name__,
         **content_identity(tokenizer),
         "files_sha256": digest.hexdigest(),
@@ -375,6 +392,15 @@ def default_tokenizer_for(model_name_or_path: str | None) -> str:
 
     if model_name_or_path is None or is_embedded_model(model_name_or_path):
         return DEFAULT_TOKENIZER
+    from pf_trl.hub import HubError, looks_like_repo_id
+
+    if looks_like_repo_id(model_name_or_path):  # a Hub model: its snapshot folder's tokenizer
+        from pf_trl.models import resolve_model_path
+
+        try:
+            model_name_or_path = resolve_model_path(model_name_or_path)
+        except HubError as exc:
+            raise TokenizerLoadError(str(exc)) from None
     if folder_has_tokenizer(model_name_or_path):
         return str(Path(model_name_or_path).expanduser())
     raise TokenizerLoadError(

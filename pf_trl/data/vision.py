@@ -190,7 +190,8 @@ def training_chat_template(processor) -> str | None:
         raise VisionDataError(
             "the processor's chat template has no {% generation %} blocks, so the assistant turns of a multimodal "
             "conversation cannot be told apart, and TRL has no training variant of it "
-            f"({str(exc).splitlines()[0][:120]}); pass a template with generation blocks (--chat_template FILE)"
+            f"({str(exc).splitlines()[0][:120]}); pass a template with generation blocks (--chat_template FILE), or "
+            "--assistant_only_loss False (TRL's default) to train every token"
         ) from exc
     return template
 

@@ -50,6 +50,8 @@ def model_build_kwargs(args) -> dict[str, Any]:
         out["torch_dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if given.get("attn_implementation"):
         out["attn_implementation"] = given["attn_implementation"]
+    if given.get("revision"):
+        out["revision"] = given["revision"]
     return out
 
 

@@ -74,7 +74,7 @@ def _set(value: Any) -> bool:
 _T = _trainer()
 _LOG = _trainer("Logging, reporting and progress: transformers' Trainer, unchanged (pf-trl adds its own token metrics).")
 _SAVE = _trainer("Checkpointing: transformers' Trainer, unchanged; pf-trl adds its sampler state to each checkpoint.")
-_HUB = _trainer("Hub upload: transformers' Trainer, unchanged (pf-trl itself never downloads).")
+_HUB = _trainer("Hub upload: transformers' Trainer, unchanged.")
 _OPT = _trainer("Optimizer and schedule: transformers' Trainer, unchanged (the gradients are the padded run's).")
 _PREC = _trainer("Precision: transformers' Trainer, unchanged. PaddingFreeConfig defaults bf16 on only with CUDA "
                  "(TRL's default, which transformers refuses on CPU).")
@@ -237,14 +237,14 @@ FIELDS: dict[str, FieldParity] = {
                              "(a cache would let packed examples attend to each other)."),
     # ---------------------------------------------------------------- model
     "model_init_kwargs": FieldParity(
-        HONOURED, "When `model` is a name or folder (always on pf-trl train, which builds the model): dtype / "
-        "torch_dtype and attn_implementation are used, other keys refused (pf-trl builds embedded models from configs "
-        "and never downloads).",
-        refuse_if=lambda v: bool(set(v or {}) - {"dtype", "torch_dtype", "attn_implementation"}),
+        HONOURED, "When `model` is a name, folder or Hub id (always on pf-trl train, which builds the model): dtype / "
+        "torch_dtype, attn_implementation and revision (of a Hub id) are used, other keys refused.",
+        refuse_if=lambda v: bool(set(v or {}) - {"dtype", "torch_dtype", "attn_implementation", "revision"}),
         example={"device_map": "auto"}),
     "trust_remote_code": FieldParity(
         REFUSED, "pf-trl loads architectures transformers ships (padding-free support is checked per model type) and "
-        "never runs code from a model folder.", refuse_if=_is_true, example=True),
+        "never runs code from a model folder or a Hub repository (a Hub model of a shipped architecture needs no "
+        "remote code).", refuse_if=_is_true, example=True),
     "activation_offloading": _trainer("TRL's offloading context around the training step, unchanged."),
     "activation_checkpointing": _trainer("Trainer's checkpointing; on by default as in TRL."),
     "activation_checkpointing_kwargs": _T,

@@ -55,34 +55,35 @@ def _lora(how: str) -> ScriptField:
 FIELDS: dict[str, ScriptField] = {
     # ------------------------------------------------------------------------------------ ScriptArguments
     "dataset_name": ScriptField(
-        HONOURED, "A local dataset only (pf-trl never downloads): a JSON / JSONL / Parquet / CSV file, a folder of "
-        "such files (split names from the file names, as datasets reads a folder), a save_to_disk folder (Dataset or "
-        "DatasetDict), a pf-trl shards directory, or a folder of shards directories named by split. A hub id is "
-        "refused, naming how to get the folder."),
+        HONOURED, "A Hub dataset id (ORG/NAME; downloaded by huggingface_hub with HF_TOKEN, HF_ENDPOINT, HF_HOME and "
+        "HF_HUB_OFFLINE as they are, its splits and README configs read as datasets reads them) or a local dataset: a "
+        "JSON / JSONL / Parquet / CSV file, a folder of such files (split names from the file names, as datasets reads "
+        "a folder), a save_to_disk folder (Dataset or DatasetDict), a pf-trl shards directory, or a folder of shards "
+        "directories named by split. A local path wins over a Hub id of the same spelling."),
     "dataset_config": ScriptField(
-        HONOURED, "A configuration of a folder of files, declared in its README.md (`configs:`), as datasets reads "
-        "it; refused for a single file, a save_to_disk folder or shards (they have none)."),
+        HONOURED, "A configuration of a Hub dataset or a folder of files, declared in its README.md (`configs:`), as "
+        "datasets reads it; refused for a single file, a save_to_disk folder or shards (they have none)."),
     "dataset_train_split": ScriptField(HONOURED, "The split trained on; a split the dataset lacks is refused, naming "
                                        "the splits it has."),
     "dataset_test_split": ScriptField(
         HONOURED, "The split evaluated on when eval_strategy is not `no` (as trl sft); a missing split is then "
         "refused, naming the splits it has."),
     "dataset_streaming": ScriptField(
-        REFUSED, "pf-trl streams through a data config (`dataprocessor: {streaming: true}`, --data_config); a local "
-        "dataset is tokenized once and memory-mapped, so it needs no streaming.", refuse_if=_true,
+        REFUSED, "pf-trl streams through a data config (`dataprocessor: {streaming: true}`, --data_config); a "
+        "--dataset_name dataset (a Hub snapshot or a local one) is tokenized once into the cache and memory-mapped, "
+        "so it needs no streaming.", refuse_if=_true,
         fix="drop it, or stream with a data config (--data_config mix.yaml with dataprocessor.streaming: true)",
         example=True),
     "ignore_bias_buffers": ScriptField(
         REFUSED, "A DDP workaround for bool buffers that trl sft's script does not read either.", refuse_if=_true,
         fix="drop it", example=True),
     # ---------------------------------------------------------------------------------------- ModelConfig
-    "model_name_or_path": ScriptField(HONOURED, "A local model folder or an embedded pf-trl/ model; a hub id is "
-                                      "refused (pf-trl never downloads)."),
+    "model_name_or_path": ScriptField(
+        HONOURED, "A Hub model id (ORG/NAME; its config, weights and tokenizer downloaded by huggingface_hub into its "
+        "cache), a local model folder (which wins over an id of the same spelling) or an embedded pf-trl/ model."),
     "model_revision": ScriptField(
-        REFUSED, "A local folder has one revision: any revision but `main` (the default) is refused.",
-        refuse_if=lambda v: v not in (None, "main"),
-        fix="download that revision into a folder (hf download ID --revision REV --local-dir DIR) and pass the folder",
-        example="v1.0"),
+        HONOURED, "The branch, tag or commit of a Hub model id (the tokenizer comes from the same commit unless "
+        "--tokenizer_name_or_path names another); the commit it resolves to enters the pretokenize cache key."),
     "dtype": ScriptField(
         HONOURED, "The dtype the model is loaded in (auto, bfloat16, float16, float32): the same setting as pf-trl's "
         "--torch_dtype (two different values are refused). Unset, --torch_dtype decides (default auto: the folder's "
@@ -91,7 +92,8 @@ FIELDS: dict[str, ScriptField] = {
         MAPPED, "padding_free_mode huggingface (default) and none: the model's attention (sdpa, eager, "
         "flash_attention_2/3, flex_attention), checked to be usable here; internal: pf-trl's varlen kernel of that "
         "family (flash_attention_* -> attention_backend flash_attn, flex_attention -> flex, sdpa -> sdpa; eager "
-        "refused). A hub kernel id is refused (pf-trl never downloads)."),
+        "refused). A Hub kernel id (the kernels package) is refused: pf-trl's padding-free attention does not "
+        "route it."),
     "use_peft": ScriptField(MAPPED, "Trains a LoRA adapter, as --peft_method lora, with TRL's LoraConfig (bias none, "
                             "the lora_* flags; rank 16 unless --lora_r / --r)."),
     "lora_r": _lora("The LoRA rank (TRL's default 16 with --use_peft; --r, pf-trl's name, is the same setting, "

@@ -75,10 +75,11 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
 
     Args are those of ``SFTTrainer``; ``args`` should be a :class:`PaddingFreeConfig` (a plain ``SFTConfig`` or
     ``TrainingArguments`` is converted). ``model`` is a loaded ``PreTrainedModel``, an embedded pf-trl name
-    (``pf-trl/tiny-llama``) or a local folder: pf-trl never downloads. ``processing_class`` defaults to the model
-    folder's tokenizer (the embedded one for embedded / in-memory models) and must fit the model's embeddings.
-    ``train_dataset`` / ``eval_dataset`` may be shards, raw rows in any format of ``docs/data.md``, a path or a
-    ``DatasetDict``, a data config (``"mix.yaml"``, a list of ``(path, weight)``: a mixture) or a
+    (``pf-trl/tiny-llama``), a local folder or a Hugging Face Hub id (``ORG/NAME``; ``model_init_kwargs={"revision":
+    ...}`` pins a revision), downloaded by huggingface_hub. ``processing_class`` defaults to the model's tokenizer (the
+    embedded one for embedded / in-memory models) and must fit the model's embeddings.
+    ``train_dataset`` / ``eval_dataset`` may be shards, raw rows in any format of ``docs/data.md``, a path, a Hub
+    dataset id (its ``train`` split; the ``test`` split for ``eval_dataset``) or a ``DatasetDict``, a data config (``"mix.yaml"``, a list of ``(path, weight)``: a mixture) or a
     ``datasets.IterableDataset`` (a stream; see :mod:`pf_trl.data.inputs`); ``pretokenize_config``
     (:class:`~pf_trl.data.pretokenize.PretokenizeConfig`) sets the data options the trainer config does not carry
     (response template, field names, format).
@@ -97,6 +98,10 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             from pf_trl.trainer.parity import check_config  # (imported here: `python -m` runs that module)
 
             check_config(args)  # every SFTConfig / TrainingArguments value pf-trl cannot reproduce, by name
+        if isinstance(model, str):  # a Hub id: its snapshot folder, read as a local folder from here on
+            from pf_trl.models import resolve_model_path
+
+            model = resolve_model_path(model, revision=model_build_kwargs(args).get("revision"), flag="model")
         processing_class = resolve_processing_class(model, processing_class)
         if pretokenize_config is not None and getattr(pretokenize_config, "chat_template", None):
             from pf_trl.data.tokenizer import with_chat_template
@@ -108,7 +113,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         if isinstance(model, str):
             from pf_trl.models import build_model
 
-            model = build_model(model, seed=args.seed, **model_build_kwargs(args))
+            model = build_model(model, seed=args.seed, **{k: v for k, v in model_build_kwargs(args).items()
+                                                          if k != "revision"})
         # every parallelism setting pf-trl cannot keep exact, refused before any data is prepared (every mode)
         check_parallelism(args, transformers_model(model), compute_loss_func=kwargs.get("compute_loss_func"))
         if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes

@@ -1,0 +1,284 @@
+"""Models, tokenizers and datasets by Hugging Face Hub id, against a real Hub protocol server on 127.0.0.1 (olah, see
+tests/hub_server.py): ``pf-trl train --model_name_or_path ORG/NAME --dataset_name ORG/NAME`` trains to the same losses
+as the same run from local copies; revisions, configs, a new commit, offline runs from the cache; one-line failures.
+
+Every run is a ``pf-trl`` / python process with the Hub's own environment (``HF_ENDPOINT``, ``HF_HOME``, ``HF_TOKEN``,
+``HF_HUB_OFFLINE``): huggingface_hub reads it when it is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hub_server import HubServer, closed_port, olah_or_skip, run
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+PF_TRL = str(Path(sys.executable).parent / "pf-trl")
+
+
+def _chat(n: int, tag: str) -> str:
+    return "\n".join(json.dumps({"messages": [{"role": "user", "content": f"{tag} question {i}"},
+                                              {"role": "assistant", "content": f"{tag} answer number {i}"}]})
+                     for i in range(n)) + "\n"
+
+
+README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train.jsonl
+  - split: test
+    path: data/test.jsonl
+- config_name: short
+  data_files:
+  - split: train
+    path: short/train.jsonl
+---
+# chat
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The server with org/tiny (a tiny Llama saved from a config with the shipped tokenizer, tag v1, then a second
+    commit on main), org/chat (two configs, train / test splits), org/gated (gated: token "good") and org/broken (a
+    bad JSON line); local copies of the model at v1 and of the dataset."""
+    python = olah_or_skip()
+    from pf_trl.data.tokenizer import load_tokenizer
+    from pf_trl.models import build_model
+
+    root = tmp_path_factory.mktemp("hub")
+    server = HubServer(python, root / "server").start()
+    model = root / "tiny-v1"
+    build_model("pf-trl/tiny-llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(model)
+    load_tokenizer().save_pretrained(model)
+    files = {f.name: f for f in model.iterdir()}
+    v1 = server.commit("models", "org/tiny", files, "tiny model", tag="v1")
+    other = root / "tiny-v2"  # main moves on: other weights (seed 1), same tokenizer
+    build_model("pf-trl/tiny-llama", seed=1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2).save_pretrained(other)
+    server.commit("models", "org/tiny", {f.name: f for f in other.iterdir()}, "retrained")
+    data = {"README.md": README, "data/train.jsonl": _chat(12, "a"), "data/test.jsonl": _chat(4, "t"),
+            "short/train.jsonl": _chat(6, "s")}
+    chat_v1 = server.commit("datasets", "org/chat", data, "chat data")
+    server.commit("datasets", "org/gated", data, "gated data")
+    server.commit("datasets", "org/broken", {"README.md": "# broken\n",
+                                             "train.jsonl": _chat(2, "b") + '{"messages": [}\n'}, "broken")
+    local_data = root / "chat-local"
+    shutil.copytree(server.repo("datasets", "org/chat"), local_data, ignore=shutil.ignore_patterns(".git"))
+    server.set_rules(gated={"org/gated": "good"})
+    yield {"server": server, "root": root, "model": model, "data": local_data, "v1": v1, "chat_v1": chat_v1}
+    server.stop()
+
+
+def _train(env, out: Path, *args: str) -> list[float]:
+    proc = run([PF_TRL, "train", *args, "--max_steps", "3", "--logging_steps", "1", "--max_tokens_per_batch", "64",
+                "--seed", "0", "--report_to", "none", "--output_dir", str(out)], env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads(next(out.glob("checkpoint-*/trainer_state.json")).read_text())
+    return [row["loss"] for row in state["log_history"] if "loss" in row]
+
+
+def test_hub_ids_train_to_the_local_copies_losses_with_a_pinned_revision_and_a_config(hub, tmp_path):
+    server = hub["server"]
+    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    server.set_rules(gated={"org/gated": "good"}, busy=2)  # two 429s: huggingface_hub waits and retries
+    from_hub = _train(env, tmp_path / "hub", "--model_name_or_path", "org/tiny", "--model_revision", "v1",
+                      "--dataset_name", "org/chat", "--dataset_config", "default", "--dataset_train_split", "train")
+    local = _train(env, tmp_path / "local", "--model_name_or_path", str(hub["model"]), "--dataset_name",
+                   str(hub["data"]), "--dataset_config", "default")
+    assert len(from_hub) == 3 and from_hub == local
+    # negative control: main holds other weights than v1, so a revision not honoured would give other losses
+    main = Path(hub["server"].repo("models", "org/tiny")) / "model.safetensors"
+    assert main.read_bytes() != (hub["model"] / "model.safetensors").read_bytes()
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "pf" / "datasets").glob("*/pf_manifest.json")]
+    hub_made = [m for m in manifests if m["source"].get("hub")]
+    assert hub_made and all(m["source"]["hub"] == {"repo_id": "org/chat", "repo_type": "dataset", "revision": None,
+                                                   "commit": hub["chat_v1"]} for m in hub_made)
+    assert {m["tokenizer"]["hub"]["commit"] for m in hub_made} >= {hub["v1"]}
+    assert json.loads(server.rules.read_text()).get("busy") == 0  # the 429s were served
+
+
+IDENTITY = r"""
+import json, os, subprocess, sys
+from pf_trl import hub
+from pf_trl.data.local_datasets import dataset_splits
+from pf_trl.data.pretokenize import PretokenizeConfig
+from pf_trl.data.sources import cached_shards
+from pf_trl.data.tokenizer import load_tokenizer
+
+tok = load_tokenizer("org/tiny", revision="v1")
+def shards(config=None):
+    said = []
+    path = dataset_splits("org/chat", config=config)["train"][0]
+    target = cached_shards(path, tok, PretokenizeConfig(), progress=False, say=said.append)
+    return [os.path.basename(target), said[-1].split(":")[1].strip().split(" ")[0]]
+out = [shards(), shards("short")]
+if len(sys.argv) > 1:  # a new commit on main, then the same id again
+    repo = sys.argv[1]
+    with open(os.path.join(repo, "data", "train.jsonl"), "a") as fh:
+        row = {"messages": [{"role": "user", "content": "new"}, {"role": "assistant", "content": "row"}]}
+        fh.write(json.dumps(row) + "\n")
+    git = ["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "commit", "-qam", "more"], check=True)
+    hub._RESOLVED.clear()
+    out.append(shards())
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _identity(env, *args: str) -> list[list[str]]:
+    proc = run([sys.executable, "-c", IDENTITY, *args], env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def test_cache_identity_follows_the_commit_and_runs_offline_from_the_cache(hub, tmp_path):
+    server = hub["server"]
+    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    first = _identity(env)
+    assert [kind for _, kind in first] == ["tokenizing", "tokenizing"] and first[0][0] != first[1][0]  # two configs
+    again = _identity(env, str(server.repo("datasets", "org/chat")))
+    assert again[:2] == [[first[0][0], "cache"], [first[1][0], "cache"]]  # same commit: cache hit, no tokenizing
+    assert again[2][1] == "tokenizing" and again[2][0] != first[0][0]  # a new commit on main: new shards
+    offline = _identity({**env, "HF_HUB_OFFLINE": "1"})
+    assert offline[0] == [again[2][0], "cache"]  # offline: the cached commit of main, from the cache
+
+
+ERRORS = r"""
+import contextlib, io, json, os, sys, time
+from pf_trl.cli.main import main
+out = []
+for token, argv in json.loads(sys.argv[1]):
+    os.environ.pop("HF_TOKEN", None)
+    if token:
+        os.environ["HF_TOKEN"] = token
+    err = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
+    out.append([rc, err.getvalue(), time.perf_counter() - start])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _errors(env, cases: list[tuple[str | None, list[str]]], tmp_path) -> list:
+    proc = run([sys.executable, "-c", ERRORS, json.dumps(cases)], env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def test_failures_are_one_line_naming_the_repository_the_flag_and_the_fix(hub, tmp_path):
+    server = hub["server"]
+    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    out = ["--output_dir", str(tmp_path / "out")]
+    model = ["train", "--model_name_or_path", "org/tiny"]
+    cases = [  # (HF_TOKEN, argv, words of the one line)
+        (None, ["train", "--model_name_or_path", "org/missing", "--dataset_name", "org/chat", *out],
+         ["--model_name_or_path org/missing", "no model repository org/missing", "HF_TOKEN"]),
+        (None, [*model, "--model_revision", "v9", "--dataset_name", "org/chat", *out],
+         ["--model_name_or_path org/tiny (revision v9)", "no revision 'v9'"]),
+        (None, [*model, "--dataset_name", "org/nothing", *out],
+         ["--dataset_name org/nothing", "no dataset repository"]),
+        (None, [*model, "--dataset_name", "org/gated", *out],
+         ["--dataset_name org/gated", "gated", "HTTP 401", "hf auth login", "HF_TOKEN"]),
+        ("bad", [*model, "--dataset_name", "org/gated", *out], ["--dataset_name org/gated", "gated", "HTTP 403"]),
+        (None, [*model, "--dataset_name", "org/broken", *out], ["--dataset_name", "line 3"]),
+        (None, [*model, "--dataset_name", "org/chat", "--dataset_config", "nope", *out], ["--dataset_name", "nope"]),
+        ("good", ["pretokenize", "org/gated", str(tmp_path / "shards"), "--model_name_or_path", "org/tiny"], []),
+    ]
+    results = _errors(env, [(t, argv) for t, argv, _ in cases], tmp_path)
+    for (_, argv, words), (rc, err, seconds) in zip(cases, results):
+        lines = [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln and "%|" not in ln]
+        if not words:  # the control: the right token passes the gate
+            assert rc == 0, (argv, err[-2000:])
+            continue
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (argv, err[-2000:])
+        assert "--training_data_path" not in lines[0]
+        for word in words:
+            assert word in lines[0], (argv, lines[0])
+        assert seconds < 60
+    manifest = json.loads((tmp_path / "shards" / "pf_manifest.json").read_text())
+    assert manifest["source"]["hub"]["repo_id"] == "org/gated"
+
+
+@pytest.mark.parametrize("where", ["offline", "unreachable"])
+def test_offline_with_nothing_cached_and_an_unreachable_hub_fail_in_one_line(hub, tmp_path, where):
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    if where == "offline":
+        env["HF_HUB_OFFLINE"] = "1"
+        words = ["--dataset_name org/chat", "HF_HUB_OFFLINE is set", "not in the Hub cache"]
+    else:
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{closed_port()}"
+        words = ["--dataset_name org/chat", "cannot be reached", "HF_ENDPOINT"]
+    start = time.perf_counter()
+    proc = run([PF_TRL, "train", "--model_name_or_path", "org/tiny", "--dataset_name", "org/chat", "--output_dir",
+                str(tmp_path / "o")], env, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert time.perf_counter() - start < 60
+
+
+def test_service_builds_an_allowed_hub_dataset_and_refuses_any_other(hub, tmp_path):
+    from test_service_support import Server, wait_state
+
+    server = hub["server"]
+    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    service = Server(tmp_path / "cache", [], env={"HF_ENDPOINT": server.url, "PF_SERVICE_HUB_ALLOW": "org/chat",
+                                                  "HF_HUB_DISABLE_TELEMETRY": "1", **online}).start()
+    try:
+        with service.client() as client:
+            body = {"source": {"hub": {"repo_id": "org/chat", "config": "short"}}}
+            r = client.post("/v1/datasets", json=body)
+            assert r.status_code == 202, r.text
+            status = wait_state(client, r.json()["id"], timeout=180)
+            assert status["state"] == "succeeded", status
+            commit = status["manifest"]["source"]["hub"]["commit"]
+            assert status["manifest"]["source"]["hub"]["repo_id"] == "org/chat"
+            assert status["source"]["path"].startswith(f"hf://datasets/org/chat@{commit}/short/train.jsonl")
+            again = client.post("/v1/datasets", json=body)  # the same commit: the same dataset, no new job
+            assert again.status_code == 200 and again.json()["id"] == r.json()["id"]
+            # negative controls: a repository hub_allow does not name, and a URL instead of an id
+            refused = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/gated"}}})
+            assert refused.status_code == 403 and "hub_allow: org/chat" in refused.text, refused.text
+            url = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "http://evil.example/x"}}})
+            assert url.status_code == 422, url.text
+    finally:
+        service.stop()
+
+
+API = r"""
+import json, sys
+from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+def losses(model, data, out, **init):
+    args = PaddingFreeConfig(output_dir=out, max_steps=2, logging_steps=1, max_tokens_per_batch=64, report_to=[],
+                             save_strategy="no", use_cpu=True, seed=0, model_init_kwargs=init or None)
+    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=data)
+    trainer.train()
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+hub = losses("org/tiny", "org/chat", sys.argv[1] + "/hub", revision="v1")
+local = losses(sys.argv[2], sys.argv[3], sys.argv[1] + "/local")
+print("RESULT " + json.dumps([hub, local]))
+"""
+
+
+def test_python_api_takes_hub_ids_as_model_and_train_dataset(hub, tmp_path):
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    proc = run([sys.executable, "-c", API, str(tmp_path), str(hub["model"]), str(hub["data"] / "data" / "train.jsonl")],
+               env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from_hub, local = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(from_hub) == 2 and from_hub == local
