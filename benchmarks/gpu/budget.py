@@ -1,7 +1,7 @@
 """The run book's device budget from its two dry runs (pf_trl.benchmarking.budget): a table per stage, margins.
 
-    OUT=/tmp/c1 STAGES='fa4stash sharegpt seed' DEADLINE_S=380 bash benchmarks/gpu/run_all.sh --dry-run
-    OUT=/tmp/c2 STAGES='sharegpt2 fa4 best 1 5 alpaca extras' DEADLINE_S=230 bash benchmarks/gpu/run_all.sh --dry-run
+    OUT=/tmp/c1 STAGES='fa4stash sharegpt seed' DEADLINE_S=440 bash benchmarks/gpu/run_all.sh --dry-run
+    OUT=/tmp/c2 STAGES='sharegpt2 fa4 best 1 5 alpaca extras' DEADLINE_S=190 bash benchmarks/gpu/run_all.sh --dry-run
     python benchmarks/gpu/budget.py /tmp/c1 /tmp/c2 [--json budget.json]
 
 The stages and deadlines of each call are pf_trl.benchmarking.budget.CALLS'; exit 1 when a call's planned stages do

@@ -2,10 +2,10 @@
 # The GPU run book: from the repository root on the lent GPU machine. docs/gpu.md ("How to run") has the two calls
 # that fit one 15-minute device window (the machine's start, both calls, the transfers and the gap between them;
 # back to back so that the machine stays up between them), with the budget of every stage:
-#   call 1: run(command="STAGES='fa4stash sharegpt seed' DEADLINE_S=380 bash benchmarks/gpu/run_all.sh",
-#               carry=[".stage/common", ".stage/fa4-1"], kind="nvidia-h200", timeout_s=405)
-#   call 2: run(command="STAGES='sharegpt2 fa4 best 1 5 alpaca extras' DEADLINE_S=230 bash benchmarks/gpu/run_all.sh",
-#               carry=[".stage/common", ".stage/fa4-2"], timeout_s=255)   then give_back()
+#   call 1: run(command="STAGES='fa4stash sharegpt seed' DEADLINE_S=440 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-1"], kind="nvidia-h200", timeout_s=465)
+#   call 2: run(command="STAGES='sharegpt2 fa4 best 1 5 alpaca extras' DEADLINE_S=190 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-2"], timeout_s=215)   then give_back()
 # Before them, HERE: bash benchmarks/gpu/stage_wheels.sh (writes .stage/: the wheels the image lacks, FA4 in 2 parts).
 # Stages, most valuable first; each with its own timeout (seconds, capped by DEADLINE_S); every bench writes its
 # JSON after each arm, so a stage cut short keeps what it measured; results in $OUT (tables on stdout), each
@@ -17,10 +17,10 @@
 #             the same batches with the padding removed, pf-trl's token budget (e2e_bench.py --preset seed7b;
 #             ShareGPT first turns in an Alpaca-style template, not Alpaca) (to the deadline)
 #   sharegpt2 the headline's round 2, arm order rotated (merge: e2e_bench.py --merge A B) (100)
+#   then with the time left:
 #   fa4       join, check, unpack FA4 (parts 1 + 2) into /tmp/site; without it the benches use the next kernel (40)
 #   best      ShareGPT: TRL padding_free with the best attention here (FA4 when installed, else flex), pf-trl's
 #             huggingface mode with it (90)
-#   then with the time left:
 #   1.        attention kernel table: flash_attn (FA4 when installed) vs the float32 reference (45)
 #   5.        long row: one 131,072-token packed row of the ~1B Llama, 1 warm-up + 3 timed steps, per-step MFU (80)
 #   alpaca    ShareGPT first turns in an Alpaca-style template: TRL padded / pf-trl / TRL padding_free (170)
