@@ -184,7 +184,7 @@ def merge(paths: list[Path], out: Path) -> int:
         print(f"e2e_bench: --merge: {', '.join(missing)} missing", file=sys.stderr)
         return 2
     merged = merge_reports([json.loads(p.read_text()) for p in paths])
-    target = out if out.suffix == ".json" else out / paths[0].name.replace("_round2", "_merged")
+    target = out if out.suffix == ".json" else out / f"{paths[0].stem}_merged.json"  # never over an input
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(merged, indent=1))
     print(merged["table_markdown"])

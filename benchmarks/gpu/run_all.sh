@@ -12,11 +12,11 @@
 # stage's seconds in $OUT/stage_seconds.tsv:
 #   fa4stash  keep FA4 part 1 on the machine for the next call (benchmarks/gpu/fa4_install.sh stash)
 #   sharegpt  the headline: ~1.1B Llama, ShareGPT multi-turn rows, TRL padded / pf-trl / TRL padding_free=True
-#             (sdpa), round 1 (100)
+#             (sdpa), round 1 (120)
 #   seed      the seed's experiment: Mistral-7B shape, batch 4, 100 steps over 400 rows, checkpointing: TRL padded,
 #             the same batches with the padding removed, pf-trl's token budget (e2e_bench.py --preset seed7b;
 #             ShareGPT first turns in an Alpaca-style template, not Alpaca) (to the deadline)
-#   sharegpt2 the headline's round 2, arm order rotated (merge: e2e_bench.py --merge A B) (100)
+#   sharegpt2 the headline's round 2, arm order rotated (merge: e2e_bench.py --merge A B) (120)
 #   then with the time left:
 #   fa4       join, check, unpack FA4 (parts 1 + 2) into /tmp/site; without it the benches use the next kernel (40)
 #   best      ShareGPT: TRL padding_free with the best attention here (FA4 when installed, else flex), pf-trl's
@@ -79,7 +79,7 @@ s_fa4() {
 HEADLINE=trl-padded,pf-trl,trl-pf-sdpa
 s_sharegpt() {
   stage "sharegpt: the headline, ShareGPT multi-turn rows, round 1"
-  local t; t=$(left 100)
+  local t; t=$(left 120)
   timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --arms "$HEADLINE" --repeats 1 --min-seconds 10 \
     --deadline-s "$(bench_deadline "$t")" 2>&1 | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_sharegpt.log" | tail -8
 }
@@ -91,7 +91,7 @@ s_seed() {
 }
 s_sharegpt2() {
   stage "sharegpt2: the headline's round 2, arm order rotated"
-  local t; t=$(left 100)
+  local t; t=$(left 120)
   timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --arms "$HEADLINE" --repeats 1 --round-offset 1 \
     --min-seconds 10 --deadline-s "$(bench_deadline "$t")" 2>&1 | grep -v "Warning\|warn(\|^{'" \
     | tee "$OUT/e2e_sharegpt2.log" | tail -8
