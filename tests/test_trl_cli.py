@@ -159,6 +159,9 @@ def test_trl_flags_refused_in_one_line_within_seconds_before_any_tokenizing(worl
          data + "--attn_implementation sdpa"),
         (data + "--attn_implementation flash_attention_2", ["needs the flash-attn package"],
          data + "--attn_implementation sdpa"),
+        (data + "--use_flash_attn True --attn_implementation sdpa", ["--use_flash_attn True and "
+                                                                     "--attn_implementation sdpa disagree"],
+         data + "--attn_implementation sdpa"),
         (data + "--attn_implementation eager --padding_free_mode internal", ["no eager variant"],
          data + "--attn_implementation sdpa --padding_free_mode internal"),
         (data + "--dtype bfloat16 --torch_dtype float32", ["set the model dtype to different values"],

@@ -5,8 +5,10 @@ checkpointing, AdamW; every row holds the same segments, 4k + 12k + 16k + 32k + 
 supervised), packed in dataset order (``train_sampling_strategy="sequential"``), so every step has the same
 composition. One warm-up step (allocator, kernel JIT), then ``--steps`` timed steps (default 3), each
 CUDA-synchronized (:class:`pf_trl.benchmarking.steady.StepTimer`). The JSON holds every step's seconds, tokens and
-MFU; the headline tokens/s is over all timed steps. MFU: (6 x P x tokens + 7 x layers x hidden x sum of squared
-segment lengths) / seconds / 989 TFLOP/s (H200 dense bf16); attention forward + backward = 3.5x forward.
+MFU; the headline tokens/s is over all timed steps. MFU: model FLOPs (6 x body parameters x tokens + 6 x LM head
+parameters x supervised tokens + 6 x layers x hidden x sum of squared segment lengths, no recomputation) / seconds /
+989 TFLOP/s (H100 / H200 dense bf16); HFU adds the recomputation (checkpointing's second forward, the scores
+recomputed by the flash backward): :mod:`pf_trl.trainer.metrics`.
 
     python benchmarks/gpu/long_row.py [--out DIR] [--backend auto] [--steps 3] [--dry-run]
 
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
 
     from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
     from pf_trl.attention.dispatch import resolve_backend
-    from pf_trl.benchmarking.e2e import versions
+    from pf_trl.benchmarking.e2e import HFU_FORMULA, MFU_FORMULA, versions
     from pf_trl.benchmarking.steady import StepTimer, summarize
     from pf_trl.models import build_model
     from pf_trl.trainer.metrics import detect_peak_tflops, model_flop_params
@@ -78,10 +80,10 @@ def main(argv=None) -> int:
     flop_params = model_flop_params(trainer.model)
     peak = detect_peak_tflops(torch.device("cuda"), torch.bfloat16) if cuda else None
     trainer.train()
-    record = timer.record()
+    record = {**timer.record(), "recompute": {"activation_checkpointing": True, "flash_recompute": cuda}}
     summary = summarize(record, flop_params=flop_params, peak_tflops=peak)
-    per_step = [summarize({"warmup_steps": 0, "steps": [s], "gpu_memory_bytes": {}}, flop_params=flop_params,
-                          peak_tflops=peak) for s in record["steps"]]
+    per_step = [summarize({"warmup_steps": 0, "steps": [s], "gpu_memory_bytes": {}, "recompute": record["recompute"]},
+                          flop_params=flop_params, peak_tflops=peak) for s in record["steps"]]
     device = torch.device("cuda" if cuda else "cpu")
     backend = resolve_backend(args.backend, device=device, dtype=torch.bfloat16 if cuda else torch.float32,
                               head_dim=model.config.hidden_size // model.config.num_attention_heads, gqa=True,
@@ -99,7 +101,9 @@ def main(argv=None) -> int:
         "segments_per_step": composition, "warmup_steps": 1, "timed_steps": args.steps,
         "flop_params": list(flop_params), "peak_tflops": peak,
         "steps": record["steps"], "step_seconds": [round(s["seconds"], 3) for s in record["steps"]],
-        "step_mfu": [p["mfu"] for p in per_step],
+        "step_mfu": [p["mfu"] for p in per_step], "step_hfu": [p["hfu"] for p in per_step],
+        "recompute": record["recompute"], "hfu": summary["hfu"], "mfu_formula": MFU_FORMULA,
+        "hfu_formula": HFU_FORMULA,
         "step_tokens_per_second": [p["real_tokens_per_second"] for p in per_step],
         "tokens_per_second": summary["real_tokens_per_second"], "mfu": summary["mfu"], "tflops": summary["tflops"],
         "gpu_memory_bytes": record["gpu_memory_bytes"],

@@ -1,36 +1,40 @@
 #!/usr/bin/env bash
 # The GPU run book: from the repository root on the lent GPU machine. docs/gpu.md ("How to run") has the two calls
-# that fit one 15-minute device window (the machine's start, both calls and its idle time together; back to back so
-# that the machine stays up between them):
-#   call 1: run(command="STAGES='fa4stash seed 5 alpaca' DEADLINE_S=290 bash benchmarks/gpu/run_all.sh",
-#               carry=[".stage/common", ".stage/fa4-1"], timeout_s=320)
-#   call 2: run(command="STAGES='fa4 1 sharegpt' DEADLINE_S=430 bash benchmarks/gpu/run_all.sh",
-#               carry=[".stage/common", ".stage/fa4-2"], timeout_s=460)   then give_back()
+# that fit one 15-minute device window (the machine's start, both calls, the transfers and the gap between them;
+# back to back so that the machine stays up between them), with the budget of every stage:
+#   call 1: run(command="STAGES='fa4stash sharegpt seed' DEADLINE_S=440 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-1"], kind="nvidia-h200", timeout_s=465)
+#   call 2: run(command="STAGES='sharegpt2 fa4 best 1 5 alpaca extras' DEADLINE_S=190 bash benchmarks/gpu/run_all.sh",
+#               carry=[".stage/common", ".stage/fa4-2"], timeout_s=215)   then give_back()
 # Before them, HERE: bash benchmarks/gpu/stage_wheels.sh (writes .stage/: the wheels the image lacks, FA4 in 2 parts).
-# Stages, each with its own timeout (seconds, capped by DEADLINE_S), results in $OUT (tables on stdout):
+# Stages, most valuable first; each with its own timeout (seconds, capped by DEADLINE_S); every bench writes its
+# JSON after each arm, so a stage cut short keeps what it measured; results in $OUT (tables on stdout), each
+# stage's seconds in $OUT/stage_seconds.tsv:
 #   fa4stash  keep FA4 part 1 on the machine for the next call (benchmarks/gpu/fa4_install.sh stash)
-#   fa4       join, check and unpack FA4 (parts 1 + 2) into /tmp/site; without it the benches use the next kernel
-#   seed      the seed's experiment: Mistral-7B shape, Alpaca-template rows, batch 4, 100 steps, checkpointing,
-#             padded vs pf-trl on the same rows (e2e_bench.py --preset seed7b) (240)
-#   alpaca    end-to-end bench, ~1.1B Llama, Alpaca-template rows: TRL padded / pf-trl / TRL padding_free, with
-#             the time call 1 has left (150)
-#   sharegpt  end-to-end bench, ~1.1B Llama, ShareGPT multi-turn rows: every arm once, then the four main arms
-#             (TRL padded, pf-trl, TRL padding_free sdpa and best attention) again in rotated order (to the deadline)
-#   1. attention kernel table: flash_attn (FA4 when installed) vs the float32 reference, kernel times (100; the
-#      other backends were measured before: benchmarks/results/gpu_h200_attention_check.json)
-#   1b. attention sinks (gpt-oss): every backend with sinks vs the exact reference (100)
-#   2. torch.compile on/off through PaddingFreeSFTTrainer: real Gemma 3 270M when staged, else the tiny Llama (200)
-#   4. hybrid / state-space layers: the kernels transformers calls, given pf-trl's boundaries (150 + 120; needs the
-#      wheels of prepare_carry.sh: run(command="bash benchmarks/gpu/run_stateful_check.sh", carry=[".whl"]))
-#   5. long row: one 131,072-token packed row of the ~1B Llama, same segments every step, 1 warm-up + 3 timed
-#      steps, per-step MFU (150)
-# `--dry-run`: the stages on CPU with tiny sizes, no wheels (tests/test_gpu_runbook.py runs it).
-# STAGES="..." runs those stages only, in that order; DEADLINE_S (default 560) ends the last stages early so the
-# call ends inside its limit. Logs are packed into logs.tgz after each stage (at most 8 files come back from $OUT).
+#   sharegpt  the headline: ~1.1B Llama, ShareGPT multi-turn rows, TRL padded / pf-trl / TRL padding_free=True
+#             (sdpa), round 1 (120)
+#   seed      the seed's experiment: Mistral-7B shape, batch 4, 100 steps over 400 rows, checkpointing: TRL padded,
+#             the same batches with the padding removed, pf-trl's token budget (e2e_bench.py --preset seed7b;
+#             ShareGPT first turns in an Alpaca-style template, not Alpaca) (to the deadline)
+#   sharegpt2 the headline's round 2, arm order rotated (merge: e2e_bench.py --merge A B) (120)
+#   then with the time left:
+#   fa4       join, check, unpack FA4 (parts 1 + 2) into /tmp/site; without it the benches use the next kernel (40)
+#   best      ShareGPT: TRL padding_free with the best attention here (FA4 when installed, else flex), pf-trl's
+#             huggingface mode with it (90)
+#   1.        attention kernel table: flash_attn (FA4 when installed) vs the float32 reference (45)
+#   5.        long row: one 131,072-token packed row of the ~1B Llama, 1 warm-up + 3 timed steps, per-step MFU (80)
+#   alpaca    ShareGPT first turns in an Alpaca-style template: TRL padded / pf-trl / TRL padding_free (170)
+#   extras    ShareGPT: pf-trl + Liger's fused cross-entropy, pf-trl + torch.compile (100)
+#   1b. attention sinks (gpt-oss) (100); 2. torch.compile on/off through the trainer (200); 4. hybrid / state-space
+#   kernels (150 + 120; needs prepare_carry.sh's wheels: run(command="bash benchmarks/gpu/run_stateful_check.sh",
+#   carry=[".whl"])): run on their own.
+# `--dry-run`: the stages on CPU with tiny sizes, no wheels (tests/test_gpu_runbook.py runs it under the real
+# DEADLINE_S). STAGES="..." runs those stages only, in that order; DEADLINE_S (default 560) ends the last stages early
+# so the call ends inside its limit. Logs are packed into logs.tgz after each stage (at most 8 files come back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0; [[ "${1:-}" == "--dry-run" ]] && DRY=1
-STAGES=" ${STAGES:-fa4stash seed 5 alpaca} "
+STAGES=" ${STAGES:-fa4stash sharegpt seed} "  # call 1's
 DEADLINE_S=${DEADLINE_S:-560}
 export OUT="${OUT:-$PWD/benchmark_outputs}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PF_TRL_CACHE=/tmp/pf-cache
@@ -45,9 +49,11 @@ if [[ $DRY == 0 && -n "$WHEELS" ]]; then
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-T0=$SECONDS
+T0=0  # stage times from the script's start (SECONDS), as DEADLINE_S counts
 stage() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
 want() { [[ "$STAGES" == *" $1 "* ]] && (( SECONDS < DEADLINE_S - 20 )); }
+# a bench stage's own deadline: its timeout less 15 s (the bench starts no arm that would end after it)
+bench_deadline() { local t=$(( $1 - 15 )); (( t > 0 )) && echo "$t" || echo 1; }
 left() { local t=$((DEADLINE_S - SECONDS)); (( t < $1 )) && echo "$t" || echo "$1"; }  # a stage's timeout, capped
 pack() {  # every log, plot and folder into logs.tgz (added to it), so that one JSON per stage + logs.tgz come back
   (cd "$OUT" || exit 0; shopt -s nullglob; files=(./*.log ./*.png ./*/); (( ${#files[@]} )) || exit 0
@@ -58,6 +64,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 "$PY" -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
 "$PY" -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || echo "trl/datasets missing: the training stages will fail (stage_wheels.sh)"
 E2E=(benchmarks/gpu/e2e_bench.py --out "$OUT"); [[ $DRY == 1 ]] && E2E+=(--dry-run)
+printf 'setup\t%s\n' "$SECONDS" > "$OUT/stage_seconds.tsv"  # wheels and version checks; then one line per stage
 
 s_fa4stash() {
   stage "fa4stash: FA4 part 1 kept for the next call"
@@ -67,31 +74,54 @@ s_fa4stash() {
 s_fa4() {
   stage "fa4: join, check, unpack FA4"
   [[ $DRY == 1 ]] && { echo "dry run: nothing to install"; return 0; }
-  SITE=/tmp/site timeout "$(left 120)" bash benchmarks/gpu/fa4_install.sh install 2>&1 | tee "$OUT/fa4_install.log"
+  SITE=/tmp/site timeout "$(left 40)" bash benchmarks/gpu/fa4_install.sh install 2>&1 | tee "$OUT/fa4_install.log"
+}
+HEADLINE=trl-padded,pf-trl,trl-pf-sdpa
+s_sharegpt() {
+  stage "sharegpt: the headline, ShareGPT multi-turn rows, round 1"
+  local t; t=$(left 120)
+  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --arms "$HEADLINE" --repeats 1 --min-seconds 10 \
+    --deadline-s "$(bench_deadline "$t")" 2>&1 | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_sharegpt.log" | tail -8
 }
 s_seed() {
-  stage "seed: Mistral-7B shape, padded vs pf-trl on the same rows"
-  timeout "$(left 240)" "$PY" "${E2E[@]}" --preset seed7b 2>&1 | grep -v "Warning\|warn(\|^{'" \
-    | tee "$OUT/seed7b.log" | tail -8
+  stage "seed: Mistral-7B shape, padded vs the same batches padding-free vs pf-trl's token budget"
+  local t; t=$(left 600)
+  timeout "$t" "$PY" "${E2E[@]}" --preset seed7b --deadline-s "$(bench_deadline "$t")" 2>&1 \
+    | grep -v "Warning\|warn(\|^{'" | tee "$OUT/seed7b.log" | tail -9
+}
+s_sharegpt2() {
+  stage "sharegpt2: the headline's round 2, arm order rotated"
+  local t; t=$(left 120)
+  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --arms "$HEADLINE" --repeats 1 --round-offset 1 \
+    --min-seconds 10 --deadline-s "$(bench_deadline "$t")" 2>&1 | grep -v "Warning\|warn(\|^{'" \
+    | tee "$OUT/e2e_sharegpt2.log" | tail -8
+}
+s_best() {
+  stage "best: ShareGPT, the best attention here (FA4 when installed)"
+  local t; t=$(left 90)
+  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --arms trl-pf-best,pf-trl-hf --repeats 1 --tag best \
+    --min-seconds 10 --deadline-s "$(bench_deadline "$t")" 2>&1 | grep -v "Warning\|warn(\|^{'" \
+    | tee "$OUT/e2e_best.log" | tail -8
+}
+s_extras() {
+  stage "extras: ShareGPT, pf-trl + Liger, pf-trl + torch.compile"
+  local t; t=$(left 100)
+  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --arms pf-trl-liger,pf-trl-compile --repeats 1 \
+    --tag extras --min-seconds 10 --deadline-s "$(bench_deadline "$t")" 2>&1 | grep -v "Warning\|warn(\|^{'" \
+    | tee "$OUT/e2e_extras.log" | tail -8
 }
 s_alpaca() {
-  stage "alpaca: end-to-end bench, Alpaca-template rows"
-  timeout "$(left 170)" "$PY" "${E2E[@]}" --datasets alpaca_template --deadline-s "$(( $(left 170) - 30 ))" 2>&1 \
-    | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_alpaca.log" | tail -8
-}
-s_sharegpt() {
-  stage "sharegpt: end-to-end bench, ShareGPT multi-turn rows, every arm"
-  local t; t=$(left 480)
-  timeout "$t" "$PY" "${E2E[@]}" --datasets sharegpt_multiturn --deadline-s "$(( t - 45 ))" \
-    --repeat-arms trl-padded,pf-trl,trl-pf-sdpa,trl-pf-best 2>&1 \
-    | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_sharegpt.log" | tail -14
+  stage "alpaca: end-to-end bench, ShareGPT first turns in an Alpaca-style template"
+  local t; t=$(left 170)
+  timeout "$t" "$PY" "${E2E[@]}" --datasets alpaca_template --arms "$HEADLINE" --repeats 1 --min-seconds 10 \
+    --deadline-s "$(bench_deadline "$t")" 2>&1 | grep -v "Warning\|warn(\|^{'" | tee "$OUT/e2e_alpaca.log" | tail -8
 }
 s_1() {
   stage "1. attention kernel table"
   if [[ $DRY == 1 ]]; then
-    timeout 150 "$PY" benchmarks/gpu/attention_check.py --out "$OUT" --dry-run 2>&1 | tee "$OUT/attention_check.log" | tail -25
+    timeout "$(left 150)" "$PY" benchmarks/gpu/attention_check.py --out "$OUT" --dry-run 2>&1 | tee "$OUT/attention_check.log" | tail -25
   else  # torch_varlen / flex were measured before (benchmarks/results/gpu_h200_attention_check.json): FA4 and the reference
-    CHECK_TIMEOUT_S=$(left 100) bash benchmarks/gpu/run_attention_check.sh --backends flash_attn --no-model-check \
+    CHECK_TIMEOUT_S=$(left 45) bash benchmarks/gpu/run_attention_check.sh --backends flash_attn --no-model-check \
       2>&1 | tail -30
   fi
 }
@@ -143,15 +173,17 @@ s_4() {
 s_5() {
   stage "5. one 128k-token packed row, ~1B Llama"
   if [[ $DRY == 1 ]]; then
-    timeout 300 "$PY" benchmarks/gpu/long_row.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -5
+    timeout "$(left 300)" "$PY" benchmarks/gpu/long_row.py --dry-run --out "$OUT" 2>&1 | grep -v "^{'" | tail -5
   else
-    timeout "$(left 150)" "$PY" benchmarks/gpu/long_row.py --out "$OUT" 2>&1 | grep -v "^{'" | tail -8
+    timeout "$(left 80)" "$PY" benchmarks/gpu/long_row.py --out "$OUT" 2>&1 | grep -v "^{'" | tail -8
   fi
 }
 
 for s in $STAGES; do
   if ! declare -F "s_$s" > /dev/null; then echo "run_all.sh: unknown stage '$s'" >&2; exit 2; fi
-  if want "$s"; then "s_$s"; pack; else echo; echo "== stage $s skipped (past the deadline)"; fi
+  if want "$s"; then
+    t_stage=$SECONDS; "s_$s"; pack; printf '%s\t%s\n' "$s" "$((SECONDS - t_stage))" >> "$OUT/stage_seconds.tsv"
+  else echo; echo "== stage $s skipped (past the deadline)"; printf '%s\tskipped\n' "$s" >> "$OUT/stage_seconds.tsv"; fi
 done
 stage "done"
 ls -la "$OUT"

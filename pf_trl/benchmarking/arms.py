@@ -14,9 +14,13 @@ pf-trl-hf              ``PaddingFreeSFTTrainer``, ``padding_free_mode=huggingfac
                        ``trl-pf-best``
 pf-trl-compile         ``pf-trl`` + ``torch_compile=True``
 pf-trl-liger           ``pf-trl`` + Liger's fused linear cross-entropy (``fused_loss=liger``)
+pf-trl-same-batches    ``pf-trl`` on the padded arm's batches: step i holds the same ``batch_size`` rows as
+                       ``trl-padded``'s step i (the seed experiment's like-for-like arm: padding removed, nothing
+                       else changed)
 =====================  ==========================================================================================
 
-The TRL arms take ``batch_size`` rows per step; the pf-trl arms take a token budget of ``batch_size`` x the mean
+The TRL arms take ``batch_size`` rows per step (in dataset order with ``BenchSetup.sequential``); the pf-trl arms
+but ``pf-trl-same-batches`` take a token budget of ``batch_size`` x the mean
 row length (so a step holds about as many real tokens). Every arm is measured by the same code
 (:class:`~pf_trl.trainer.accounting.TokenAccountingMixin` counts, :class:`~pf_trl.benchmarking.steady.StepTimer`
 times).
@@ -24,11 +28,15 @@ times).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 # in order of priority: a run cut short by its deadline loses the last ones
 ARMS = ("trl-padded", "pf-trl", "trl-pf-sdpa", "trl-pf-best", "pf-trl-hf", "pf-trl-compile", "pf-trl-liger")
+# the seed experiment: padded, padding removed with nothing else changed, then our token budget
+SEED_ARMS = ("trl-padded", "pf-trl-same-batches", "pf-trl")
+KNOWN_ARMS = ARMS + ("pf-trl-same-batches",)
 
 
 @dataclass
@@ -42,6 +50,26 @@ class BenchSetup:
     seed: int = 0
     model_overrides: dict[str, Any] = field(default_factory=dict)
     compile_backend: str | None = None  # torch.compile backend of pf-trl-compile (None: inductor)
+    sequential: bool = False  # TRL arms take the rows in dataset order (pf-trl-same-batches then matches them)
+
+
+class FixedBatchSampler:
+    """Consecutive groups of ``batch_size`` dataset indices in dataset order: the batches of a padded run with a
+    sequential sampler, for ``PaddingFreeSFTTrainer``'s batch-sampler hook (one packed row per batch)."""
+
+    def __init__(self, lengths, batch_size: int) -> None:
+        n = len(lengths)
+        self.batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+        self.max_tokens = int(max(sum(int(lengths[i]) for i in b) for b in self.batches)) if n else 0
+
+    def __iter__(self):
+        return iter([list(b) for b in self.batches])
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_epoch(self, epoch: int) -> None:  # the same batches every epoch
+        pass
 
 
 def best_transformers_attention(cuda: bool) -> tuple[str, str]:
@@ -100,7 +128,9 @@ def build_model(setup: BenchSetup, attn: str, cuda: bool):
 
 def build_trainer(arm: str, setup: BenchSetup, rows: list[dict], *, budget: int, max_steps: int, cuda: bool,
                   output_dir: str, callbacks: list) -> tuple[Any, dict[str, Any]]:
-    """(trainer, description) for one arm."""
+    """(trainer, description) for one arm (:data:`KNOWN_ARMS`; another name raises ValueError)."""
+    if arm not in KNOWN_ARMS:
+        raise ValueError(f"unknown arm {arm!r}; known: {', '.join(KNOWN_ARMS)}")
     from datasets import Dataset
     from trl import SFTConfig
 
@@ -116,6 +146,7 @@ def build_trainer(arm: str, setup: BenchSetup, rows: list[dict], *, budget: int,
         report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, use_cpu=not cuda,
         bf16=cuda and setup.dtype == "bfloat16", dataloader_num_workers=0, optim=setup.optim,
         gradient_checkpointing=setup.activation_checkpointing, lr_scheduler_type="constant",
+        train_sampling_strategy="sequential" if setup.sequential else "random",
     )
     ds = Dataset.from_list(rows)
     described: dict[str, Any] = {"arm": arm, "attn_implementation": attn}
@@ -138,8 +169,12 @@ def build_trainer(arm: str, setup: BenchSetup, rows: list[dict], *, budget: int,
                                                                      if k != "gradient_checkpointing"})
     if args.torch_compile and setup.compile_backend:
         args.torch_compile_backend = setup.compile_backend
-    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, callbacks=callbacks)
-    described["batch"] = f"budget {budget} tokens"
+    if arm == "pf-trl-same-batches":
+        trainer = same_batches_trainer_class()(model, args=args, train_dataset=ds, callbacks=callbacks)
+        described["batch"] = f"{setup.batch_size} rows (the padded arm's batches, one packed row each)"
+    else:
+        trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, callbacks=callbacks)
+        described["batch"] = f"budget {budget} tokens"
     if mode == "internal":
         import torch
 
@@ -155,3 +190,19 @@ def build_trainer(arm: str, setup: BenchSetup, rows: list[dict], *, budget: int,
 
             described["varlen_kernel"] = kernel_for(dev)[0]
     return trainer, described
+
+
+@functools.cache
+def same_batches_trainer_class():
+    """``PaddingFreeSFTTrainer`` subclass that trains on :class:`FixedBatchSampler` batches (its sampler hook)."""
+    from pf_trl.data.prepare import dataset_lengths
+    from pf_trl.trainer import PaddingFreeSFTTrainer
+
+    class SameBatchesTrainer(PaddingFreeSFTTrainer):
+        """``PaddingFreeSFTTrainer`` whose training batches are the padded run's (:class:`FixedBatchSampler`)."""
+
+        def _pf_sampler(self, dataset, budget, batch_size, *, shuffle, ordered=False):
+            return FixedBatchSampler(dataset_lengths(dataset), batch_size)
+
+    return SameBatchesTrainer
+

@@ -209,7 +209,11 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
         _, mode = resolve_padding_free(get("padding_free"), get("padding_free_mode"))
     except ValueError:
         return  # refused with its own message by check_combinations
-    check_attention(requested_attention(get, given), mode, get("attention_backend"))
+    attn = requested_attention(get, given)
+    if _as_bool(get("use_flash_attn")) and attn is not None and not attn.startswith("flash_attention"):
+        raise TrainCLIError(f"--use_flash_attn True and --attn_implementation {attn} disagree (flash attention or "
+                            f"{attn}?); pass one: drop --use_flash_attn for {attn}, or drop --attn_implementation")
+    check_attention(attn, mode, get("attention_backend"))
 
 
 def check_quantization(flag: str, *, lora: bool, model_name: str | None) -> None:

@@ -28,12 +28,12 @@ class TokenMetricsCallback(TrainerCallback):
     token-weighted eval loss.
 
     Args:
-        flop_params: ``(parameters without the input embedding, layers, hidden)`` of the model, for
-            :func:`~pf_trl.trainer.metrics.train_flops`.
+        flop_params: the model's :class:`~pf_trl.trainer.metrics.FlopParams` (body, LM head, layers, hidden), for
+            :func:`~pf_trl.trainer.metrics.train_flops` (model FLOPs; the head at the supervised positions).
         peak_tflops: peak TFLOP/s of one device (for ``mfu``); ``None`` leaves ``mfu`` out.
     """
 
-    def __init__(self, flop_params: tuple[int, int, int], peak_tflops: float | None) -> None:
+    def __init__(self, flop_params: tuple[int, int, int, int], peak_tflops: float | None) -> None:
         self.meter = TokenMeter()
         self.peak = PeakRSS()
         self.flop_params = flop_params
@@ -147,8 +147,7 @@ class TokenMetricsCallback(TrainerCallback):
         out[f"{prefix}real_tokens_per_second"] = round(counts["real"] / seconds, 3)
         out[f"{prefix}supervised_tokens_per_second"] = round(counts["supervised"] / seconds, 3)
         out[f"{prefix}padding_share"] = round(1.0 - counts["real"] / counts["processed"], 6) if counts["processed"] else 0.0
-        p, layers, hidden = self.flop_params
-        flops = train_flops(p, layers, hidden, counts["real"], counts["sum_sq"])
+        flops = train_flops(self.flop_params, counts["real"], counts["supervised"], counts["sum_sq"])
         out[f"{prefix}tflops"] = round(flops / seconds / 1e12, 6)
         if self.peak_tflops:
             world = max(1, args.world_size)

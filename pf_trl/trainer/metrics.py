@@ -22,17 +22,23 @@ Keys (per logging step, next to ``loss`` / ``learning_rate``; and in the final d
   poller, see :class:`LightMemoryTracker`). With ``include_tokens_per_second`` / ``include_num_input_tokens_seen``,
   ``train_tokens_per_second`` counts real tokens only.
 
-FLOPs (forward + backward):
+FLOPs (forward + backward), model FLOPs (the work the model needs; what MFU divides):
 
-    flops = 6 * P * T_real + 7 * n_layers * hidden * sum_i L_i^2
+    flops = 6 * P_body * T_real + 6 * P_head * T_head + 6 * n_layers * hidden * sum_i L_i^2
 
-``P`` = parameters without the input embedding (the LM head is included), ``T_real`` = real tokens, ``L_i`` = length
-of example i. The matmul term is the usual 6 FLOPs per parameter and token (forward 2, backward 4). The attention
-term is the score and value matmuls (``QK^T`` and ``AV``: 2 x 2 x L^2 x hidden FLOPs per layer forward, halved for
-causal masking = 2 x L^2 x hidden) times 3.5 for forward + backward, FlashAttention's convention (its backward does
-2.5x the forward's matmul work: it recomputes the scores): 7 x layers x hidden x L^2. Activation checkpointing's
-recomputation is not counted (model FLOPs, not hardware FLOPs). Padding is not counted (it is waste, not useful
-work), so padded runs get a lower MFU for the same wall time.
+``P_body`` = parameters without the input embedding and the LM head, ``P_head`` = the LM head's (vocab x hidden;
+tied or not), ``T_real`` = real tokens, ``T_head`` = the positions the head is computed at, ``L_i`` = length of
+example i. 6 FLOPs per parameter and token touched (forward 2, backward 4). The head runs only at the supervised
+positions in pf-trl (its loss) and in TRL 1.16's ``SFTTrainer`` (its fused LM head): ``T_head`` = supervised tokens.
+Causal attention: ``QK^T`` and ``AV`` are 2 x 2 x L^2 x hidden FLOPs per layer forward, halved by the causal mask
+(2 x L^2 x hidden), and backward = 2 x forward, as for the matmuls: 6 x layers x hidden x L^2. This is PaLM's
+appendix B (and nanoGPT's ``estimate_mfu``): 12 x layers x hidden x T per token, i.e. 12 x layers x hidden x T^2
+per sequence, without the causal halving, which counts the masked half as well; we count the computed half.
+Padding is not counted (it is waste, not work), so a padded run gets a lower MFU for the same wall time.
+
+Hardware FLOPs (HFU: what the GPU really executes) add the recomputation: activation checkpointing runs each decoder
+layer's forward again (+ 2 x P_body x T_real + 2 x layers x hidden x sum L^2), and FlashAttention-style kernels
+recompute the scores ``QK^T`` in the backward (+ 1 x layers x hidden x sum L^2: its backward is 2.5 x its forward).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 from transformers.trainer_utils import TrainerMemoryTracker
@@ -48,8 +55,11 @@ from transformers.trainer_utils import TrainerMemoryTracker
 from pf_trl.batching.packing import count_targets, cu_seqlens_from_starts, segment_lengths
 
 REAL_TOKENS_KEY = "_pf_real_tokens"
-# causal attention, forward + backward: 2 x L^2 x hidden per layer forward, x 3.5 (FlashAttention's convention)
-ATTENTION_FLOPS_FACTOR = 7.0
+# causal attention, forward + backward, model FLOPs: 2 x L^2 x hidden per layer forward, x 3 (backward = 2 x forward)
+ATTENTION_FLOPS_FACTOR = 6.0
+# what recomputation adds (hardware FLOPs): checkpointing's second forward (2) and the flash backward's scores (1)
+CHECKPOINT_ATTENTION_FACTOR = 2.0
+FLASH_RECOMPUTE_ATTENTION_FACTOR = 1.0
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) of common GPUs, matched on the device name.
 KNOWN_PEAK_TFLOPS = {
@@ -78,8 +88,18 @@ def detect_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None
     return None
 
 
-def model_flop_params(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(P without input embeddings, n_layers, hidden) for :func:`train_flops`.
+class FlopParams(NamedTuple):
+    """What the FLOP counts need of a model: ``body`` = parameters without the input embedding and the LM head,
+    ``head`` = the LM head's parameters (the tied embedding counts here), ``layers``, ``hidden``."""
+
+    body: int
+    head: int
+    layers: int
+    hidden: int
+
+
+def model_flop_params(model: torch.nn.Module) -> FlopParams:
+    """:class:`FlopParams` of ``model`` for :func:`train_flops` / :func:`hardware_flops`.
 
     Parameters count by their full size, whichever rank holds them: a DeepSpeed ZeRO-3 partition by ``ds_numel``
     (its local tensor is empty), an FSDP2 ``DTensor`` by its global shape (:func:`pf_trl.sharding.full_numel`).
@@ -92,16 +112,39 @@ def model_flop_params(model: torch.nn.Module) -> tuple[int, int, int]:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb_params = full_numel(emb.weight) if emb is not None else 0
-    if out is not None and emb is not None and out.weight is emb.weight:
-        emb_params = 0  # tied: the matrix does work as the LM head
+    head = full_numel(out.weight) if out is not None and getattr(out, "weight", None) is not None else 0
+    tied = out is not None and emb is not None and getattr(out, "weight", None) is emb.weight
+    body = total - emb_params - (0 if tied else head)  # tied: the one matrix is counted once, as the head
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(text, "hidden_size", 0) or 0)
-    return total - emb_params, layers, hidden
+    return FlopParams(body, head, layers, hidden)
 
 
-def train_flops(params: int, layers: int, hidden: int, real_tokens: float, sum_sq_lengths: float) -> float:
-    """Training FLOPs of ``real_tokens`` tokens in examples whose squared lengths sum to ``sum_sq_lengths``."""
-    return 6.0 * params * real_tokens + ATTENTION_FLOPS_FACTOR * layers * hidden * sum_sq_lengths
+def as_flop_params(params: Sequence[int]) -> FlopParams:
+    """A :class:`FlopParams` from its four numbers (as a JSON record holds them)."""
+    if len(params) != 4:
+        raise ValueError(f"flop params are (body, head, layers, hidden), got {list(params)}")
+    return FlopParams(*(int(p) for p in params))
+
+
+def train_flops(params: Sequence[int], real_tokens: float, head_tokens: float, sum_sq_lengths: float) -> float:
+    """Model FLOPs (forward + backward, no recomputation) of ``real_tokens`` tokens in examples whose squared
+    lengths sum to ``sum_sq_lengths``, the LM head computed at ``head_tokens`` positions (module docstring)."""
+    body, head, layers, hidden = as_flop_params(params)
+    return (6.0 * body * real_tokens + 6.0 * head * head_tokens
+            + ATTENTION_FLOPS_FACTOR * layers * hidden * sum_sq_lengths)
+
+
+def hardware_flops(params: Sequence[int], real_tokens: float, head_tokens: float, sum_sq_lengths: float, *,
+                   checkpointing: bool, flash_recompute: bool = True) -> float:
+    """:func:`train_flops` plus what recomputation adds: activation checkpointing's second forward of every decoder
+    layer (``checkpointing``), the scores recomputed by a FlashAttention-style backward (``flash_recompute``)."""
+    body, _, layers, hidden = as_flop_params(params)
+    extra_attention = (CHECKPOINT_ATTENTION_FACTOR if checkpointing else 0.0) + (
+        FLASH_RECOMPUTE_ATTENTION_FACTOR if flash_recompute else 0.0)
+    return (train_flops(params, real_tokens, head_tokens, sum_sq_lengths)
+            + (2.0 * body * real_tokens if checkpointing else 0.0)
+            + extra_attention * layers * hidden * sum_sq_lengths)
 
 
 def rss_bytes() -> int:
