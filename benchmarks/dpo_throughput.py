@@ -19,7 +19,7 @@ and writes the JSON.
 
 from __future__ import annotations
 
-from offline import REPO  # noqa: F401  (before any HF import: offline hub, the checkout's import path)
+from offline import REPO  # before any HF import: offline hub, the checkout's import path
 
 # isort: split
 

@@ -132,15 +132,15 @@ def test_training_with_accumulation_and_eval_equals_trl(tmp_path):
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
 
     kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2, eval_strategy="steps",
-              eval_steps=2, per_device_eval_batch_size=2)
+              eval_steps=2, per_device_eval_batch_size=2, prediction_loss_only=True)
     evals = S.pairs(2, seed=7)
     a = _logs(S.trainer(DPOTrainer, S.pairs(8), tmp_path, eval_rows=evals, **kw))
     b = _logs(S.trainer(PaddingFreeDPOTrainer, S.pairs(8), tmp_path, eval_rows=evals, **kw))
     assert any("eval_loss" in h for h in a) and any("rewards/margins" in h for h in a)
     assert _compare_logs(a, b) == []
-    # control: the comparison sees another order of the pairs (another data seed)
-    c = _logs(S.trainer(PaddingFreeDPOTrainer, S.pairs(8), tmp_path, eval_rows=evals, data_seed=5, **kw))
-    assert _compare_logs(a, c)
+    # control: the comparison sees a small change of the run (the loss of test_step_equals_trl_and_controls_fail
+    # sees packed sequences attending to each other)
+    assert _compare_logs(a, [dict(h, loss=h["loss"] * (1 + 1e-3)) if "loss" in h else h for h in b])
 
 
 @pytest.mark.slow
@@ -207,16 +207,18 @@ def test_token_budget_step_gradient_is_the_mean_over_its_pairs(tmp_path):
 
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
 
-    rows = S.pairs(6, seed=3)
+    rows = S.pairs(7, seed=3)
     common = dict(max_steps=1, max_grad_norm=1e9, learning_rate=0.0)
-    whole = _step_gradient(S.trainer(DPOTrainer, rows, tmp_path, per_device_train_batch_size=6, **common))
+    whole = _step_gradient(S.trainer(DPOTrainer, rows, tmp_path, per_device_train_batch_size=7, **common))
     pf = S.trainer(PaddingFreeDPOTrainer, rows, tmp_path, max_tokens_per_batch=160, per_device_train_batch_size=1,
                    **common)
-    budget_tokens = int(pf._pf_pair_lengths(pf.train_dataset).max())  # the longest pair: uneven micro-batches
-    pf.pf_token_budget = budget_tokens
-    loader = pf.get_train_dataloader()
-    counts = [b["pf_packed"]["num_pairs"] for b in loader]
-    assert sum(counts) == 6 and len(set(counts)) > 1  # whole pairs, an uneven number per micro-batch
+    longest = int(pf._pf_pair_lengths(pf.train_dataset).max())
+    for budget_tokens in (longest, int(1.3 * longest), int(1.7 * longest), 2 * longest, 3 * longest):
+        pf.pf_token_budget = budget_tokens
+        counts = [b["pf_packed"]["num_pairs"] for b in pf.get_train_dataloader()]
+        if len(set(counts)) > 1:
+            break
+    assert sum(counts) == 7 and len(set(counts)) > 1  # whole pairs, an uneven number per micro-batch
     pf.args.gradient_accumulation_steps = len(counts)  # one optimizer step over every pair
     budget = _step_gradient(pf)
     worst = max(float((whole[n] - budget[n]).abs().max()) / float(whole[n].abs().max()) for n in whole)
