@@ -5,9 +5,10 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
 - data: :func:`pretokenize`, :class:`PretokenizeConfig`, :func:`load_shards`, :func:`load_tokenizer`; mixtures:
   :class:`DataConfig`, :class:`MixtureSource`, :func:`read_data_config`, :func:`load_mixture`
 - batching: :class:`TokenBudgetBatchSampler`, :class:`MixtureBatchSampler`, :class:`StreamPacker`,
-  :class:`PaddingFreeCollator`
+  :class:`PaddingFreeCollator`, :class:`PackedPreferenceCollator`
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
-- training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`
+- training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`; preference training:
+  :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`
 - errors: :class:`PfTrlError`, the root of every exception pf-trl raises on purpose (``pf_trl.errors``)
 """
 
@@ -35,6 +36,9 @@ _EXPORTS = {
     "varlen_attention": "pf_trl.attention",
     "PaddingFreeConfig": "pf_trl.trainer",
     "PaddingFreeSFTTrainer": "pf_trl.trainer",
+    "PaddingFreeDPOConfig": "pf_trl.trainer",
+    "PaddingFreeDPOTrainer": "pf_trl.trainer",
+    "PackedPreferenceCollator": "pf_trl.batching.preference",
 }
 
 __all__ = ["__version__", "PfTrlError", *_EXPORTS]

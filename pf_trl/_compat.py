@@ -44,7 +44,9 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     # transformers
     PrivateSymbol("transformers.Trainer", "_track_num_input_tokens", ("pf_trl/trainer/accounting.py",)),
     PrivateSymbol("transformers.Trainer", "_memory_tracker", ("pf_trl/trainer/accounting.py",), kind="source"),
-    PrivateSymbol("transformers.Trainer", "_get_num_items_in_batch", ("pf_trl/trainer/trainer.py",)),
+    PrivateSymbol("transformers.Trainer", "_get_num_items_in_batch",
+                  ("pf_trl/trainer/trainer.py", "pf_trl/trainer/dpo_trainer.py")),
+    PrivateSymbol("transformers.Trainer", "_remove_unused_columns", ("pf_trl/trainer/dpo_trainer.py",)),
     PrivateSymbol("transformers.Trainer", "_issue_warnings_after_load", ("pf_trl/trainer/trainer.py",)),
     PrivateSymbol("transformers.PreTrainedModel", "_can_set_attn_implementation",
                   ("pf_trl/attention/enable.py", "pf_trl/attention/hf_sdpa.py"), via="can_set_attn_implementation",
@@ -64,6 +66,8 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("trl.trainer.sft_trainer", "BaseTunerLayer", ("pf_trl/trainer/fields.py",)),
     PrivateSymbol("trl.SFTTrainer", "_tag_names", ("pf_trl/trainer/trainer.py",)),
     PrivateSymbol("trl.SFTTrainer", "_metrics", ("pf_trl/trainer/trainer.py",), kind="source"),
+    # the packed forward wraps the fused LM head TRL's DPOTrainer installs and calls with `fused_lm_head=True`
+    PrivateSymbol("trl.trainer.utils", "add_fused_lm_head", ("pf_trl/trainer/dpo_forward.py",)),
     # torch
     PrivateSymbol("torch", "_assert_async", ("pf_trl/attention/hf.py",)),
     PrivateSymbol("torch._dynamo", "maybe_mark_dynamic", ("pf_trl/batching/collator.py",), via="maybe_mark_dynamic"),

@@ -24,7 +24,7 @@ from pf_trl.trainer.metrics import (
     model_flop_params,
 )
 
-__all__ = ["MeasuredSFTTrainer", "TokenAccountingMixin"]  # noqa: F822 (MeasuredSFTTrainer: module __getattr__)
+__all__ = ["MeasuredDPOTrainer", "MeasuredSFTTrainer", "TokenAccountingMixin"]  # noqa: F822 (module __getattr__)
 
 
 class TokenAccountingMixin:
@@ -105,7 +105,22 @@ def _measured_sft_trainer_cls():
     return MeasuredSFTTrainer
 
 
+def _measured_dpo_trainer_cls():
+    from trl import DPOTrainer
+
+    class MeasuredDPOTrainer(TokenAccountingMixin, DPOTrainer):
+        """Stock TRL DPOTrainer (padded) measured by the same code as pf-trl's (benchmarks/dpo_throughput.py)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._pf_init_metrics()
+
+    return MeasuredDPOTrainer
+
+
 def __getattr__(name: str) -> Any:
     if name == "MeasuredSFTTrainer":  # built on first use: importing TRL's SFTTrainer is slow
         return _measured_sft_trainer_cls()
+    if name == "MeasuredDPOTrainer":
+        return _measured_dpo_trainer_cls()
     raise AttributeError(name)

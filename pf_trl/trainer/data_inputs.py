@@ -84,23 +84,28 @@ def token_budget_sampler(trainer, dataset, budget: int | None, batch_size: int, 
                                    rank=rank, drop_last=False, ordered=ordered)
 
 
-def packed_dataloader(trainer, dataset, sampler, *, training: bool, wrap_collator=None):
+def packed_dataloader(trainer, dataset, sampler, *, training: bool, wrap_collator=None, collate_fn=None):
     """The dataloader of ``dataset`` batched by ``sampler`` and collated padding-free (the model's columns only),
     prepared by accelerate with its sharding turned off: the sampler is already rank-aware. ``wrap_collator``: a
-    callable wrapping the collator (evaluation: :class:`pf_trl.trainer.predict.ExampleBounds`)."""
+    callable wrapping the collator (evaluation: :class:`pf_trl.trainer.predict.ExampleBounds`). ``collate_fn``: a
+    collator of one's own over the dataset's columns as they are (preference pairs), instead of the SFT one."""
     from functools import partial
 
     from transformers.trainer_utils import seed_worker
 
     args = trainer.args
-    names = getattr(dataset, "column_names", None)
-    if names:
-        keep = [c for c in MODEL_COLUMNS if c in names]
-        if "input_ids" not in keep:
-            raise TrainingDataError(f"the dataset has no 'input_ids' column (columns: {names}); pretokenize it first")
-        dataset = dataset.select_columns(keep)
-    collate = CountingCollator(trainer._pf_collator, prepare=VisionFeatures(trainer.processing_class)
-                               if names and "images" in names else None)
+    if collate_fn is not None:
+        collate = collate_fn
+    else:
+        names = getattr(dataset, "column_names", None)
+        if names:
+            keep = [c for c in MODEL_COLUMNS if c in names]
+            if "input_ids" not in keep:
+                raise TrainingDataError(f"the dataset has no 'input_ids' column (columns: {names}); pretokenize it "
+                                        "first")
+            dataset = dataset.select_columns(keep)
+        collate = CountingCollator(trainer._pf_collator, prepare=VisionFeatures(trainer.processing_class)
+                                   if names and "images" in names else None)
     params: dict[str, Any] = dict(
         batch_sampler=sampler,
         collate_fn=wrap_collator(collate) if wrap_collator is not None else collate,

@@ -1,0 +1,129 @@
+"""Preference training speed: TRL's DPOTrainer (padded) against PaddingFreeDPOTrainer on the same pairs.
+
+Usage: python benchmarks/dpo_throughput.py [--pairs 24] [--batch 4] [--max_length 512] [--repeats 2]
+                                           [--out benchmarks/results/dpo_throughput.json]
+
+Pairs of real lengths: the prompt and response of a ShareGPT first turn (the shipped sample,
+``pf_trl/data/samples/sharegpt_sample.jsonl``) as ``prompt``/``chosen``, the next row's response as ``rejected``.
+The model is pf-trl's tiny Llama (4 layers x 256, Mistral vocabulary 32,000, float32, sdpa) with a separate
+reference model, as TRL builds it. Every mode trains one epoch over the same pairs:
+
+- ``trl``: TRL's DPOTrainer, ``per_device_train_batch_size`` pairs a step, padded;
+- ``pf-fixed``: PaddingFreeDPOTrainer, the same pairs in the same steps (TRL's sampler), one packed row each;
+- ``pf-budget``: PaddingFreeDPOTrainer with ``max_tokens_per_batch`` = batch x mean pair length (whole pairs).
+
+Measured by the same code (pf-trl's token metrics: real tokens / train_runtime; peak RSS during training). The modes
+run in turn, ``--repeats`` times; the best run of each counts (the machine may be shared). Prints a markdown table
+and writes the JSON.
+"""
+
+from __future__ import annotations
+
+from offline import REPO  # before any HF import: offline hub, the checkout's import path
+
+# isort: split
+
+import argparse
+import gc
+import json
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+
+import datasets
+import torch
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+datasets.disable_progress_bars()
+
+
+def sharegpt_pairs(n: int) -> list[dict]:
+    from pf_trl.data.samples import SHAREGPT_SAMPLE
+
+    rows = [json.loads(line) for line in SHAREGPT_SAMPLE.read_text().splitlines()[: n + 1]]
+    return [dict(prompt=rows[i]["prompt"], chosen=rows[i]["completion"], rejected=rows[i + 1]["completion"])
+            for i in range(n)]
+
+
+def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: int | None, workdir: str) -> dict:
+    from trl import DPOConfig
+
+    from pf_trl.data.tokenizer import load_tokenizer
+    from pf_trl.models import build_model
+    from pf_trl.trainer.accounting import MeasuredDPOTrainer
+    from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    common = dict(output_dir=str(Path(workdir) / mode), report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                  per_device_train_batch_size=batch, num_train_epochs=1, max_length=max_length, logging_steps=1000,
+                  disable_tqdm=True, learning_rate=1e-5, dataloader_num_workers=0)
+    if mode == "trl":
+        cls, args = MeasuredDPOTrainer, DPOConfig(**common)
+    else:
+        cls = PaddingFreeDPOTrainer
+        args = PaddingFreeDPOConfig(**common, max_tokens_per_batch=budget if mode == "pf-budget" else None)
+    model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0)
+    ref = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0)
+    trainer = cls(model, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(pairs),
+                  processing_class=load_tokenizer())
+    metrics = trainer.train().metrics
+    out = dict(mode=mode, runtime_s=metrics["train_runtime"], steps=trainer.state.global_step,
+               real_tokens=metrics["train_real_tokens"], processed_tokens=metrics["train_processed_tokens"],
+               real_tokens_per_s=metrics["train_real_tokens"] / metrics["train_runtime"],
+               padding_share=metrics["train_padding_share"], peak_rss_mb=metrics["train_mem_cpu_peak"] / 2**20,
+               train_loss=metrics["train_loss"])
+    del trainer, model, ref
+    gc.collect()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--max_length", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dpo_throughput.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pairs = sharegpt_pairs(args.pairs)
+    from pf_trl.batching.preference import pair_lengths
+    from pf_trl.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    lengths = pair_lengths([len(tok(p["prompt"])["input_ids"]) for p in pairs],
+                           [len(tok(p["chosen"])["input_ids"]) for p in pairs],
+                           [len(tok(p["rejected"])["input_ids"]) for p in pairs], max_length=args.max_length)
+    budget = max(int(args.batch * lengths.mean()), int(lengths.max()))
+    best: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for _ in range(args.repeats):
+            for mode in ("trl", "pf-fixed", "pf-budget"):
+                result = run(mode, pairs, batch=args.batch, max_length=args.max_length, budget=budget, workdir=workdir)
+                if mode not in best or result["real_tokens_per_s"] > best[mode]["real_tokens_per_s"]:
+                    best[mode] = result
+    base = best["trl"]["real_tokens_per_s"]
+    for r in best.values():
+        r["speedup_vs_trl"] = r["real_tokens_per_s"] / base
+        r["peak_rss_vs_trl"] = r["peak_rss_mb"] / best["trl"]["peak_rss_mb"]
+    report = dict(pairs=args.pairs, batch=args.batch, max_length=args.max_length, token_budget=budget,
+                  threads=args.threads, model="pf-trl/tiny-llama (4 x 256, vocab 32000, fp32, sdpa)",
+                  torch=torch.__version__, results=list(best.values()))
+    print(f"{args.pairs} ShareGPT pairs, {args.batch} pairs a step (budget {budget} tokens), max_length "
+          f"{args.max_length}, CPU {args.threads} threads, best of {args.repeats}\n")
+    print("| mode | steps | real tokens | processed | padding | real tok/s | vs TRL | peak RSS MB | vs TRL |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in best.values():
+        print(f"| {r['mode']} | {r['steps']} | {r['real_tokens']} | {r['processed_tokens']} | {r['padding_share']:.1%} "
+              f"| {r['real_tokens_per_s']:.0f} | {r['speedup_vs_trl']:.2f}x | {r['peak_rss_mb']:.0f} "
+              f"| {r['peak_rss_vs_trl']:.2f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""PaddingFreeDPOTrainer: TRL's DPOTrainer whose forwards run packed rows, exact against its padded run.
+
+What changes against ``trl.DPOTrainer`` (everything else, including the data preparation, the reference model, the
+loss types and the metrics, is TRL's own code):
+
+- batches: :class:`~pf_trl.batching.preference.PackedPreferenceCollator` wraps TRL's preference collator; the policy
+  and the reference model run one packed row per micro-batch (prompt+chosen and prompt+rejected of every pair as
+  separate sequences, ``position_ids`` restarting, no pad token) through :mod:`pf_trl.trainer.dpo_forward`, and the
+  per-token outputs of TRL's fused LM head land where TRL's loss code reads them. The attention isolates the sequences
+  through :func:`pf_trl.attention.enable_padding_free` (both models).
+- fixed pairs per step (default): TRL's dataloader, sampler and order; only the padding is gone.
+- token budgets (``max_tokens_per_batch``): whole pairs bin-packed by
+  :class:`~pf_trl.batching.sampler.TokenBudgetBatchSampler` (rank-balanced, deterministic, resumed from the sampler
+  state of each checkpoint). Each micro-batch's loss is TRL's mean over its pairs; it is weighted by its pair count
+  over the pairs of the whole optimizer step (all accumulation micro-batches, all ranks), so the gradient of a step is
+  the mean over its pairs, as TRL's with a fixed batch.
+- metrics: TRL's (``rewards/*``, ``logps/*``, ``logits/*``, ...) from TRL's code, plus pf-trl's token metrics
+  (``real_tokens_per_second``, ``padding_share``, ...) counted on the packed rows.
+
+Refused in one line: vision datasets, prompt-learning PEFT (virtual tokens), a ``data_collator`` of one's own, and with
+a token budget the loss types that are not per-pair means (``aot``, ``aot_unpaired``, ``sft``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from trl import DPOTrainer
+
+from pf_trl.batching.preference import PACKED_KEY, PackedPreferenceCollator, pair_lengths
+from pf_trl.batching.sampler import TokenBudgetBatchSampler
+from pf_trl.errors import ConfigError
+from pf_trl.trainer.accounting import TokenAccountingMixin
+from pf_trl.trainer.adapters import transformers_model
+from pf_trl.trainer.dpo_config import check_pf_fields
+from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+
+__all__ = ["PaddingFreeDPOTrainer"]
+
+logger = logging.getLogger("pf_trl.trainer")
+
+
+def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> None:
+    if data_collator is not None:
+        raise ConfigError("PaddingFreeDPOTrainer builds its own packed collator from TRL's; pass no data_collator")
+    first = next(iter(train_dataset)) if train_dataset is not None else {}
+    if "image" in first or "images" in first:
+        raise ConfigError("PaddingFreeDPOTrainer trains text preference pairs; vision datasets are refused (train "
+                          "them with TRL's DPOTrainer)")
+    configs = [peft_config] if peft_config is not None else list((getattr(model, "peft_config", None) or {}).values())
+    for config in configs:
+        if getattr(config, "is_prompt_learning", False):
+            raise ConfigError(f"{type(config).__name__} (prompt learning) prepends virtual tokens to every sequence, "
+                              "which a packed row cannot hold; use LoRA or another adapter")
+
+
+class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
+    """``trl.DPOTrainer`` on packed rows (see the module docstring). Arguments are DPOTrainer's; ``args`` is a
+    :class:`~pf_trl.trainer.dpo_config.PaddingFreeDPOConfig` or a plain ``DPOConfig`` (pf-trl's defaults)."""
+
+    def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None, **kwargs):
+        if args is None:
+            from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
+
+            args = PaddingFreeDPOConfig(output_dir="pf-trl-dpo")
+        check_pf_fields(args)
+        _refuse_unsupported(model, data_collator, train_dataset, peft_config)
+        if args.padding_free:  # TRL would warn that its padding_free is disabled; here every batch is packed
+            args.padding_free = False
+        self.pf_mode = getattr(args, "padding_free_mode", "huggingface")
+        self.pf_token_budget: int | None = getattr(args, "max_tokens_per_batch", None)
+        self._pf_train_sampler: TokenBudgetBatchSampler | None = None
+        self._pf_packer = None
+        self._pf_resume_dir: str | None = None
+        super().__init__(model, ref_model=ref_model, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                         **kwargs)
+        # TRL's collator made the precomputed reference log-probs during __init__ (padded, once); from here on every
+        # forward of training, evaluation and later precomputes runs the packed row
+        self.data_collator = PackedPreferenceCollator(self.data_collator)
+        self._pf_enable(transformers_model(self.model))
+        if self.ref_model is not None:
+            self._pf_enable(self.accelerator.unwrap_model(self.ref_model))
+        self._pf_init_metrics()
+        from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback
+
+        self.add_callback(SamplerStateCallback(self))
+        self.add_callback(CheckpointCompleteCallback(self))
+        if self.pf_token_budget is not None:
+            self.loss_is_scaled_for_ga = True  # compute_loss weights each micro-batch by its share of the step's pairs
+
+    def _pf_enable(self, model: torch.nn.Module) -> None:
+        from pf_trl.attention import enable_padding_free
+
+        enable_padding_free(model, mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
+                            allow_unverified=getattr(self.args, "allow_unverified", False))
+        install_packed_preference_forward(model)
+
+    # ------------------------------------------------------------------ data
+
+    def _pf_pair_lengths(self, dataset) -> np.ndarray:
+        import pyarrow.compute as pc
+
+        table = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).with_format("arrow")[:]
+        counts = [pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False)
+                  for c in ("prompt_ids", "chosen_ids", "rejected_ids")]
+        return pair_lengths(*counts, max_length=self.args.max_length)
+
+    def get_train_dataloader(self):
+        if self.pf_token_budget is None:
+            return super().get_train_dataloader()  # TRL's sampler and order: per_device_train_batch_size pairs
+        from pf_trl.trainer.data_inputs import packed_dataloader
+        from pf_trl.trainer.resume import restore_sampler
+
+        args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        world = max(1, args.world_size)
+        sampler = TokenBudgetBatchSampler(self._pf_pair_lengths(self.train_dataset), int(self.pf_token_budget),
+                                          shuffle=True, seed=int(seed), num_replicas=world,
+                                          rank=args.process_index if world > 1 else 0, drop_last=False)
+        self._pf_train_sampler = sampler
+        restore_sampler(self, sampler)
+        dataset = self._remove_unused_columns(self.train_dataset, description="training")
+        return packed_dataloader(self, dataset, sampler, training=True, collate_fn=self.data_collator)
+
+    # ------------------------------------------------------------------ loss
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        if self.pf_token_budget is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        # the pairs of the whole optimizer step: every accumulation micro-batch, every rank
+        count = torch.tensor(sum(int(b[PACKED_KEY]["num_pairs"]) for b in batch_samples), device=device)
+        if self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        layout = inputs.get(PACKED_KEY)
+        if layout is not None and self.model.training:
+            self._pf_observe_packed(inputs, layout)
+        result = DPOTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs)
+        if self.pf_token_budget is None or num_items_in_batch is None or layout is None or not self.model.training:
+            return result
+        # TRL's loss is the mean over this micro-batch's pairs: weight it by its pairs over the step's pairs (DDP
+        # averages the ranks' gradients, hence the world size)
+        scale = layout["num_pairs"] * max(1, self.args.world_size) / num_items_in_batch
+        if isinstance(result, tuple):
+            return (result[0] * scale, *result[1:])
+        return result * scale
+
+    def _pf_observe_packed(self, inputs: dict[str, Any], layout: dict[str, Any]) -> None:
+        ids = layout["input_ids"]
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        packed = {"input_ids": ids, "position_ids": layout["position_ids"], "labels": labels}
+        self._pf_meter.observe(packed, int(ids.numel()))
+
+    # ------------------------------------------------------------------ resume
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        self._pf_resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self._pf_resume_dir = None

@@ -1,0 +1,265 @@
+"""PaddingFreeDPOTrainer against TRL's DPOTrainer (float32, CPU): loss, every metric and the gradients of a step,
+every loss type, training through gradient accumulation and evaluation, LoRA, TRL's reference-model options and token
+budgets; each claim beside a negative control that must fail the same check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import dpo_support as S
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+ROWS = S.pairs(6)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    tmp = tmp_path_factory.mktemp("dpo")
+    return (S.trainer(DPOTrainer, ROWS, tmp, per_device_train_batch_size=4),
+            S.trainer(PaddingFreeDPOTrainer, ROWS, tmp, per_device_train_batch_size=4))
+
+
+def test_packed_row_has_no_padding(llama_pair):
+    _, pf = llama_pair
+    batch = pf.data_collator([pf.train_dataset[i] for i in range(4)])
+    layout = batch["pf_packed"]
+    assert layout["input_ids"].shape == (1, int(batch["attention_mask"].sum()))  # real tokens only
+    assert layout["num_pairs"] == 4 and layout["cu_seq_lens_q"].numel() == 9  # 8 sequences: 4 chosen, 4 rejected
+    assert int((layout["position_ids"] == 0).sum()) == 8
+
+
+def test_step_equals_trl_and_controls_fail(llama_pair):
+    trl, pf = llama_pair
+    ref = S.one_step(trl, [0, 1, 2, 3])
+    assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3])) == []
+
+    def see_each_other(batch):  # one position run over the whole row: the packed sequences attend to each other
+        layout = batch["pf_packed"]
+        layout["position_ids"] = torch.arange(layout["input_ids"].shape[1]).unsqueeze(0)
+        total = torch.tensor([0, layout["input_ids"].shape[1]], dtype=torch.int32)
+        layout.update(cu_seq_lens_q=total, cu_seq_lens_k=total.clone(), max_length_q=int(total[1]),
+                      max_length_k=int(total[1]))
+
+    assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3], mutate=see_each_other))
+
+    def split_pair(batch):  # pair 0's rejected scored as pair 1's: the pairs' sequences no longer line up
+        layout = batch["pf_packed"]
+        width = batch["input_ids"].shape[1] - 1
+        dst = layout["shift_dst"].clone()
+        a, b = (dst // width == 4), (dst // width == 5)
+        dst[a] += width
+        dst[b] -= width
+        layout["shift_dst"] = dst
+
+    assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3], mutate=split_pair))
+
+
+LOSSES = ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero",
+          "apo_down", "discopop", "sft", "sigmoid_norm"]
+
+
+@pytest.mark.slow
+def test_every_loss_type_and_option_equals_trl(llama_pair):
+    trl, pf = llama_pair
+    cases = [dict(loss_types=[t], loss_weights=[1.0]) for t in LOSSES]
+    cases += [dict(loss_types=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),  # RPO: DPO + NLL of the chosen
+              dict(ld_alpha=0.5), dict(f_divergence_type="js_divergence"),
+              dict(beta=0.5, label_smoothing=0.2, loss_types=["robust"], loss_weights=[1.0])]
+    failed = []
+    for case in cases:
+        saved = {k: getattr(trl, k) for k in case}
+        for t in (trl, pf):
+            for key, value in case.items():
+                setattr(t, key, value)
+            if "label_smoothing" not in case:
+                t.label_smoothing = 0.1  # exo_pair needs it; harmless for the others
+        try:  # the per-token log-probabilities equal TRL's (and their gradient: test above); TRL's own loss code here
+            bad = S.differences(S.one_step(trl, [2, 3, 4, 5], backward=False),
+                                S.one_step(pf, [2, 3, 4, 5], backward=False))
+        finally:
+            for t in (trl, pf):
+                for key, value in saved.items():
+                    setattr(t, key, value)
+                t.label_smoothing = 0.0
+        if bad:
+            failed.append((case, bad[:3]))
+    assert failed == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures_step_equals_trl(arch, tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    trl = S.trainer(DPOTrainer, ROWS, tmp_path, arch=arch, per_device_train_batch_size=3)
+    pf = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, arch=arch, per_device_train_batch_size=3)
+    assert S.differences(S.one_step(trl, [0, 1, 2]), S.one_step(pf, [0, 1, 2])) == []
+
+
+def _logs(t) -> list[dict]:
+    t.train()
+    return [{k: v for k, v in h.items() if k in LOGGED or k.startswith(("rewards/", "logps/", "logits/", "eval_"))}
+            for h in t.state.log_history]
+
+
+LOGGED = ("loss", "grad_norm", "entropy", "num_tokens", "mean_token_accuracy")
+_TIMES = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+
+
+def _compare_logs(a: list[dict], b: list[dict], rtol: float = 1e-4) -> list[str]:
+    bad = []
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        for key in x:
+            if key in _TIMES or key.startswith("eval_") and key.endswith(("per_second", "_tokens")):
+                continue
+            if key not in y or abs(x[key] - y[key]) > 1e-5 + rtol * abs(x[key]):
+                bad.append(f"step {step} {key}: {x[key]} vs {y.get(key)}")
+    return bad
+
+
+@pytest.mark.slow
+def test_training_with_accumulation_and_eval_equals_trl(tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2, eval_strategy="steps",
+              eval_steps=2, per_device_eval_batch_size=2, prediction_loss_only=True)
+    evals = S.pairs(2, seed=7)
+    a = _logs(S.trainer(DPOTrainer, S.pairs(8), tmp_path, eval_rows=evals, **kw))
+    b = _logs(S.trainer(PaddingFreeDPOTrainer, S.pairs(8), tmp_path, eval_rows=evals, **kw))
+    assert any("eval_loss" in h for h in a) and any("rewards/margins" in h for h in a)
+    assert _compare_logs(a, b) == []
+    # control: the comparison sees a small change of the run (the loss of test_step_equals_trl_and_controls_fail
+    # sees packed sequences attending to each other)
+    assert _compare_logs(a, [dict(h, loss=h["loss"] * (1 + 1e-3)) if "loss" in h else h for h in b])
+
+
+@pytest.mark.slow
+def test_lora_adapter_disabled_as_reference_equals_trl(tmp_path):
+    from peft import LoraConfig
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trl = S.trainer(DPOTrainer, ROWS, tmp_path, ref=False, peft_config=LoraConfig(**lora),
+                    per_device_train_batch_size=3)
+    pf = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, ref=False, peft_config=LoraConfig(**lora),
+                   per_device_train_batch_size=3)
+    assert pf.ref_model is None
+    # one update first, so that the adapter is not zero and the reference (adapter disabled) differs from the policy
+    for t in (trl, pf):
+        with torch.no_grad():
+            for name, p in t.model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.05)
+    a, b = S.one_step(trl, [0, 1, 2]), S.one_step(pf, [0, 1, 2])
+    assert a[2] and all("lora_" in n for n in a[2])
+    assert abs(a[1]["rewards/margins"]) > 1e-4  # the reference is not the policy
+    assert S.differences(a, b) == []
+
+
+@pytest.mark.slow
+def test_default_reference_and_precomputed_reference_equal_trl(tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    folder = tmp_path / "model"
+    S.model().save_pretrained(folder)
+    from pf_trl.data.tokenizer import load_tokenizer
+
+    load_tokenizer().save_pretrained(folder)
+    kw = dict(per_device_train_batch_size=3, max_steps=1)
+    for extra in ({}, {"precompute_ref_log_probs": True}):
+        a = _logs(S.trainer(DPOTrainer, ROWS, tmp_path, ref=False, model_obj=str(folder), **kw, **extra))
+        pf = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, ref=False, model_obj=str(folder), **kw, **extra)
+        assert (pf.ref_model is None) == bool(extra)
+        assert _compare_logs(a, _logs(pf)) == []
+
+
+def _step_gradient(t) -> dict[str, torch.Tensor]:
+    from transformers import TrainerCallback
+
+    grads = {}
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if not grads:
+                grads.update({n: p.grad.detach().clone() for n, p in t.model.named_parameters() if p.grad is not None})
+
+    t.add_callback(Capture())
+    t.train()
+    return grads
+
+
+def test_token_budget_step_gradient_is_the_mean_over_its_pairs(tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    rows = S.pairs(7, seed=3)
+    common = dict(max_steps=1, max_grad_norm=1e9, learning_rate=0.0)
+    whole = _step_gradient(S.trainer(DPOTrainer, rows, tmp_path, per_device_train_batch_size=7, **common))
+    pf = S.trainer(PaddingFreeDPOTrainer, rows, tmp_path, max_tokens_per_batch=160, per_device_train_batch_size=1,
+                   **common)
+    longest = int(pf._pf_pair_lengths(pf.train_dataset).max())
+    for budget_tokens in (longest, int(1.3 * longest), int(1.7 * longest), 2 * longest, 3 * longest):
+        pf.pf_token_budget = budget_tokens
+        counts = [b["pf_packed"]["num_pairs"] for b in pf.get_train_dataloader()]
+        if len(set(counts)) > 1:
+            break
+    assert sum(counts) == 7 and len(set(counts)) > 1  # whole pairs, an uneven number per micro-batch
+    pf.args.gradient_accumulation_steps = len(counts)  # one optimizer step over every pair
+    budget = _step_gradient(pf)
+    worst = max(float((whole[n] - budget[n]).abs().max()) / float(whole[n].abs().max()) for n in whole)
+    assert worst < S.GRAD_RTOL
+    # control: TRL's normalisation (each micro-batch's mean, divided by the accumulation steps) is not the pair mean
+    plain = S.trainer(PaddingFreeDPOTrainer, rows, tmp_path, max_tokens_per_batch=160, per_device_train_batch_size=1,
+                      **common)
+    plain.pf_token_budget = budget_tokens
+    plain.args.gradient_accumulation_steps = len(counts)
+    plain.loss_is_scaled_for_ga = False
+    plain._get_num_items_in_batch = lambda batch_samples, device: None
+    unweighted = _step_gradient(plain)
+    assert max(float((whole[n] - unweighted[n]).abs().max()) / float(whole[n].abs().max()) for n in whole) > 1e-3
+
+
+def test_refusals_name_the_problem(tmp_path):
+    from peft import PrefixTuningConfig
+    from trl import DPOConfig
+
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    with pytest.raises(ConfigError, match="aot.*token budget"):
+        PaddingFreeDPOConfig(**S.fields(tmp_path), max_tokens_per_batch=100, loss_type=["aot"])
+    with pytest.raises(ConfigError, match="padding_free_mode"):
+        PaddingFreeDPOConfig(**S.fields(tmp_path), padding_free_mode="none")
+    args = DPOConfig(**S.fields(tmp_path))
+    with pytest.raises(ConfigError, match="prompt learning"):
+        PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), peft_config=PrefixTuningConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ConfigError, match="vision"):
+        PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(image=True))
+    with pytest.raises(ConfigError, match="data_collator"):
+        PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), data_collator=lambda x: x)
+
+
+def _dataset(image: bool = False):
+    import datasets
+
+    rows = S.pairs(2)
+    if image:
+        rows = [dict(r, images=[]) for r in rows]
+    return datasets.Dataset.from_list(rows)
