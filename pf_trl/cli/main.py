@@ -55,5 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(rest) or 0)
 
 
+def run() -> int:
+    """The ``pf-trl`` command: :func:`main`, then, in a process that ends after a successful command under
+    torch.distributed, every rank leaves together (:func:`pf_trl.parallel.launch.leave_process_group`). Kept out of
+    :func:`main` so that a Python caller may run several commands in one process group."""
+    status = main()
+    if status == 0 and "torch" in sys.modules:  # nothing to tear down where torch was never imported
+        from pf_trl.parallel.launch import leave_process_group
+
+        leave_process_group()
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -760,11 +760,10 @@ def _run(argv: list[str]) -> int:
             upload_final(trainer, trainer.pf_remote_output)
             merged = f"{config.output_dir}/merged"
         print(f"pf-trl: merged model saved to {merged}")
-    from pf_trl.parallel.launch import leave_process_group
-
-    # every rank leaves when rank 0 has written the model, the process group torn down by all at once (a rank that
-    # exits while its peer still works can abort in gloo's teardown: its torchrun then holds the job 300 s)
-    leave_process_group(trainer.accelerator.wait_for_everyone)
+    # every rank returns when rank 0 has written the model; the `pf-trl` command then tears the process group down
+    # on all ranks at once as the process ends (pf_trl.cli.main.run: a rank that exits while its peer still works can
+    # abort in gloo's teardown, and its torchrun then holds the job 300 s)
+    trainer.accelerator.wait_for_everyone()
     return 0
 
 
