@@ -293,7 +293,7 @@ def test_entrypoint_is_the_console_script_and_cmd_parses(dockerfile):
     final = stages[-1]
     (entry,) = final.all("ENTRYPOINT")
     assert entry.exec_form() == ["pf-trl"], f"{path}: ENTRYPOINT must be exec form [\"pf-trl\"]"
-    assert PYPROJECT["project"]["scripts"]["pf-trl"] == "pf_trl.cli.main:main"
+    assert PYPROJECT["project"]["scripts"]["pf-trl"] == "pf_trl.cli.main:run"
     (cmd,) = final.all("CMD")
     argv = cmd.exec_form()
     assert argv, f"{path}: CMD must be exec form"

@@ -49,7 +49,8 @@ configs:
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """The server with org/tiny (a tiny Llama saved from a config with the shipped tokenizer, tag v1, then a second
-    commit on main), org/chat (two configs, train / test splits), org/gated (gated: token "good") and org/broken (a
+    commit on main), org/chat (two configs, train / test splits; org/moving holds the same and is the one a test commits
+    to), org/gated (gated: token "good") and org/broken (a
     bad JSON line); local copies of the model at v1 and of the dataset."""
     python = olah_or_skip()
     from pf_trl.data.tokenizer import load_tokenizer
@@ -71,6 +72,7 @@ def hub(tmp_path_factory):
             "short/train.jsonl": _chat(6, "s")}
     chat_v1 = server.commit("datasets", "org/chat", data, "chat data")
     server.commit("datasets", "org/gated", data, "gated data")
+    server.commit("datasets", "org/moving", data, "chat data")  # gets a new commit in a test; org/chat never changes
     server.commit("datasets", "org/broken", {"README.md": "# broken\n",
                                              "train.jsonl": _chat(2, "b") + '{"messages": [}\n'}, "broken")
     local_data = root / "chat-local"
@@ -119,7 +121,7 @@ from pf_trl.data.tokenizer import load_tokenizer
 tok = load_tokenizer("org/tiny", revision="v1")
 def shards(config=None):
     said = []
-    path = dataset_splits("org/chat", config=config)["train"][0]
+    path = dataset_splits("org/moving", config=config)["train"][0]
     target = cached_shards(path, tok, PretokenizeConfig(), progress=False, say=said.append)
     return [os.path.basename(target), said[-1].split(":")[1].strip().split(" ")[0]]
 out = [shards(), shards("short")]
@@ -147,7 +149,7 @@ def test_cache_identity_follows_the_commit_and_runs_offline_from_the_cache(hub, 
     env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
     first = _identity(env)
     assert [kind for _, kind in first] == ["tokenizing", "tokenizing"] and first[0][0] != first[1][0]  # two configs
-    again = _identity(env, str(server.repo("datasets", "org/chat")))
+    again = _identity(env, str(server.repo("datasets", "org/moving")))
     assert again[:2] == [[first[0][0], "cache"], [first[1][0], "cache"]]  # same commit: cache hit, no tokenizing
     assert again[2][1] == "tokenizing" and again[2][0] != first[0][0]  # a new commit on main: new shards
     offline = _identity({**env, "HF_HUB_OFFLINE": "1"})

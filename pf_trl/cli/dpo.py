@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import sys
 
-from pf_trl.errors import PfTrlError
+from pf_trl.errors import ConfigError, PfTrlError
 
 
-class _OneLineParserError(Exception):
-    pass
+class _OneLineParserError(ConfigError):
+    """A flag the parser refused (printed as one line, not argparse's usage block)."""
 
 
 def _parser():

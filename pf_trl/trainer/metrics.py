@@ -53,6 +53,7 @@ import torch
 from transformers.trainer_utils import TrainerMemoryTracker
 
 from pf_trl.batching.packing import count_targets, cu_seqlens_from_starts, segment_lengths
+from pf_trl.errors import ConfigError
 
 REAL_TOKENS_KEY = "_pf_real_tokens"
 # causal attention, forward + backward, model FLOPs: 2 x L^2 x hidden per layer forward, x 3 (backward = 2 x forward)
@@ -123,7 +124,7 @@ def model_flop_params(model: torch.nn.Module) -> FlopParams:
 def as_flop_params(params: Sequence[int]) -> FlopParams:
     """A :class:`FlopParams` from its four numbers (as a JSON record holds them)."""
     if len(params) != 4:
-        raise ValueError(f"flop params are (body, head, layers, hidden), got {list(params)}")
+        raise ConfigError(f"flop params are (body, head, layers, hidden), got {list(params)}")
     return FlopParams(*(int(p) for p in params))
 
 
