@@ -378,6 +378,7 @@ def _precheck_trl_data(args: argparse.Namespace) -> None:
     the local dataset and its splits, a DatasetDict's evaluation split, ``--chat_template_path``."""
     from pf_trl.cli import trl_data
 
+    trl_data.check_streaming(args, args.max_steps)  # a stream without --max_steps: refused before any data is read
     train, evalset, _ = trl_data.resolve(args, args.eval_strategy)
     args.pf_data_flags = {}  # checked under the flag the user gave
     if train is not None:  # a single path is checked below like --training_data_path (its lines scanned too)
