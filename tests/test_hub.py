@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -211,7 +212,11 @@ def test_cache_identity_follows_the_commit_and_runs_offline_from_the_cache(hub, 
     env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
     first = _identity(env)
     assert [kind for _, kind in first] == ["tokenizing", "tokenizing"] and first[0][0] != first[1][0]  # two configs
-    again = _identity(env, str(server.repo("datasets", "org/chat")))
+    repo = server.repo("datasets", "org/chat")
+    try:
+        again = _identity(env, str(repo))
+    finally:  # main back at the fixture's commit: the other tests compare org/chat with its local copy
+        subprocess.run(["git", "-C", str(repo), "reset", "-q", "--hard", hub["chat_v1"]], check=True)
     assert again[:2] == [[first[0][0], "cache"], [first[1][0], "cache"]]  # same commit: cache hit, no tokenizing
     assert again[2][1] == "tokenizing" and again[2][0] != first[0][0]  # a new commit on main: new shards
     offline = _identity({**env, "HF_HUB_OFFLINE": "1"})
