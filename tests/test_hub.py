@@ -371,6 +371,18 @@ def api(model, trust, out):
     trainer.train()
     return [type(trainer.model).__module__, [r["loss"] for r in trainer.state.log_history if "loss" in r]]
 
+def card(folder, trusted):
+    # the model card's "Use" snippet, run from the folder it names the model from (the output folder's parent)
+    import re
+    text = (Path(folder) / "README.md").read_text().split("## Use", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    if not trusted:
+        snippet = snippet.replace(", trust_remote_code=True", "")
+    os.chdir(Path(folder).parent)
+    scope = {}
+    exec(snippet, scope)
+    return [type(scope["model"]).__module__, type(scope["tokenizer"]).__name__, snippet]
+
 out = []
 for kind, argv in json.loads(sys.argv[1]):
     err, std = io.StringIO(), io.StringIO()
@@ -379,6 +391,11 @@ for kind, argv in json.loads(sys.argv[1]):
         if kind == "main":
             from pf_trl.cli.main import main
             rc, result = main(argv), None
+        elif kind == "card":
+            try:
+                rc, result = 0, card(*argv)
+            except ValueError as exc:  # transformers' refusal of custom code it was not allowed to run
+                rc, result = 2, str(exc)
         else:
             from pf_trl.errors import PfTrlError
             try:
@@ -431,6 +448,8 @@ def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, tmp_
         ["main", ["train", "--model_name_or_path", str(hub["custom"]), *data, *trust, "--output_dir",
                   str(tmp_path / "local")]],
         ["api", ["org/custom", True, str(tmp_path / "e")]],
+        ["card", [str(tmp_path / "hub"), True]],
+        ["card", [str(tmp_path / "hub"), False]],
         ["main", ["pretokenize", "org/chat", shards, "--model_name_or_path", "org/custom", "--no_progress"]],
         ["main", ["pretokenize", "org/chat", shards, "--model_name_or_path", "org/custom", "--no_progress", *trust]],
         ["main", ["inspect", shards, "--samples", "1"]],
@@ -455,13 +474,18 @@ def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, tmp_
     assert len(from_hub) == 3 and from_hub == local
     module, api_losses = results[6][4]
     assert results[6][0] == 0 and module.startswith("transformers_modules.") and len(api_losses) == 2
+    # the model card's snippet loads the saved custom classes (it asks for their code); without asking it cannot
+    assert results[7][0] == 0, results[7][1][-2000:]
+    module, tokenizer, snippet = results[7][4]
+    assert module.startswith("transformers_modules.") and tokenizer == "CustomTokenizer", snippet
+    assert results[8][0] == 2 and "trust_remote_code" in results[8][4]
     # the tokenizer's own code: pretokenize and inspect refuse it in one line without the flag, run it with it
-    for refused, allowed in ((results[7], results[8]), (results[9], results[10])):
+    for refused, allowed in ((results[9], results[10]), (results[11], results[12])):
         lines = _one_line(refused[1])
         assert refused[0] == 2 and len(lines) == 1 and "--trust_remote_code True" in lines[0], refused[1][-2000:]
         assert "tokenizer" in lines[0]
         assert allowed[0] == 0, allowed[1][-2000:]
-    assert "supervised tokens are shown" in results[10][2]
+    assert "supervised tokens are shown" in results[12][2]
 
 
 def test_dpo_takes_hub_ids_through_the_same_hub_code_as_train(hub, tmp_path):
@@ -496,3 +520,24 @@ def test_dpo_takes_hub_ids_through_the_same_hub_code_as_train(hub, tmp_path):
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
         for word in expected:
             assert word in lines[0], lines[0]
+
+
+def test_a_shipped_model_type_with_an_auto_map_loads_as_transformers_loads_it(tmp_path):
+    """A config whose auto_map names code of its own for a model_type transformers ships (older Hub repositories of
+    shipped architectures carry one): without --trust_remote_code transformers' own class loads, as transformers and
+    trl sft load it; with it, the repository's code runs. Control: the same folder with a type transformers does not
+    ship is refused without the flag."""
+    from pf_trl.models import build_model
+    from pf_trl.remote_code import RemoteCodeError, custom_code
+
+    custom = _custom_code_model(tmp_path / "custom")
+    shipped = tmp_path / "shipped"
+    shutil.copytree(custom, shipped)
+    config = json.loads((shipped / "config.json").read_text())
+    (shipped / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert custom_code(shipped) is None
+    assert type(build_model(str(shipped))).__module__.startswith("transformers.models.llama.")
+    assert type(build_model(str(shipped), trust_remote_code=True)).__module__.startswith("transformers_modules.")
+    assert custom_code(custom) == "modeling_custom.CustomLlamaForCausalLM"
+    with pytest.raises(RemoteCodeError, match="--trust_remote_code True"):
+        build_model(str(custom))
