@@ -82,9 +82,15 @@ def check_remote_code(folder: str | Path, *, trust_remote_code: bool, name: str,
         model_type = _config(Path(folder).expanduser()).get("model_type")
         raise RemoteCodeError(
             f"{flag} {name}: its config.json maps the model (model_type {model_type!r}, which transformers does not "
-            f"ship) to the repository's own code ({ref}), which runs only with {FLAG}; pass it to run that code "
-            f"({UNVERIFIED}), or use a model of an architecture transformers ships")
+            f"ship) to the repository's own code ({ref}), which runs only with {_switch(flag)}; pass it to run that "
+            f"code ({UNVERIFIED}), or use a model of an architecture transformers ships")
     return ref
+
+
+def _switch(flag: str) -> str:
+    """How the caller turns it on: the config field for the Python API's arguments (``model``,
+    ``processing_class``), else the command-line flag."""
+    return "trust_remote_code=True" if flag in ("model", "processing_class") else FLAG
 
 
 def tokenizer_code_error(exc: BaseException, name: str, flag: str) -> RemoteCodeError | None:
@@ -94,8 +100,8 @@ def tokenizer_code_error(exc: BaseException, name: str, flag: str) -> RemoteCode
     if "trust_remote_code" not in text and "custom code" not in text:
         return None
     return RemoteCodeError(f"{flag} {name}: the tokenizer or processor needs its repository's own code "
-                           f"(tokenizer_config.json / processor_config.json auto_map), which runs only with {FLAG}; "
-                           "pass it to run that code, or use a tokenizer transformers ships")
+                           f"(tokenizer_config.json / processor_config.json auto_map), which runs only with "
+                           f"{_switch(flag)}; pass it to run that code, or use a tokenizer transformers ships")
 
 
 def is_custom_class(model: Any) -> bool:

@@ -460,7 +460,8 @@ def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, tmp_
     for i, (rc, err, _, files, _) in enumerate(results[:4]):
         lines = _one_line(err) if i < 3 else [results[i][4]]
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (steps[i], err[-2000:])
-        for word in ("--trust_remote_code True", "modeling_custom.CustomLlamaForCausalLM", "runtime self-check"):
+        switch = "--trust_remote_code True" if i < 3 else "model org/custom: "  # the API: its config's field
+        for word in (switch, "trust_remote_code", "modeling_custom.CustomLlamaForCausalLM", "runtime self-check"):
             assert word in lines[0], (steps[i], lines[0])
         assert files == ["config.json"], (steps[i], files)  # no weights, no code: the refusal came first
     assert "--model_name_or_path org/custom" in _one_line(results[0][1])[0]
