@@ -78,6 +78,23 @@ def embedded_config(name: str, **overrides: Any):
     return AutoConfig.for_model(model_type, **spec)
 
 
+def pinned_revision(name: str, revision: str | None) -> str | None:
+    """``--model_revision`` as it applies to ``name``: None when unset or ``main``; any other revision pins a Hub id
+    and is refused for an embedded model or a local folder (they have one revision).
+
+    Raises:
+        pf_trl.hub.HubError: a revision for something that is not a Hub id.
+    """
+    from pf_trl.hub import HubError, looks_like_repo_id
+
+    if revision in (None, "", "main"):
+        return None
+    if is_embedded_model(name) or not looks_like_repo_id(name):
+        raise HubError(f"--model_revision {revision}: {name} is not a Hub id (a local folder or an embedded model has "
+                       "one revision); drop --model_revision, or pass the Hub id")
+    return revision
+
+
 def resolve_model_path(name: str, *, revision: str | None = None, flag: str = "--model_name_or_path",
                        trust_remote_code: bool | None = None) -> str:
     """``name`` as pf-trl loads it: an embedded model name as it is, a local folder (``~`` expanded), or the snapshot

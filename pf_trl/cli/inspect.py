@@ -98,7 +98,8 @@ def _manifest_tokenizer(manifest: dict, override: str | None, trust_remote_code:
 def print_samples(ds, manifest: dict, count: int, override: str | None, trust_remote_code: bool = False) -> None:
     from pf_trl.data.processor import text_tokenizer
 
-    tokenizer = text_tokenizer(_manifest_tokenizer(manifest, override, trust_remote_code))  # a processor decodes with its tokenizer
+    # a processor decodes with its tokenizer
+    tokenizer = text_tokenizer(_manifest_tokenizer(manifest, override, trust_remote_code))
     source = manifest.get("source", {})
     print(f"format {source.get('input_format')}; chat mask: {source.get('chat_mask') or 'n/a'}; "
           f"decoded with {getattr(tokenizer, 'pf_trl_name', tokenizer.name_or_path)}")

@@ -195,16 +195,12 @@ def check_model_name(name: str, revision: str | None = None, *, trust_remote_cod
     snapshot folder of a Hub id at ``--model_revision`` (downloaded by huggingface_hub, or from its cache); raises
     TrainCLIError in one line for anything else, and for a model that needs its repository's own code without
     ``--trust_remote_code True`` (a Hub id's config is checked before its weights are downloaded)."""
-    from pf_trl.hub import HubError, looks_like_repo_id
-    from pf_trl.models import is_embedded_model, resolve_model_path
+    from pf_trl.hub import HubError
+    from pf_trl.models import pinned_revision, resolve_model_path
     from pf_trl.remote_code import RemoteCodeError
 
-    pinned = revision not in (None, "", "main")
-    if pinned and (is_embedded_model(name) or not looks_like_repo_id(name)):
-        raise TrainCLIError(f"--model_revision {revision}: {name} is not a Hub id (a local folder or an embedded model "
-                            "has one revision); drop --model_revision, or pass the Hub id")
     try:
-        return resolve_model_path(name, revision=revision if pinned else None, trust_remote_code=trust_remote_code)
+        return resolve_model_path(name, revision=pinned_revision(name, revision), trust_remote_code=trust_remote_code)
     except (HubError, RemoteCodeError) as exc:
         raise TrainCLIError(str(exc)) from None
 
@@ -625,12 +621,14 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
     from pf_trl.cli import model_args as model_flags
 
-    trust = model_flags.requested_trust(lambda flag, default=None: next(
-        (getattr(group, flag) for group in (model_args, config) if hasattr(group, flag)), default), flags)
+    def get(flag: str, default: Any = None) -> Any:
+        return next((getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)),
+                    default)
+
+    trust = model_flags.requested_trust(get, flags)
     name = check_model_name(model_args.model_name_or_path, getattr(model_args, "model_revision", None),
                             trust_remote_code=trust)
-    check_combinations(lambda flag, default=None: next(
-        (getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)), default))
+    check_combinations(get)
     overrides = _parse_overrides(model_args.model_overrides)
     cuda = torch.cuda.is_available() and not config.use_cpu
     if config.fp16 and not cuda:

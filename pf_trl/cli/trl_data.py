@@ -53,7 +53,9 @@ def resolve(args, eval_strategy: Any) -> tuple[Any, Any, str | None]:
 
 
 def _true(value: Any) -> bool:
-    return str(value).strip().lower() in ("true", "1", "yes", "y", "t", "on")
+    from pf_trl.trainer.modes import as_bool
+
+    return bool(as_bool(value))
 
 
 def streaming_flag(args) -> str | None:
@@ -140,7 +142,9 @@ def apply(data_args, config, say) -> None:
     flag = streaming_flag(data_args)
     if train is not None and flag is not None:
         check_streaming(data_args, config.max_steps)
-        train = streamed(train, "streamed")
+        from pathlib import Path
+
+        train = streamed(train, f"{Path(str(data_args.dataset_name)).name}-{data_args.dataset_train_split or 'train'}")
         note += (f"; {flag}: streamed, tokenized while training" +
                  (" (padded training reads it whole)" if config.padding_free_mode == "none" else "") +
                  (", the evaluation split read whole" if evalset is not None else ""))

@@ -63,16 +63,15 @@ def _model_and_tokenizer(model_args, training_args, trust: bool) -> tuple[Any, A
     if not name:
         raise ConfigError("--model_name_or_path is required (a Hub id ORG/NAME, a local model folder or "
                           "pf-trl/tiny-llama)")
+    folder = model_folder(name, model_args.model_revision, trust)  # an embedded name as it is
     if is_embedded_model(name):
         from pf_trl.data.tokenizer import load_tokenizer
 
-        _check_revision(name, model_args.model_revision)
         kwargs = {"attn_implementation": model_args.attn_implementation or "sdpa"}
         model = build_model(name, seed=training_args.seed, **kwargs)
         needs_ref = not model_args.use_peft and not training_args.precompute_ref_log_probs
         ref = build_model(name, seed=training_args.seed, **kwargs) if needs_ref else None
         return model, ref, load_tokenizer()
-    folder = model_folder(name, model_args.model_revision, trust)
     from transformers import AutoTokenizer
 
     from pf_trl.remote_code import tokenizer_code_error
@@ -86,28 +85,15 @@ def _model_and_tokenizer(model_args, training_args, trust: bool) -> tuple[Any, A
         raise refusal from None
 
 
-def _check_revision(name: str, revision: str | None) -> bool:
-    """True when ``--model_revision`` pins a revision; refused for anything but a Hub id (as pf-trl train does)."""
-    from pf_trl.hub import looks_like_repo_id
-    from pf_trl.models import is_embedded_model
-
-    pinned = revision not in (None, "", "main")
-    if pinned and (is_embedded_model(name) or not looks_like_repo_id(name)):
-        raise ConfigError(f"--model_revision {revision}: {name} is not a Hub id (a local folder or an embedded model "
-                          "has one revision); drop --model_revision, or pass the Hub id")
-    return pinned
-
-
 def model_folder(name: str, revision: str | None, trust: bool) -> str:
     """The local folder of ``--model_name_or_path``: itself, or a Hub id's snapshot at ``--model_revision``
     (:func:`pf_trl.models.resolve_model_path`, the code ``pf-trl train`` uses); one line on any failure."""
     from pf_trl.hub import HubError
-    from pf_trl.models import resolve_model_path
+    from pf_trl.models import pinned_revision, resolve_model_path
     from pf_trl.remote_code import RemoteCodeError
 
-    pinned = _check_revision(name, revision)
     try:
-        return resolve_model_path(name, revision=revision if pinned else None, trust_remote_code=trust)
+        return resolve_model_path(name, revision=pinned_revision(name, revision), trust_remote_code=trust)
     except (HubError, RemoteCodeError) as exc:
         raise ConfigError(str(exc)) from None
 
