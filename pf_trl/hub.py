@@ -27,6 +27,8 @@ _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--(.+?)/snapshots/([0-9a-f]{40}
 # what a model's snapshot needs (config, weights, tokenizer, templates); not every format a repository may also hold
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
 MODEL_BIN_FILES = ["*.bin", "*.bin.index.json"]  # only when the repository has no safetensors
+# a repository's own Python code (its config's auto_map): downloaded only for --trust_remote_code True
+MODEL_CODE_FILES = ["*.py"]
 
 
 class HubError(PfTrlError, ValueError):
@@ -51,7 +53,7 @@ class HubSnapshot:
         return out
 
 
-_RESOLVED: dict[tuple[str, str, str | None, bool], HubSnapshot] = {}
+_RESOLVED: dict[tuple[str, str, str | None, tuple[str, ...] | None], HubSnapshot] = {}
 _BY_FOLDER: dict[str, HubSnapshot] = {}
 
 
@@ -122,24 +124,25 @@ def _cache_dir() -> str:
 def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str,
              allow_patterns: list[str] | None = None) -> HubSnapshot:
     """Download (or find in the Hub cache) ``repo_id`` at ``revision`` and return its snapshot; memoized per
-    process, so the checks before a run and the run itself resolve one commit.
+    process, so the checks before a run and the run itself resolve one commit. ``allow_patterns``: only these files
+    (default for a model: :data:`MODEL_FILES`, its ``.bin`` weights when it has no safetensors).
 
     Raises:
         HubError: in one line, naming ``flag``, the repository and the fix.
     """
-    key = (repo_type, repo_id, revision, allow_patterns is None)
+    key = (repo_type, repo_id, revision, None if allow_patterns is None else tuple(allow_patterns))
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
-    patterns = allow_patterns if repo_type == "model" and allow_patterns is None else allow_patterns
-    if repo_type == "model" and patterns is None:
-        patterns = MODEL_FILES
+    patterns = MODEL_FILES if repo_type == "model" and allow_patterns is None else allow_patterns
+    # the weights in .bin only where a model's weights were asked for (MODEL_FILES or more) and none are safetensors
+    weights = repo_type == "model" and patterns is not None and set(MODEL_FILES) <= set(patterns)
     try:
         folder = Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=patterns))
-        if repo_type == "model" and not any(folder.glob("*.safetensors")):
+        if weights and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision,
                                             allow_patterns=patterns + MODEL_BIN_FILES))
     except HFValidationError as exc:

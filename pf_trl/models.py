@@ -78,32 +78,69 @@ def embedded_config(name: str, **overrides: Any):
     return AutoConfig.for_model(model_type, **spec)
 
 
-def resolve_model_path(name: str, *, revision: str | None = None, flag: str = "--model_name_or_path") -> str:
+def pinned_revision(name: str, revision: str | None) -> str | None:
+    """``--model_revision`` as it applies to ``name``: None when unset or ``main``; any other revision pins a Hub id
+    and is refused for an embedded model or a local folder (they have one revision).
+
+    Raises:
+        pf_trl.hub.HubError: a revision for something that is not a Hub id.
+    """
+    from pf_trl.hub import HubError, looks_like_repo_id
+
+    if revision in (None, "", "main"):
+        return None
+    if is_embedded_model(name) or not looks_like_repo_id(name):
+        raise HubError(f"--model_revision {revision}: {name} is not a Hub id (a local folder or an embedded model has "
+                       "one revision); drop --model_revision, or pass the Hub id")
+    return revision
+
+
+def resolve_model_path(name: str, *, revision: str | None = None, flag: str = "--model_name_or_path",
+                       trust_remote_code: bool | None = None) -> str:
     """``name`` as pf-trl loads it: an embedded model name as it is, a local folder (``~`` expanded), or the snapshot
     folder of the Hub repository ``name`` at ``revision`` (downloaded by huggingface_hub, or from its cache).
 
+    ``trust_remote_code`` (bool): a model that needs its repository's own code (:mod:`pf_trl.remote_code`) is refused
+    without it, a Hub repository's ``config.json`` being fetched and checked before anything else is downloaded;
+    with it, the repository's ``*.py`` files come with the snapshot. ``None``: the folder only, no check (callers
+    that load no model class, after the run's own check).
+
     Raises:
         pf_trl.hub.HubError: a Hub failure (not found, gated, offline, unreachable) or a name that is neither.
+        pf_trl.remote_code.RemoteCodeError: custom code without ``trust_remote_code``.
     """
     from pathlib import Path
 
-    from pf_trl.hub import HubError, looks_like_repo_id, snapshot
+    from pf_trl.hub import MODEL_CODE_FILES, MODEL_FILES, HubError, looks_like_repo_id, snapshot
+    from pf_trl.remote_code import check_remote_code
 
     if is_embedded_model(name):
         return name
     folder = Path(name).expanduser()
     if folder.is_dir():
+        if trust_remote_code is not None:
+            check_remote_code(folder, trust_remote_code=trust_remote_code, name=name, flag=flag)
         return str(folder)
     if folder.exists() or not looks_like_repo_id(name):
         raise HubError(f"{flag} {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...), "
                        "a local model folder, nor a Hub id (ORG/NAME)")
-    return snapshot(name, repo_type="model", revision=revision, flag=flag).folder
+    if trust_remote_code is None:
+        return snapshot(name, repo_type="model", revision=revision, flag=flag).folder
+    # the config alone first: custom code is refused before any weights (or code) are downloaded
+    config = snapshot(name, repo_type="model", revision=revision, flag=flag, allow_patterns=["config.json"])
+    check_remote_code(config.folder, trust_remote_code=trust_remote_code, name=name, flag=flag)
+    patterns = MODEL_FILES + MODEL_CODE_FILES if trust_remote_code else None
+    found = snapshot(name, repo_type="model", revision=revision, flag=flag, allow_patterns=patterns).folder
+    check_remote_code(found, trust_remote_code=trust_remote_code, name=name, flag=flag)  # main may have moved
+    return found
 
 
 def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementation: str | None = None, seed: int = 0,
-                quantization_config: Any = None, revision: str | None = None, **overrides: Any):
+                quantization_config: Any = None, revision: str | None = None, trust_remote_code: bool = False,
+                **overrides: Any):
     """An embedded model (random init, seeded), a local checkpoint folder or a Hub id (its snapshot, at ``revision``)
-    (``quantization_config``: a bitsandbytes config for QLoRA, pretrained weights only)."""
+    (``quantization_config``: a bitsandbytes config for QLoRA, pretrained weights only; ``trust_remote_code``: run the
+    repository's own model code, as transformers does, refused without it when the model needs it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -120,16 +157,16 @@ def build_model(name_or_path: str, *, torch_dtype: Any = None, attn_implementati
         # how to build these very initial weights again (the card's snippet for an adapter trained on them)
         model.pf_trl_build = {"seed": int(seed), "overrides": dict(overrides)}
         return model
-    name_or_path = resolve_model_path(name_or_path, revision=revision)
+    name_or_path = resolve_model_path(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
-    return _auto_class(name_or_path).from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False,
-                                                     **kwargs)
+    return _auto_class(name_or_path, trust_remote_code).from_pretrained(
+        name_or_path, local_files_only=True, trust_remote_code=trust_remote_code, **kwargs)
 
 
-def _auto_class(folder: str):
+def _auto_class(folder: str, trust_remote_code: bool = False):
     """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language type it does not map
     (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -139,7 +176,8 @@ def _auto_class(folder: str):
     )
 
     try:
-        model_type = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False).model_type
+        model_type = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                                trust_remote_code=trust_remote_code).model_type
     except Exception:
         return AutoModelForCausalLM
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:

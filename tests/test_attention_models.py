@@ -306,13 +306,29 @@ def test_multimodal_mrope_model_gets_per_example_positions():
         enable_padding_free(llama, mode="huggingface")
 
 
-def test_unknown_and_custom_models_raise():
+def test_custom_code_is_admitted_on_the_self_check_alone(caplog):
+    """A class of custom code (trust_remote_code) has no sweep evidence: admitted like a type the support matrix does
+    not list, on the runtime self-check, with a warning that says so. Negative control: custom code that lets packed
+    examples see each other (a running sum along the row) is refused by that self-check."""
     class CustomForCausalLM(transformers.LlamaForCausalLM):  # defined outside transformers: "remote code"
         pass
 
+    class LeakyForCausalLM(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            # a state carried along the row (a running sum of the embeddings): a packed example sees the one before
+            self.model.embed_tokens.register_forward_hook(lambda module, args, out: out + out.cumsum(1) / 10)
+
     cfg = transformers.LlamaConfig(**TINY)
-    with pytest.raises(UnsupportedModelError, match="custom code"):
-        enable_padding_free(CustomForCausalLM(cfg), mode="internal")
+    for mode in ("internal", "huggingface"):
+        with caplog.at_level(logging.WARNING, logger="pf_trl.attention"):
+            enable_padding_free(CustomForCausalLM(cfg), mode=mode)
+        assert "CustomForCausalLM comes from custom code" in caplog.text and "self-check decides" in caplog.text
+        with pytest.raises(PaddingFreeError, match="self-check failed on LeakyForCausalLM"):
+            enable_padding_free(LeakyForCausalLM(cfg), mode=mode)
+
+
+def test_unknown_models_raise():
 
     class Plain(torch.nn.Module):
         pass

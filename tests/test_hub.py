@@ -9,6 +9,7 @@ Every run is a ``pf-trl`` / python process with the Hub's own environment (``HF_
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -46,12 +47,68 @@ configs:
 """
 
 
+# a model repository with its own code (config.json auto_map), as Hub repositories of new architectures ship it:
+# its classes subclass transformers' Llama, and its tokenizer is a class of its own too
+CUSTOM_CONFIG = """from transformers import LlamaConfig
+
+
+class CustomLlamaConfig(LlamaConfig):
+    model_type = "pf_custom_llama"
+"""
+CUSTOM_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_custom import CustomLlamaConfig
+
+
+class CustomLlamaForCausalLM(LlamaForCausalLM):
+    config_class = CustomLlamaConfig
+"""
+CUSTOM_TOKENIZER = """from transformers import LlamaTokenizer
+
+
+class CustomTokenizer(LlamaTokenizer):
+    pass
+"""
+
+
+def _custom_code_model(folder: Path) -> Path:
+    """A tiny Llama made a custom-code repository: model_type pf_custom_llama (not shipped by transformers), auto_map
+    to configuration_custom / modeling_custom, a tokenizer class of its own (tokenization_custom)."""
+    from pf_trl.data.tokenizer import load_tokenizer
+    from pf_trl.models import build_model
+
+    build_model("pf-trl/tiny-llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="pf_custom_llama", architectures=["CustomLlamaForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig",
+                            "AutoModelForCausalLM": "modeling_custom.CustomLlamaForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer.update(tokenizer_class="CustomTokenizer",
+                     auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2))
+    for name, text in (("configuration_custom.py", CUSTOM_CONFIG), ("modeling_custom.py", CUSTOM_MODEL),
+                       ("tokenization_custom.py", CUSTOM_TOKENIZER)):
+        (folder / name).write_text(text)
+    return folder
+
+
+def _pairs(n: int) -> str:
+    words = "the a cat dog runs sleeps blue green red house tree over under with".split()
+    rows = [{"prompt": " ".join(words[(i + k) % len(words)] for k in range(4)),
+             "chosen": " ".join(words[(2 * i + k) % len(words)] for k in range(3 + i % 4)),
+             "rejected": " ".join(words[(3 * i + k) % len(words)] for k in range(2 + i % 5))} for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """The server with org/tiny (a tiny Llama saved from a config with the shipped tokenizer, tag v1, then a second
     commit on main), org/chat (two configs, train / test splits; org/moving holds the same and is the one a test commits
-    to), org/gated (gated: token "good") and org/broken (a
-    bad JSON line); local copies of the model at v1 and of the dataset."""
+    to), org/gated (gated: token "good"), org/broken (a bad JSON line), org/custom (a model of its own code) and
+    org/pairs (preference rows); local copies of the model at v1, of the custom model and of the datasets."""
     python = olah_or_skip()
     from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.models import build_model
@@ -77,8 +134,14 @@ def hub(tmp_path_factory):
                                              "train.jsonl": _chat(2, "b") + '{"messages": [}\n'}, "broken")
     local_data = root / "chat-local"
     shutil.copytree(server.repo("datasets", "org/chat"), local_data, ignore=shutil.ignore_patterns(".git"))
+    custom = _custom_code_model(root / "custom")
+    server.commit("models", "org/custom", {f.name: f for f in custom.iterdir()}, "a model of its own code")
+    server.commit("datasets", "org/pairs", {"README.md": "# pairs\n", "data/train.jsonl": _pairs(8)}, "pairs")
+    local_pairs = root / "pairs-local"
+    shutil.copytree(server.repo("datasets", "org/pairs"), local_pairs, ignore=shutil.ignore_patterns(".git"))
     server.set_rules(gated={"org/gated": "good"})
-    yield {"server": server, "root": root, "model": model, "data": local_data, "v1": v1, "chat_v1": chat_v1}
+    yield {"server": server, "root": root, "model": model, "data": local_data, "v1": v1, "chat_v1": chat_v1,
+           "custom": custom, "pairs": local_pairs}
     server.stop()
 
 
@@ -284,3 +347,194 @@ def test_python_api_takes_hub_ids_as_model_and_train_dataset(hub, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     from_hub, local = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert len(from_hub) == 2 and from_hub == local
+
+
+# Each step in one process, in order: pf-trl's commands (main) and the Python API; after each, the files of
+# org/custom in the Hub cache (what was downloaded) and, for the API, the losses and the model's class.
+STEPS = r"""
+import contextlib, io, json, logging, os, sys
+from pathlib import Path
+hub = Path(os.environ["HF_HOME"]) / "hub"
+
+def downloaded():
+    return sorted(p.name for p in hub.glob("models--org--custom/snapshots/*/*"))
+
+def api(model, trust, out):
+    from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
+    args = PaddingFreeConfig(output_dir=out, max_steps=2, logging_steps=1, max_tokens_per_batch=64, report_to=[],
+                             save_strategy="no", use_cpu=True, seed=0, trust_remote_code=trust)
+    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset="org/chat")
+    trainer.train()
+    return [type(trainer.model).__module__, [r["loss"] for r in trainer.state.log_history if "loss" in r]]
+
+def card(folder, trusted):
+    # the model card's "Use" snippet, run from the folder it names the model from (the output folder's parent)
+    import re
+    text = (Path(folder) / "README.md").read_text().split("## Use", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    if not trusted:
+        snippet = snippet.replace(", trust_remote_code=True", "")
+    os.chdir(Path(folder).parent)
+    scope = {}
+    exec(snippet, scope)
+    return [type(scope["model"]).__module__, type(scope["tokenizer"]).__name__, snippet]
+
+out = []
+for kind, argv in json.loads(sys.argv[1]):
+    err, std = io.StringIO(), io.StringIO()
+    logging.getLogger().handlers.clear()  # each command's logging.basicConfig writes to this step's stderr
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+        if kind == "main":
+            from pf_trl.cli.main import main
+            rc, result = main(argv), None
+        elif kind == "card":
+            try:
+                rc, result = 0, card(*argv)
+            except ValueError as exc:  # transformers' refusal of custom code it was not allowed to run
+                rc, result = 2, str(exc)
+        else:
+            from pf_trl.errors import PfTrlError
+            try:
+                rc, result = 0, api(*argv)
+            except PfTrlError as exc:
+                rc, result = 2, str(exc)
+    out.append([rc, err.getvalue(), std.getvalue(), downloaded(), result])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _steps(env, steps: list) -> list:
+    proc = run([sys.executable, "-c", STEPS, json.dumps(steps)], env, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+_PY_WARNING = re.compile(r"^\S+\.py:\d+: \w+Warning: |^\s+warnings\.warn\(")
+
+
+def _one_line(err: str) -> list[str]:
+    """What a command said on stderr, less progress bars and upstream's Python / transformers warnings."""
+    return [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln and "%|" not in ln
+            and not ln.startswith("[transformers]") and not _PY_WARNING.search(ln)]
+
+
+def _state_losses(out: Path) -> list[float]:
+    state = json.loads(next(out.glob("checkpoint-*/trainer_state.json")).read_text())
+    return [row["loss"] for row in state["log_history"] if "loss" in row]
+
+
+def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, tmp_path):
+    """A model of its own code (config.json auto_map, a model_type transformers does not ship), from the Hub and from
+    a local folder: refused in one line without --trust_remote_code True, having downloaded its config.json and
+    nothing else; with it the custom classes load and train (the runtime self-check decides, said in a warning),
+    from the Hub to the local folder's losses; the same for the Python API, pretokenize and inspect (the tokenizer's
+    own code)."""
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    data = ["--dataset_name", "org/chat", "--max_steps", "3", "--logging_steps", "1", "--max_tokens_per_batch", "64",
+            "--seed", "0", "--report_to", "none"]
+    trust = ["--trust_remote_code", "True"]
+    shards = str(tmp_path / "shards")
+    steps = [
+        ["main", ["train", "--model_name_or_path", "org/custom", *data, "--output_dir", str(tmp_path / "a")]],
+        ["main", ["train", "--model_name_or_path", str(hub["custom"]), *data, "--output_dir", str(tmp_path / "b")]],
+        ["main", ["dpo", "--model_name_or_path", "org/custom", "--dataset_name", "org/pairs", "--output_dir",
+                  str(tmp_path / "c"), "--report_to", "none", "--use_cpu", "true"]],
+        ["api", ["org/custom", False, str(tmp_path / "d")]],
+        ["main", ["train", "--model_name_or_path", "org/custom", *data, *trust, "--output_dir", str(tmp_path / "hub")]],
+        ["main", ["train", "--model_name_or_path", str(hub["custom"]), *data, *trust, "--output_dir",
+                  str(tmp_path / "local")]],
+        ["api", ["org/custom", True, str(tmp_path / "e")]],
+        ["card", [str(tmp_path / "hub"), True]],
+        ["card", [str(tmp_path / "hub"), False]],
+        ["main", ["pretokenize", "org/chat", shards, "--model_name_or_path", "org/custom", "--no_progress"]],
+        ["main", ["pretokenize", "org/chat", shards, "--model_name_or_path", "org/custom", "--no_progress", *trust]],
+        ["main", ["inspect", shards, "--samples", "1"]],
+        ["main", ["inspect", shards, "--samples", "1", *trust]],
+    ]
+    results = _steps(env, steps)
+    # refused: one line naming the flag and the custom class, having downloaded config.json alone
+    for i, (rc, err, _, files, _) in enumerate(results[:4]):
+        lines = _one_line(err) if i < 3 else [results[i][4]]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (steps[i], err[-2000:])
+        switch = "--trust_remote_code True" if i < 3 else "model org/custom: "  # the API: its config's field
+        for word in (switch, "trust_remote_code", "modeling_custom.CustomLlamaForCausalLM", "runtime self-check"):
+            assert word in lines[0], (steps[i], lines[0])
+        assert files == ["config.json"], (steps[i], files)  # no weights, no code: the refusal came first
+    assert "--model_name_or_path org/custom" in _one_line(results[0][1])[0]
+    assert f"--model_name_or_path {hub['custom']}" in _one_line(results[1][1])[0]
+    # trusted: the custom class trains, self-checked (said), from the Hub exactly as from the local folder
+    for rc, err, std, _, _ in results[4:6]:
+        assert rc == 0, err[-3000:]
+        assert "CustomLlamaForCausalLM comes from custom code" in err + std and "self-check decides" in err + std
+    assert {"model.safetensors", "modeling_custom.py", "tokenization_custom.py"} <= set(results[4][3])
+    from_hub, local = _state_losses(tmp_path / "hub"), _state_losses(tmp_path / "local")
+    assert len(from_hub) == 3 and from_hub == local
+    module, api_losses = results[6][4]
+    assert results[6][0] == 0 and module.startswith("transformers_modules.") and len(api_losses) == 2
+    # the model card's snippet loads the saved custom classes (it asks for their code); without asking it cannot
+    assert results[7][0] == 0, results[7][1][-2000:]
+    module, tokenizer, snippet = results[7][4]
+    assert module.startswith("transformers_modules.") and tokenizer == "CustomTokenizer", snippet
+    assert results[8][0] == 2 and "trust_remote_code" in results[8][4]
+    # the tokenizer's own code: pretokenize and inspect refuse it in one line without the flag, run it with it
+    for refused, allowed in ((results[9], results[10]), (results[11], results[12])):
+        lines = _one_line(refused[1])
+        assert refused[0] == 2 and len(lines) == 1 and "--trust_remote_code True" in lines[0], refused[1][-2000:]
+        assert "tokenizer" in lines[0]
+        assert allowed[0] == 0, allowed[1][-2000:]
+    assert "supervised tokens are shown" in results[12][2]
+
+
+def test_dpo_takes_hub_ids_through_the_same_hub_code_as_train(hub, tmp_path):
+    """`pf-trl dpo` with a Hub model at a revision and a Hub dataset trains to the losses of the same run from local
+    copies; its Hub failures, and streaming, are one line (exit 2)."""
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    common = ["--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "2", "--seed", "0",
+              "--report_to", "none", "--save_steps", "2", "--use_cpu", "true", "--disable_tqdm", "true"]
+
+    def dpo(out: str, *args: str) -> list:
+        return ["main", ["dpo", *args, *common, "--output_dir", str(tmp_path / out)]]
+
+    steps = [
+        dpo("hub", "--model_name_or_path", "org/tiny", "--model_revision", "v1", "--dataset_name", "org/pairs"),
+        dpo("local", "--model_name_or_path", str(hub["model"]), "--dataset_name", str(hub["pairs"])),
+        dpo("x", "--model_name_or_path", "org/tiny", "--model_revision", "v9", "--dataset_name", "org/pairs"),
+        dpo("x", "--model_name_or_path", "org/tiny", "--dataset_name", "org/nothing"),
+        dpo("x", "--model_name_or_path", str(hub["model"]), "--model_revision", "v1", "--dataset_name", "org/pairs"),
+        dpo("x", "--model_name_or_path", "org/tiny", "--dataset_name", "org/pairs", "--dataset_streaming", "True"),
+    ]
+    results = _steps(env, steps)
+    for rc, err, *_ in results[:2]:
+        assert rc == 0, err[-3000:]
+    from_hub, local = _state_losses(tmp_path / "hub"), _state_losses(tmp_path / "local")
+    assert len(from_hub) == 2 and from_hub == local
+    words = [["--model_name_or_path org/tiny (revision v9)", "no revision 'v9'"],
+             ["--dataset_name org/nothing", "no dataset repository"],
+             ["--model_revision v1", "not a Hub id"],
+             ["--dataset_streaming True", "not supported by pf-trl dpo"]]
+    for (rc, err, *_), expected in zip(results[2:], words):
+        lines = _one_line(err)
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+        for word in expected:
+            assert word in lines[0], lines[0]
+
+
+def test_a_shipped_model_type_with_an_auto_map_loads_as_transformers_loads_it(tmp_path):
+    """A config whose auto_map names code of its own for a model_type transformers ships (older Hub repositories of
+    shipped architectures carry one): without --trust_remote_code transformers' own class loads, as transformers and
+    trl sft load it; with it, the repository's code runs. Control: the same folder with a type transformers does not
+    ship is refused without the flag."""
+    from pf_trl.models import build_model
+    from pf_trl.remote_code import RemoteCodeError, custom_code
+
+    custom = _custom_code_model(tmp_path / "custom")
+    shipped = tmp_path / "shipped"
+    shutil.copytree(custom, shipped)
+    config = json.loads((shipped / "config.json").read_text())
+    (shipped / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert custom_code(shipped) is None
+    assert type(build_model(str(shipped))).__module__.startswith("transformers.models.llama.")
+    assert type(build_model(str(shipped), trust_remote_code=True)).__module__.startswith("transformers_modules.")
+    assert custom_code(custom) == "modeling_custom.CustomLlamaForCausalLM"
+    with pytest.raises(RemoteCodeError, match="--trust_remote_code True"):
+        build_model(str(custom))

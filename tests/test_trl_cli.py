@@ -186,13 +186,24 @@ def test_trl_flags_refused_in_one_line_within_seconds_before_any_tokenizing(worl
         (f"--datasets '{frac}'", ["fraction", "--data_config"], f"--datasets {w['file']}"),
         (f"--datasets {w['file']} --eval_strategy steps", ["no test split"],
          f"--datasets {w['file']} --eval_strategy steps --validation_data_path {w['file']}"),
-        (data + "--dataset_streaming", ["--dataset_streaming", "Way out"], data + "--dataset_streaming false"),
+        (data + "--dataset_streaming", ["--dataset_streaming True", "set --max_steps"],
+         data + "--dataset_streaming --max_steps 3"),
+        (f"--datasets {w['file']} --streaming true", ["--streaming True", "set --max_steps"],
+         f"--datasets {w['file']} --streaming true --max_steps 3"),
+        (f"--training_data_path {w['file']} --dataset_streaming --max_steps 3",
+         ["--dataset_streaming True streams --dataset_name", "dataprocessor.streaming"],
+         f"--training_data_path {w['file']} --max_steps 3"),
+        (data + "--streaming true --max_steps 3", ["--streaming True streams a `datasets:` mixture",
+                                                   "--dataset_streaming True"],
+         data + "--dataset_streaming true --max_steps 3"),
         (data + "--test_split_size 0.1", ["--test_split_size", "--dataset_test_split"], data),
         (data + "--ignore_bias_buffers true", ["--ignore_bias_buffers"], data),
         (data + "--use_peft --lora_task_type SEQ_CLS", ["CAUSAL_LM"], data + "--use_peft --lora_task_type CAUSAL_LM"),
         (data + "--bnb_4bit_quant_type fp4", ["only applies with --load_in_4bit"], data),
         (data + "--load_in_8bit", ["cannot be trained without an adapter", "--use_peft"], data),
-        (data + "--trust_remote_code True", ["never runs code from a model folder"], data),
+        (data + "--trust_remote_code True --model_init_kwargs '{\"trust_remote_code\": false}'",
+         ["--trust_remote_code True and --model_init_kwargs trust_remote_code False disagree"],
+         data + "--trust_remote_code True --model_init_kwargs '{\"trust_remote_code\": true}'"),
         (f"--config {tmp_path / 'extra.yaml'}", ["num_processes is no flag of pf-trl train", "accelerate launch"],
          f"--config {tmp_path / 'ok.yaml'}"),
         (f"--training_data_path {w['chat']} --chat_template_path {w['root']}", ["is a folder", "Jinja file"],
@@ -380,6 +391,34 @@ def test_trl_datasets_mixture_concatenates_the_entries(world, tmp_path):
     cfg.write_text(f"model_name_or_path: {world['model']}\ndatasets:\n  - path: {world['file']}\n")
     trainer, _ = built(["--config", str(cfg), "--output_dir", str(tmp_path / "o")])
     assert len(trainer.train_dataset) == 30  # negative control: one entry, its rows only
+
+
+def _losses(argv: list[str]) -> tuple[list[float], bool]:
+    trainer, _ = built(argv)
+    trainer.train()
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row], trainer._pf_stream is not None
+
+
+def test_dataset_streaming_trains_the_losses_of_the_same_rows_read_whole(tmp_path):
+    """--dataset_streaming True on a local file takes pf-trl's streaming path (tokenized while training: no shards in
+    the cache) and trains the losses of a non-streaming data config over the same rows. With a look-ahead buffer of
+    the whole file and a budget that holds it, every step of both runs is the whole split, whatever the packing
+    order. Negative control: the same streamed run on a file with one completion changed trains other losses."""
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS[:12])
+    changed = write_jsonl(tmp_path / "changed.jsonl", [*ROWS[:11], {**ROWS[11], "completion": " It is not 22."}])
+    (tmp_path / "plain.yaml").write_text("dataprocessor: {type: default, streaming: false}\ndatasets:\n"
+                                         f"  - {{name: rows, data_paths: [{rows}]}}\n")
+    common = argv_of("--max_steps 3 --logging_steps 1 --max_length 64 --max_tokens_per_batch 512 --learning_rate 1e-3 "
+                     "--report_to none --save_strategy no --disable_tqdm true --output_dir {out} " + TINY,
+                     out=tmp_path / "out")
+    stream = ["--dataset_streaming", "True", "--stream_buffer_size", "12", *common]
+    streamed, was_stream = _losses(["--dataset_name", str(rows), *stream])
+    assert was_stream and not list((tmp_path / "cache").glob("datasets/*/pf_manifest.json"))  # nothing tokenized ahead
+    whole, was_whole_stream = _losses(["--data_config", str(tmp_path / "plain.yaml"), *common])
+    assert not was_whole_stream and list((tmp_path / "cache").glob("datasets/*/pf_manifest.json"))
+    assert len(streamed) == 3 and streamed == whole
+    other, _ = _losses(["--dataset_name", str(changed), *stream])
+    assert other != streamed
 
 
 # ------------------------------------------------------------------------------- model flags, said or honoured

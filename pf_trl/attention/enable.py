@@ -120,11 +120,11 @@ def admit(
     if not isinstance(model, torch.nn.Module) or config is None:
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers model (no .config)")
     cls_module = type(model).__module__
-    if not cls_module.startswith("transformers."):
+    custom = not cls_module.startswith("transformers.")
+    if custom and legacy:  # the transformers < 4.48 patch knows its own list of transformers classes only
         raise UnsupportedModelError(
-            f"{type(model).__name__} comes from custom code ({cls_module}); pf-trl only patches transformers' own "
-            "model classes, whose attention it knows. Load the model without trust_remote_code if transformers "
-            "ships the architecture."
+            f"{type(model).__name__} comes from custom code ({cls_module}); on this transformers pf-trl patches its "
+            "own model classes only. Load the model without trust_remote_code if transformers ships the architecture."
         )
     model_type = getattr(config, "model_type", None)
     refusal = multimodal.structural_refusal(model, _uses_mrope(config))  # mRoPE and vision-language families
@@ -135,6 +135,12 @@ def admit(
     refusal = None if legacy else mode_refusal(model, mode)
     if refusal is not None:
         raise UnsupportedModelError(refusal + ".")
+    if custom:  # a repository's own code (trust_remote_code): no sweep evidence can speak for it
+        logger.warning(
+            "pf-trl: %s comes from custom code (%s, trust_remote_code): pf-trl's support matrix covers transformers' "
+            "own classes only, so, as for a model type it does not list, the runtime self-check decides whether it "
+            "trains padding-free (mode %s)", type(model).__name__, cls_module, mode)
+        return model_type, "unverified"
     if legacy:
         if model_type not in LEGACY_TYPES():
             raise UnsupportedModelError(

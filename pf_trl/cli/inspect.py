@@ -22,6 +22,12 @@ class InspectCLIError(PfTrlError, ValueError):
     """A bad flag; one line."""
 
 
+def _bool(value: str) -> bool:
+    from pf_trl.data.options import parse_bool
+
+    return parse_bool(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pf-trl inspect", description=__doc__, exit_on_error=False, allow_abbrev=False)
     parser.add_argument("shards_dir")
@@ -30,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=0, help="print N decoded examples, supervised spans marked")
     parser.add_argument("--tokenizer_name_or_path", default=None,
                         help="tokenizer to decode with (default: the one recorded in the manifest)")
+    parser.add_argument("--trust_remote_code", type=_bool, nargs="?", const=True, default=False,
+                        help="run the tokenizer's own code (its auto_map), as TRL's --trust_remote_code True does; "
+                        "without it such a tokenizer is refused")
     parser.add_argument("--json", action="store_true", help="print the full manifest as JSON")
 
     def error(message: str):
@@ -51,7 +60,7 @@ def marked_text(tokenizer, input_ids: list[int], labels: list[int]) -> str:
     return "".join(parts)
 
 
-def _manifest_tokenizer(manifest: dict, override: str | None):
+def _manifest_tokenizer(manifest: dict, override: str | None, trust_remote_code: bool = False):
     """The tokenizer the shards were made with: ``override``, else the manifest's (the embedded name, or the absolute
     folder it records), with the chat template the data was rendered with. A tokenizer that is not the one recorded
     is said so, with what differs."""
@@ -68,9 +77,12 @@ def _manifest_tokenizer(manifest: dict, override: str | None):
     try:
         # a Hub tokenizer at the very commit the shards were made with (found in the Hub cache, or downloaded)
         commit = None if name else (info.get("hub") or {}).get("commit")
-        tokenizer = load_tokenizer(name or info.get("name"), revision=commit)
+        tokenizer = load_tokenizer(name or info.get("name"), revision=commit, trust_remote_code=trust_remote_code,
+                                   flag="--tokenizer_name_or_path" if override else "tokenizer")
     except TokenizerLoadError as exc:
-        if override:
+        from pf_trl.remote_code import FLAG
+
+        if override or FLAG in str(exc):  # its own code, refused: the flag is the way out, not another folder
             raise
         raise InspectCLIError(
             f"the tokenizer the shards were made with, {name!r}, cannot be loaded ({exc}); pass its folder with "
@@ -83,10 +95,11 @@ def _manifest_tokenizer(manifest: dict, override: str | None):
     return tokenizer
 
 
-def print_samples(ds, manifest: dict, count: int, override: str | None) -> None:
+def print_samples(ds, manifest: dict, count: int, override: str | None, trust_remote_code: bool = False) -> None:
     from pf_trl.data.processor import text_tokenizer
 
-    tokenizer = text_tokenizer(_manifest_tokenizer(manifest, override))  # a processor decodes with its tokenizer
+    # a processor decodes with its tokenizer
+    tokenizer = text_tokenizer(_manifest_tokenizer(manifest, override, trust_remote_code))
     source = manifest.get("source", {})
     print(f"format {source.get('input_format')}; chat mask: {source.get('chat_mask') or 'n/a'}; "
           f"decoded with {getattr(tokenizer, 'pf_trl_name', tokenizer.name_or_path)}")
@@ -169,7 +182,7 @@ def main(argv: list[str]) -> int:
             sampler = TokenBudgetBatchSampler(lengths, budget, seed=0)
             print(f"budget {budget}: {len(sampler)} batches, fill {sampler.efficiency:.4f}")
         if args.samples:
-            print_samples(ds, manifest, args.samples, args.tokenizer_name_or_path)
+            print_samples(ds, manifest, args.samples, args.tokenizer_name_or_path, args.trust_remote_code)
     except (argparse.ArgumentError, PfTrlError) as exc:  # InspectCLIError, ShardsError, SamplerError, ...
         if os.environ.get("PF_TRL_DEBUG"):
             raise

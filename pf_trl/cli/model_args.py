@@ -88,11 +88,25 @@ def model_init_kwargs(get: Get) -> dict[str, Any]:
                                 f"{value!r}") from None
     if not isinstance(value, dict):
         raise TrainCLIError(f"--model_init_kwargs must be a JSON object, got {value!r}")
-    extra = sorted(set(value) - {"dtype", "torch_dtype", "attn_implementation"})
+    extra = sorted(set(value) - {"dtype", "torch_dtype", "attn_implementation", "trust_remote_code"})
     if extra:
         raise TrainCLIError(f"--model_init_kwargs keys {extra} are not applied by pf-trl train (it builds the model "
-                            "itself); use dtype, torch_dtype and attn_implementation only (--model_revision for a Hub "
-                            "revision)")
+                            "itself); use dtype, torch_dtype, attn_implementation and trust_remote_code only "
+                            "(--model_revision for a Hub revision)")
+    return value
+
+
+def requested_trust(get: Get, given: frozenset[str]) -> bool:
+    """``--trust_remote_code`` / ``model_init_kwargs["trust_remote_code"]`` (TRL: the kwargs' value wins, by
+    ``setdefault``); two different values are refused, as for the dtype."""
+    flag = _as_bool(get("trust_remote_code"))
+    kwargs = model_init_kwargs(get)
+    if "trust_remote_code" not in kwargs:
+        return flag
+    value = _as_bool(kwargs["trust_remote_code"])
+    if "trust_remote_code" in given and value != flag:
+        raise TrainCLIError(f"--trust_remote_code {flag} and --model_init_kwargs trust_remote_code {value} disagree; "
+                            "pass one")
     return value
 
 
@@ -182,10 +196,7 @@ def check_model_flags(get: Get, given: frozenset[str], *, model_name: str | None
     from pf_trl.trainer.modes import resolve_padding_free
 
     _refuse_script_values(get, given)
-    if _as_bool(get("trust_remote_code")):  # SFTConfig's field, in every mode (pf-trl never runs a folder's code)
-        raise TrainCLIError("--trust_remote_code True: pf-trl loads architectures transformers ships (padding-free "
-                            "support is checked per model type) and never runs code from a model folder or Hub "
-                            "repository; drop it (or train that model with trl sft)")
+    requested_trust(get, given)  # two different values refused now; the model's own code is checked with its config
     use_peft = _as_bool(get("use_peft"))
     lora = use_peft or (get("peft_method") or "none") == "lora"
     shaping = [f"--{n}" for n in LORA_FLAGS if n in given]  # as typed: their defaults are no request

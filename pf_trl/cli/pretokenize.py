@@ -8,7 +8,7 @@ import os
 import sys
 
 from pf_trl.cli.flags import normalize_flags, one_line
-from pf_trl.data.options import PretokenizeConfig, add_cli_arguments, config_from_values
+from pf_trl.data.options import PretokenizeConfig, add_cli_arguments, config_from_values, parse_bool
 from pf_trl.data.scan import check_json_lines
 from pf_trl.data.sources import check_source_path
 from pf_trl.data.tokenizer import default_tokenizer_for, resolve_tokenizer
@@ -31,7 +31,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> PretokenizeConfig:
     """The config of the parsed flags (``--chat_template FILE`` read into the template text)."""
-    return config_from_values(vars(args))
+    return config_from_values({k: v for k, v in vars(args).items() if k != "trust_remote_code"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokenizer folder or embedded name (alias --tokenizer); default: the model's own")
     parser.add_argument("--model_name_or_path", default=None,
                         help="the model the data is for: its folder's tokenizer is the default tokenizer")
+    parser.add_argument("--trust_remote_code", type=parse_bool, nargs="?", const=True, default=False,
+                        help="run the tokenizer's or processor's own code (its auto_map), as TRL's "
+                        "--trust_remote_code True does; without it such a tokenizer is refused")
     parser.add_argument("--num_proc", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--no_progress", action="store_true")
@@ -152,9 +155,10 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
         if data_config is None:
             check_json_lines(args.source)  # the first bad line, numbered, before the tokenizer loads
-        if args.tokenizer_name_or_path is None:
-            default_tokenizer_for(args.model_name_or_path)  # a model folder without a tokenizer fails here, cheaply
-        tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path)
+        trust = args.trust_remote_code
+        if args.tokenizer_name_or_path is None:  # a model folder without a tokenizer fails here, cheaply
+            default_tokenizer_for(args.model_name_or_path, trust_remote_code=trust)
+        tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path, trust_remote_code=trust)
         if data_config is not None:
             manifest = _pretokenize_mixture(data_config, args, config, tokenizer)
         else:

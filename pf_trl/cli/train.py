@@ -172,8 +172,9 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
         else:
             parser.add_argument(f"--{f.name}", default=f.default)
     for name in ("dataset_text_field", "max_tokens_per_batch", "max_eval_tokens_per_batch", "max_length", "truncation",
-                 "truncation_mode", "eval_strategy", "chat_template_path"):
+                 "truncation_mode", "eval_strategy", "chat_template_path", "max_steps", "model_init_kwargs"):
         parser.add_argument(f"--{name}", default=None)
+    parser.add_argument("--trust_remote_code", default=None, nargs="?", const="true")  # SFTConfig's switch
     from pf_trl.cli.trl_fields import BOOL_FLAGS, FLAG_NAMES, LIST_FLAGS
 
     for name in FLAG_NAMES:  # trl sft's ModelConfig / ScriptArguments flags (their TRL defaults do not matter here)
@@ -189,20 +190,18 @@ def _light_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_model_name(name: str, revision: str | None = None) -> str:
+def check_model_name(name: str, revision: str | None = None, *, trust_remote_code: bool = False) -> str:
     """``--model_name_or_path`` as pf-trl loads it: an embedded model name, a local folder (``~`` expanded), or the
     snapshot folder of a Hub id at ``--model_revision`` (downloaded by huggingface_hub, or from its cache); raises
-    TrainCLIError in one line for anything else."""
-    from pf_trl.hub import HubError, looks_like_repo_id
-    from pf_trl.models import is_embedded_model, resolve_model_path
+    TrainCLIError in one line for anything else, and for a model that needs its repository's own code without
+    ``--trust_remote_code True`` (a Hub id's config is checked before its weights are downloaded)."""
+    from pf_trl.hub import HubError
+    from pf_trl.models import pinned_revision, resolve_model_path
+    from pf_trl.remote_code import RemoteCodeError
 
-    pinned = revision not in (None, "", "main")
-    if pinned and (is_embedded_model(name) or not looks_like_repo_id(name)):
-        raise TrainCLIError(f"--model_revision {revision}: {name} is not a Hub id (a local folder or an embedded model "
-                            "has one revision); drop --model_revision, or pass the Hub id")
     try:
-        return resolve_model_path(name, revision=revision if pinned else None)
-    except HubError as exc:
+        return resolve_model_path(name, revision=pinned_revision(name, revision), trust_remote_code=trust_remote_code)
+    except (HubError, RemoteCodeError) as exc:
         raise TrainCLIError(str(exc)) from None
 
 
@@ -335,8 +334,8 @@ def precheck(argv: list[str], *, say=print) -> None:
     given = fast_parse(argv)  # every other flag and value (None: no flag table for these versions)
     if given is not None:
         check_combinations(lambda flag, default=None: getattr(given, flag, default))
-    _precheck_model(argv, args, given)
-    name = check_model_name(args.model_name_or_path, getattr(args, "model_revision", None))
+    trust = _precheck_model(argv, args, given)
+    name = check_model_name(args.model_name_or_path, getattr(args, "model_revision", None), trust_remote_code=trust)
     positions = _max_positions(name)
     if positions is not None and max_seq_len is not None and max_seq_len > positions:
         raise TrainCLIError(
@@ -345,9 +344,9 @@ def precheck(argv: list[str], *, say=print) -> None:
         )
     try:
         if args.tokenizer_name_or_path:
-            resolve_tokenizer_path(args.tokenizer_name_or_path)
+            resolve_tokenizer_path(args.tokenizer_name_or_path, code=trust)
         else:
-            default_tokenizer_for(name)
+            default_tokenizer_for(name, trust_remote_code=trust)
     except TokenizerLoadError as exc:
         flag = "--tokenizer_name_or_path" if args.tokenizer_name_or_path else "--model_name_or_path"
         raise TrainCLIError(f"{flag}: {exc}") from exc
@@ -375,6 +374,7 @@ def _precheck_trl_data(args: argparse.Namespace) -> None:
     the local dataset and its splits, a DatasetDict's evaluation split, ``--chat_template_path``."""
     from pf_trl.cli import trl_data
 
+    trl_data.check_streaming(args, args.max_steps)  # a stream without --max_steps: refused before any data is read
     train, evalset, _ = trl_data.resolve(args, args.eval_strategy)
     args.pf_data_flags = {}  # checked under the flag the user gave
     if train is not None:  # a single path is checked below like --training_data_path (its lines scanned too)
@@ -388,14 +388,19 @@ def _precheck_trl_data(args: argparse.Namespace) -> None:
         args.chat_template = trl_data.chat_template_path(args.chat_template_path, args.chat_template)
 
 
-def _precheck_model(argv: list[str], args: argparse.Namespace, given: argparse.Namespace | None) -> None:
+def _precheck_model(argv: list[str], args: argparse.Namespace, given: argparse.Namespace | None) -> bool:
     """The model and LoRA flags of both spellings (:mod:`pf_trl.cli.model_args`), before any import of
-    transformers."""
-    from pf_trl.cli.model_args import check_model_flags, given_flags
+    transformers; returns ``trust_remote_code`` as TRL resolves it."""
+    from pf_trl.cli.model_args import check_model_flags, given_flags, requested_trust
 
     values = vars(args) | (vars(given) if given is not None else {})
-    check_model_flags(lambda name, default=None: values.get(name, default), given_flags(normalize_argv(argv)),
-                      model_name=args.model_name_or_path)
+    flags = given_flags(normalize_argv(argv))
+
+    def get(name: str, default: Any = None) -> Any:
+        return values.get(name, default)
+
+    check_model_flags(get, flags, model_name=args.model_name_or_path)
+    return requested_trust(get, flags)
 
 
 def _check_data_choice(args) -> None:
@@ -614,14 +619,20 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     _check_data_choice(data_args)
     if data_args.dataset_service_url and not data_args.dataset_id:
         raise TrainCLIError("--dataset_service_url needs --dataset_id")
-    name = check_model_name(model_args.model_name_or_path, getattr(model_args, "model_revision", None))
-    check_combinations(lambda flag, default=None: next(
-        (getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)), default))
+    from pf_trl.cli import model_args as model_flags
+
+    def get(flag: str, default: Any = None) -> Any:
+        return next((getattr(group, flag) for group in (model_args, data_args, config) if hasattr(group, flag)),
+                    default)
+
+    trust = model_flags.requested_trust(get, flags)
+    name = check_model_name(model_args.model_name_or_path, getattr(model_args, "model_revision", None),
+                            trust_remote_code=trust)
+    check_combinations(get)
     overrides = _parse_overrides(model_args.model_overrides)
     cuda = torch.cuda.is_available() and not config.use_cpu
     if config.fp16 and not cuda:
         raise TrainCLIError("--fp16 needs a CUDA device; drop it on CPU")
-    from pf_trl.cli import model_args as model_flags
     from pf_trl.cli import trl_data
 
     # dtype and attention from every flag that sets them (--torch_dtype / --dtype / --model_init_kwargs,
@@ -637,7 +648,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
         model_ref = None  # an embedded model resized by --model_overrides: its vocabulary is checked below
     try:
         tokenizer = resolve_tokenizer(model_ref, model_args.tokenizer_name_or_path,
-                                      chat_template_file=data_args.chat_template)
+                                      chat_template_file=data_args.chat_template, trust_remote_code=trust)
     except TokenizerLoadError as exc:
         raise TrainCLIError(str(exc)) from exc
     if not quiet:
@@ -651,7 +662,8 @@ def build(model_args: ModelArguments, data_args: DataArguments, config, *, quiet
     check_budget(evalset, config.max_eval_tokens_per_batch, "--max_eval_tokens_per_batch")
 
     model = build_model(name, torch_dtype=settings.dtype, attn_implementation=settings.attn_implementation,
-                        seed=config.seed, quantization_config=settings.quantization_config, **overrides)
+                        seed=config.seed, quantization_config=settings.quantization_config,
+                        trust_remote_code=trust, **overrides)
     made_with = (getattr(train, "pf_manifest", None) or {}).get("max_seq_len")
     if data_args.max_seq_len is None and config.max_length is not None and made_with and made_with > config.max_length:
         config.max_length = made_with  # no limit given: shards made with a longer one are trained as they are

@@ -52,6 +52,57 @@ def resolve(args, eval_strategy: Any) -> tuple[Any, Any, str | None]:
     return data.train, data.eval, note
 
 
+def _true(value: Any) -> bool:
+    from pf_trl.trainer.modes import as_bool
+
+    return bool(as_bool(value))
+
+
+def streaming_flag(args) -> str | None:
+    """The TRL flag that streams the training data (``--dataset_streaming`` for ``--dataset_name``, ``--streaming``
+    for a ``datasets:`` mixture), or None; a streaming flag for data it does not apply to is refused (trl sft would
+    ignore it without a word)."""
+    flag = None
+    if _true(getattr(args, "dataset_streaming", None)):
+        if not getattr(args, "dataset_name", None):
+            raise TrainCLIError("--dataset_streaming True streams --dataset_name, which is not given; pass "
+                                "--dataset_name, or --streaming True with --datasets, or for --data_config set "
+                                "dataprocessor.streaming: true")
+        flag = "--dataset_streaming"
+    if _true(getattr(args, "streaming", None)):
+        if not getattr(args, "datasets", None):
+            raise TrainCLIError("--streaming True streams a `datasets:` mixture (--datasets), which is not given; for "
+                                "--dataset_name pass --dataset_streaming True")
+        flag = "--streaming"
+    return flag
+
+
+def check_streaming(args, max_steps: Any) -> None:
+    """A streamed training set has no length: refused in one line without ``--max_steps`` (before any data is
+    read)."""
+    flag = streaming_flag(args)
+    try:
+        steps = int(max_steps) if max_steps is not None else -1
+    except (TypeError, ValueError):
+        return  # refused with its own message by the flag checks
+    if flag is not None and steps <= 0:
+        raise TrainCLIError(f"{flag} True: a stream has no length, so epochs cannot be counted; set --max_steps N "
+                            "(optimizer steps; the stream is read again from its start when it ends), or drop "
+                            f"{flag} to tokenize the data once into the cache")
+
+
+def streamed(train: Any, name: str) -> Any:
+    """The training source as a streamed data config (pf-trl's streaming path: tokenized while training, packed
+    to the token budget from a look-ahead buffer; :mod:`pf_trl.data.streaming`)."""
+    import dataclasses
+
+    from pf_trl.data.data_config import DataConfig, MixtureSource
+
+    if isinstance(train, DataConfig):
+        return dataclasses.replace(train, streaming=True)
+    return DataConfig(sources=[MixtureSource(name=name, data_paths=[str(train)])], streaming=True)
+
+
 def validation_split(path: str | None) -> tuple[str | None, str | None]:
     """``--validation_data_path``: a DatasetDict folder's test split (else validation...), refused without one."""
     from pf_trl.data.local_datasets import LocalDatasetError, eval_split_of
@@ -88,6 +139,15 @@ def apply(data_args, config, say) -> None:
         config.chat_template_path = None
 
     train, evalset, note = resolve(data_args, config.eval_strategy)
+    flag = streaming_flag(data_args)
+    if train is not None and flag is not None:
+        check_streaming(data_args, config.max_steps)
+        from pathlib import Path
+
+        train = streamed(train, f"{Path(str(data_args.dataset_name)).name}-{data_args.dataset_train_split or 'train'}")
+        note += (f"; {flag}: streamed, tokenized while training" +
+                 (" (padded training reads it whole)" if config.padding_free_mode == "none" else "") +
+                 (", the evaluation split read whole" if evalset is not None else ""))
     if train is not None:
         if isinstance(train, DataConfig):
             data_args.data_config, data_args.training_data_path = train, None

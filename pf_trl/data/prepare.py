@@ -146,17 +146,18 @@ def data_options(args, values: dict[str, Any] | None = None):
     return config_from_values(values)
 
 
-def resolve_processing_class(model, processing_class):
+def resolve_processing_class(model, processing_class, *, trust_remote_code: bool = False):
     """``processing_class`` or the model's own tokenizer (folder), the embedded one for embedded/in-memory models
-    (same rules as ``pf-trl train``). Its vocabulary is checked against the model where data is tokenized with it
-    (:func:`prepare_dataset`); tokenized rows have their ids checked instead."""
+    (same rules as ``pf-trl train``; ``trust_remote_code``: a tokenizer of its own code may run). Its vocabulary is
+    checked against the model where data is tokenized with it (:func:`prepare_dataset`); tokenized rows have their
+    ids checked instead."""
     from pf_trl.data.tokenizer import resolve_tokenizer
 
     if processing_class is not None and not hasattr(processing_class, "backend_tokenizer") and not isinstance(
         processing_class, str
     ):
         return processing_class  # a processor (multimodal): not pf-trl's to check
-    return resolve_tokenizer(model, processing_class, check_vocab=False)
+    return resolve_tokenizer(model, processing_class, check_vocab=False, trust_remote_code=trust_remote_code)
 
 
 def _prepare_rows(dataset, *, tokenizer, model, args, options, what: str):

@@ -123,9 +123,10 @@ def _embedded_tokenizer_dir() -> Path:
 
 
 def resolve_tokenizer_path(name_or_path: str, *, revision: str | None = None,
-                           flag: str = "--tokenizer_name_or_path") -> tuple[str, Path]:
+                           flag: str = "--tokenizer_name_or_path", code: bool = False) -> tuple[str, Path]:
     """Map a tokenizer name to ``(display name, local folder)``: the embedded one, a local folder, or the snapshot of
-    a Hub repository (``ORG/NAME`` at ``revision``, downloaded by huggingface_hub or found in its cache)."""
+    a Hub repository (``ORG/NAME`` at ``revision``, downloaded by huggingface_hub or found in its cache; with ``code``
+    its ``*.py`` files too, for ``trust_remote_code``)."""
     if name_or_path in EMBEDDED_TOKENIZER_NAMES:
         return DEFAULT_TOKENIZER, _embedded_tokenizer_dir()
     path = Path(name_or_path).expanduser()
@@ -136,8 +137,12 @@ def resolve_tokenizer_path(name_or_path: str, *, revision: str | None = None,
             raise TokenizerLoadError(
                 f"tokenizer {name_or_path!r} is neither a local folder, an embedded name ({DEFAULT_TOKENIZER!r}) nor "
                 "a Hub id (ORG/NAME); pass a folder that holds tokenizer.json / tokenizer.model, or a Hub id")
+        from pf_trl.hub import MODEL_CODE_FILES, MODEL_FILES
+
+        patterns = MODEL_FILES + MODEL_CODE_FILES if code else None
         try:
-            path = Path(snapshot(name_or_path, repo_type="model", revision=revision, flag=flag).folder)
+            path = Path(snapshot(name_or_path, repo_type="model", revision=revision, flag=flag,
+                                 allow_patterns=patterns).folder)
         except HubError as exc:
             raise TokenizerLoadError(str(exc)) from None
     if path.is_file():
@@ -151,27 +156,32 @@ def resolve_tokenizer_path(name_or_path: str, *, revision: str | None = None,
     return (hub.repo_id if hub else str(path)), path
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, *, revision: str | None = None, **kwargs: Any):
+def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, *, revision: str | None = None,
+                   trust_remote_code: bool = False, flag: str = "--tokenizer_name_or_path", **kwargs: Any):
     """Load a Hugging Face tokenizer: the embedded one, a local folder, or a Hub id (its snapshot folder).
 
     Args:
         name_or_path: ``"pf-trl/mistral-7b-v0.1"`` (the embedded default), a local folder or a Hub id.
         revision: the branch, tag or commit of a Hub id.
+        trust_remote_code: run a tokenizer's or processor's own code (its ``auto_map``), as TRL's
+            ``trust_remote_code`` does; without it such a tokenizer is refused in one line naming the flag.
+        flag: the flag named in that refusal.
         kwargs: forwarded to ``AutoTokenizer.from_pretrained``.
 
-    Remote code is never executed; the folder is read as it is. The returned tokenizer carries
-    ``pf_trl_name`` and ``pf_trl_path`` attributes used for its manifest identity.
+    The returned tokenizer carries ``pf_trl_name`` and ``pf_trl_path`` attributes used for its manifest identity.
     """
     from transformers import AutoTokenizer
 
-    name, path = resolve_tokenizer_path(name_or_path, revision=revision)
+    name, path = resolve_tokenizer_path(name_or_path, revision=revision, flag=flag,
+                                        code=trust_remote_code)
     kwargs.setdefault("local_files_only", True)
-    kwargs["trust_remote_code"] = False
+    kwargs["trust_remote_code"] = bool(trust_remote_code)
     if any((path / f).is_file() for f in PROCESSOR_FILES):
-        return _load_processor(name, path, **kwargs)
+        return _load_processor(name, path, flag=flag, **kwargs)
     try:
         tok = AutoTokenizer.from_pretrained(str(path), **kwargs)
     except Exception as exc:
+        _refuse_code(exc, name, flag)
         raise TokenizerLoadError(f"could not load tokenizer from {path}: {exc}") from exc
     if not getattr(tok, "is_fast", False):
         raise TokenizerLoadError(
@@ -187,13 +197,24 @@ def load_tokenizer(name_or_path: str = DEFAULT_TOKENIZER, *, revision: str | Non
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def _load_processor(name: str, path: Path, **kwargs: Any):
-    """The processor of a vision-language model folder (``AutoProcessor``, local files only, no remote code)."""
+def _refuse_code(exc: BaseException, name: str, flag: str) -> None:
+    """transformers refused code the tokenizer needs: one line naming ``--trust_remote_code True``."""
+    from pf_trl.remote_code import tokenizer_code_error
+
+    refusal = tokenizer_code_error(exc, name, flag)
+    if refusal is not None:
+        raise TokenizerLoadError(str(refusal)) from None
+
+
+def _load_processor(name: str, path: Path, *, flag: str = "--tokenizer_name_or_path", **kwargs: Any):
+    """The processor of a vision-language model folder (``AutoProcessor``, local files only; its own code only with
+    ``trust_remote_code``)."""
     from transformers import AutoProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(str(path), **kwargs)
     except Exception as exc:
+        _refuse_code(exc, name, flag)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise TokenizerLoadError(f"could not load the processor of {path}: {first[:300]}") from exc
     for obj in (processor, getattr(processor, "tokenizer", None)):
@@ -382,11 +403,12 @@ def folder_has_tokenizer(path: str | Path) -> bool:
     return folder.is_dir() and any((folder / name).is_file() for name in _TOKENIZER_FILES[:2] + ("tokenizer_config.json",))
 
 
-def default_tokenizer_for(model_name_or_path: str | None) -> str:
+def default_tokenizer_for(model_name_or_path: str | None, *, trust_remote_code: bool = False) -> str:
     """The tokenizer a model trains with when none is named: the model folder's own, else the embedded one.
 
     The embedded Mistral tokenizer is the default only for pf-trl's embedded models (and models built in memory);
-    a model folder without tokenizer files is refused, since its token ids would mean other tokens.
+    a model folder without tokenizer files is refused, since its token ids would mean other tokens. A Hub model's
+    snapshot brings its ``*.py`` files with ``trust_remote_code`` (a tokenizer of its own code).
     """
     from pf_trl.models import is_embedded_model
 
@@ -398,7 +420,8 @@ def default_tokenizer_for(model_name_or_path: str | None) -> str:
         from pf_trl.models import resolve_model_path
 
         try:
-            model_name_or_path = resolve_model_path(model_name_or_path)
+            # trusted: the snapshot with the repository's code (checked as the model's); else the folder only
+            model_name_or_path = resolve_model_path(model_name_or_path, trust_remote_code=trust_remote_code or None)
         except HubError as exc:
             raise TokenizerLoadError(str(exc)) from None
     if folder_has_tokenizer(model_name_or_path):
@@ -478,7 +501,8 @@ def with_chat_template(tokenizer, chat_template: str | None):
 
 
 def resolve_tokenizer(
-    model: Any = None, tokenizer: Any = None, *, chat_template_file: str | Path | None = None, check_vocab: bool = True
+    model: Any = None, tokenizer: Any = None, *, chat_template_file: str | Path | None = None, check_vocab: bool = True,
+    trust_remote_code: bool = False,
 ):
     """The tokenizer to train ``model`` with: ``tokenizer`` when given (a name, folder or loaded tokenizer), else
     the model folder's own tokenizer, else (embedded or in-memory models) the embedded default; its vocabulary must
@@ -490,16 +514,17 @@ def resolve_tokenizer(
         chat_template_file: a Jinja file that replaces the tokenizer's chat template.
         check_vocab: refuse a tokenizer with more tokens than the model has embeddings (callers that only use it
             on already tokenized data check the data's ids instead).
+        trust_remote_code: run the tokenizer's own code (its ``auto_map``), as TRL's ``trust_remote_code``.
     """
     if tokenizer is None:
         if model is None or isinstance(model, (str, os.PathLike)):
-            name = default_tokenizer_for(None if model is None else str(model))
+            name = default_tokenizer_for(None if model is None else str(model), trust_remote_code=trust_remote_code)
         else:
             own = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
             name = str(own) if own and folder_has_tokenizer(own) else DEFAULT_TOKENIZER
-        tokenizer = load_tokenizer(name)
+        tokenizer = load_tokenizer(name, trust_remote_code=trust_remote_code, flag="--model_name_or_path")
     elif isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(str(tokenizer))
+        tokenizer = load_tokenizer(str(tokenizer), trust_remote_code=trust_remote_code)
     if check_vocab:
         model_name = f"model {str(model)!r}" if isinstance(model, (str, os.PathLike)) else "the model"
         check_vocab_fits(tokenizer, model_vocab_size(model), model_name=model_name)

@@ -1,12 +1,16 @@
 """What ``pf-trl dpo`` runs: TRL's ``trl dpo`` script (``trl/scripts/dpo.py``) with PaddingFreeDPOTrainer, on data
 and models pf-trl opens locally.
 
-- data: ``--dataset_name`` is a local dataset of preference rows in TRL's formats (``prompt``/``chosen``/``rejected``,
-  conversational, or implicit prompt: ``chosen``/``rejected`` only), of any kind
+- data: ``--dataset_name`` is a Hub dataset id (``ORG/NAME``, with ``--dataset_config`` and the split flags, through
+  :mod:`pf_trl.hub` as ``pf-trl train`` reads it) or a local dataset of preference rows in TRL's formats
+  (``prompt``/``chosen``/``rejected``, conversational, or implicit prompt: ``chosen``/``rejected`` only), of any kind
   :func:`pf_trl.data.local_datasets.dataset_splits` reads (a JSON / JSONL / Parquet / CSV file, a folder of them, a
-  ``save_to_disk`` folder); ``--datasets`` (a mixture list) is refused. TRL's DPOTrainer tokenizes the rows (its
-  ``_prepare_dataset``, cached by ``datasets``), which keeps the run exact against ``trl dpo``.
-- model: a local folder or an embedded pf-trl name (``pf-trl/tiny-llama``; its reference model is a second copy);
+  ``save_to_disk`` folder); ``--datasets`` (a mixture list) and ``--dataset_streaming`` are refused. TRL's
+  DPOTrainer tokenizes the rows (its ``_prepare_dataset``, cached by ``datasets``), which keeps the run exact against
+  ``trl dpo``.
+- model: a Hub model id (``ORG/NAME`` at ``--model_revision``, its snapshot downloaded by huggingface_hub), a local
+  folder or an embedded pf-trl name (``pf-trl/tiny-llama``; its reference model is a second copy);
+  ``--trust_remote_code`` as TRL passes it (custom code refused without it, before any weights are downloaded);
   ``--use_peft`` and the LoRA flags as TRL reads them (``trl.get_peft_config``).
 """
 
@@ -50,13 +54,16 @@ def load_preference_split(name: str, *, config: str | None, split: str, flag: st
     return data
 
 
-def _model_and_tokenizer(model_args, training_args) -> tuple[Any, Any, Any]:
-    """``(model, ref_model, tokenizer)``; the model a path string (TRL loads it) or, for an embedded name, built."""
+def _model_and_tokenizer(model_args, training_args, trust: bool) -> tuple[Any, Any, Any]:
+    """``(model, ref_model, tokenizer)``; the model a folder (TRL loads it: a local one, or a Hub id's snapshot) or,
+    for an embedded name, built."""
     from pf_trl.models import build_model, is_embedded_model
 
     name = model_args.model_name_or_path
     if not name:
-        raise ConfigError("--model_name_or_path is required (a local model folder or pf-trl/tiny-llama)")
+        raise ConfigError("--model_name_or_path is required (a Hub id ORG/NAME, a local model folder or "
+                          "pf-trl/tiny-llama)")
+    folder = model_folder(name, model_args.model_revision, trust)  # an embedded name as it is
     if is_embedded_model(name):
         from pf_trl.data.tokenizer import load_tokenizer
 
@@ -65,11 +72,41 @@ def _model_and_tokenizer(model_args, training_args) -> tuple[Any, Any, Any]:
         needs_ref = not model_args.use_peft and not training_args.precompute_ref_log_probs
         ref = build_model(name, seed=training_args.seed, **kwargs) if needs_ref else None
         return model, ref, load_tokenizer()
-    if not Path(name).expanduser().is_dir():
-        raise ConfigError(f"--model_name_or_path {name}: no such model folder (pf-trl never downloads models)")
     from transformers import AutoTokenizer
 
-    return name, None, AutoTokenizer.from_pretrained(name)
+    from pf_trl.remote_code import tokenizer_code_error
+
+    try:
+        return folder, None, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
+    except ValueError as exc:  # a tokenizer of its own code without the flag: one line naming it
+        refusal = tokenizer_code_error(exc, name, "--model_name_or_path")
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+def model_folder(name: str, revision: str | None, trust: bool) -> str:
+    """The local folder of ``--model_name_or_path``: itself, or a Hub id's snapshot at ``--model_revision``
+    (:func:`pf_trl.models.resolve_model_path`, the code ``pf-trl train`` uses); one line on any failure."""
+    from pf_trl.hub import HubError
+    from pf_trl.models import pinned_revision, resolve_model_path
+    from pf_trl.remote_code import RemoteCodeError
+
+    try:
+        return resolve_model_path(name, revision=pinned_revision(name, revision), trust_remote_code=trust)
+    except (HubError, RemoteCodeError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _refuse_streaming(script_args, dataset_args) -> None:
+    """A stream has no lengths ahead of time; pf-trl dpo's batches (and TRL's tokenizing of the pairs) need them."""
+    if getattr(script_args, "dataset_streaming", False):
+        raise ConfigError("--dataset_streaming True is not supported by pf-trl dpo: its batches are planned from the "
+                          "lengths of every pair, which a stream does not have; drop it (the dataset is "
+                          "memory-mapped, not held in memory)")
+    if dataset_args is not None and getattr(dataset_args, "streaming", False):
+        raise ConfigError("--streaming True streams a `datasets:` mixture, which pf-trl dpo does not read; drop it "
+                          "and pass one --dataset_name")
 
 
 def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
@@ -81,16 +118,19 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     if dataset_args is not None and getattr(dataset_args, "datasets", None):
         raise ConfigError("--datasets (a mixture list) is not read by pf-trl dpo; pass one --dataset_name")
     if not script_args.dataset_name:
-        raise ConfigError("--dataset_name is required (a local JSONL / Parquet file or dataset folder of pairs)")
-    if getattr(script_args, "dataset_streaming", False):
-        raise ConfigError("--dataset_streaming is not supported by pf-trl dpo; pass a local file or folder")
+        raise ConfigError("--dataset_name is required (a Hub dataset id ORG/NAME, or a local JSONL / Parquet file or "
+                          "dataset folder of pairs)")
+    _refuse_streaming(script_args, dataset_args)
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ConfigError("--load_in_4bit / --load_in_8bit (bitsandbytes) are not supported by pf-trl dpo")
     init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
                        attn_implementation=model_args.attn_implementation or "sdpa", dtype=model_args.dtype)
     if training_args.model_init_kwargs is not None:
         init_kwargs.update(training_args.model_init_kwargs)
-    model, ref_model, tokenizer = _model_and_tokenizer(model_args, training_args)
+    trust = bool(init_kwargs["trust_remote_code"])  # trl dpo's: model_init_kwargs win over the flag
+    model, ref_model, tokenizer = _model_and_tokenizer(model_args, training_args, trust)
+    if isinstance(model, str):
+        init_kwargs.pop("revision")  # the folder is the snapshot of that revision already
     training_args.model_init_kwargs = init_kwargs if isinstance(model, str) else None
     train = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
                                   split=script_args.dataset_train_split, flag="--dataset_train_split")

@@ -15,8 +15,6 @@ from typing import Any
 
 from pf_trl.errors import ConfigError
 
-_MODEL_INIT_KEYS = {"dtype", "torch_dtype", "attn_implementation"}
-
 
 def apply_chat_template_path(args, processing_class) -> None:
     """``chat_template_path`` pointing to a ``.jinja`` / ``.j2`` file becomes the tokenizer's chat template (TRL does
@@ -40,9 +38,11 @@ def apply_eos_token(args, processing_class) -> None:
 
 
 def model_build_kwargs(args) -> dict[str, Any]:
-    """``model_init_kwargs`` for :func:`pf_trl.models.build_model` when ``model`` is a name or a folder."""
+    """``model_init_kwargs`` for :func:`pf_trl.models.build_model` when ``model`` is a name or a folder; its
+    ``trust_remote_code`` defaults to the config's field, as TRL's ``setdefault`` does."""
     given = dict(args.model_init_kwargs or {})
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"trust_remote_code": bool(given.get("trust_remote_code",
+                                                               getattr(args, "trust_remote_code", False)))}
     dtype = given.get("dtype", given.get("torch_dtype"))
     if dtype not in (None, "auto"):
         import torch

@@ -78,10 +78,15 @@ def is_adapter(model: Any) -> bool:
 def use_snippet(model: Any, folder: str, base: str | None, hub_id: str | None) -> str:
     """Python that loads the saved folder ``folder`` (its own name, relative): the model, or ``model``'s adapter on
     its base (a Hub id, a local folder by its name, or an embedded config rebuilt with its seed)."""
+    from pf_trl.remote_code import is_custom_class
+
     lines = []
     adapter = is_adapter(model)
     inner = model.get_base_model() if adapter else model
     build = getattr(inner, "pf_trl_build", None)
+    # a class of the repository's own code (trust_remote_code): the saved folder carries that code and its auto_map,
+    # which transformers runs only when asked to
+    trust = ", trust_remote_code=True" if is_custom_class(inner) else ""
     if adapter:
         lines.append("from peft import PeftModel")
     if adapter and base is not None and base.startswith(EMBEDDED_PREFIX) and build is not None:
@@ -92,20 +97,20 @@ def use_snippet(model: Any, folder: str, base: str | None, hub_id: str | None) -
         lines.append("from transformers import AutoModelForCausalLM, AutoTokenizer")
     lines += ["", f'model_dir = "{folder}"']
     if not adapter:
-        lines.append("model = AutoModelForCausalLM.from_pretrained(model_dir)")
+        lines.append(f"model = AutoModelForCausalLM.from_pretrained(model_dir{trust})")
     else:
         if hub_id is not None:
-            lines.append(f'base = AutoModelForCausalLM.from_pretrained("{hub_id}")')
+            lines.append(f'base = AutoModelForCausalLM.from_pretrained("{hub_id}"{trust})')
         elif base is not None and base.startswith(EMBEDDED_PREFIX) and build is not None:
             args = ", ".join([repr(base), f"seed={build['seed']}", *(f"{k}={v!r}" for k, v in build["overrides"].items())])
             lines.append(f"base = build_model({args})  # the embedded config's initial weights, rebuilt")
         elif base is not None:
-            lines.append(f'base = AutoModelForCausalLM.from_pretrained("{Path(base).name}")  # the base model\'s '
-                         "folder")
+            lines.append(f'base = AutoModelForCausalLM.from_pretrained("{Path(base).name}"{trust})  # the base '
+                         "model's folder")
         else:
             lines.append("base = ...  # the base model the adapter was trained on (built in memory, not saved)")
         lines.append("model = PeftModel.from_pretrained(base, model_dir)")
-    lines.append("tokenizer = AutoTokenizer.from_pretrained(model_dir)")
+    lines.append(f"tokenizer = AutoTokenizer.from_pretrained(model_dir{trust})")
     return "\n".join(lines)
 
 

@@ -238,13 +238,17 @@ FIELDS: dict[str, FieldParity] = {
     # ---------------------------------------------------------------- model
     "model_init_kwargs": FieldParity(
         HONOURED, "When `model` is a name, folder or Hub id (always on pf-trl train, which builds the model): dtype / "
-        "torch_dtype, attn_implementation and revision (of a Hub id) are used, other keys refused.",
-        refuse_if=lambda v: bool(set(v or {}) - {"dtype", "torch_dtype", "attn_implementation", "revision"}),
+        "torch_dtype, attn_implementation, revision (of a Hub id) and trust_remote_code are used, other keys refused.",
+        refuse_if=lambda v: bool(set(v or {}) - {"dtype", "torch_dtype", "attn_implementation", "revision",
+                                                 "trust_remote_code"}),
         example={"device_map": "auto"}),
     "trust_remote_code": FieldParity(
-        REFUSED, "pf-trl loads architectures transformers ships (padding-free support is checked per model type) and "
-        "never runs code from a model folder or a Hub repository (a Hub model of a shipped architecture needs no "
-        "remote code).", refuse_if=_is_true, example=True),
+        HONOURED, "As in TRL, passed to the config, tokenizer, processor and model loading (model_init_kwargs' "
+        "trust_remote_code wins, as TRL's setdefault): a model whose config.json auto_map needs the repository's own "
+        "code (a model_type transformers does not ship) is refused without it, in one line before any weights are "
+        "downloaded; with it the custom class loads. pf-trl's support matrix covers transformers' own classes, so a "
+        "custom class is treated as a model type the matrix does not list: the runtime self-check decides, with a "
+        "warning.", evidence="tests/test_hub.py::test_custom_code_model_needs_trust_remote_code_and_is_self_checked"),
     "activation_offloading": _trainer("TRL's offloading context around the training step, unchanged."),
     "activation_checkpointing": _trainer("Trainer's checkpointing; on by default as in TRL."),
     "activation_checkpointing_kwargs": _T,

@@ -69,11 +69,12 @@ FIELDS: dict[str, ScriptField] = {
         HONOURED, "The split evaluated on when eval_strategy is not `no` (as trl sft); a missing split is then "
         "refused, naming the splits it has."),
     "dataset_streaming": ScriptField(
-        REFUSED, "pf-trl streams through a data config (`dataprocessor: {streaming: true}`, --data_config); a "
-        "--dataset_name dataset (a Hub snapshot or a local one) is tokenized once into the cache and memory-mapped, "
-        "so it needs no streaming.", refuse_if=_true,
-        fix="drop it, or stream with a data config (--data_config mix.yaml with dataprocessor.streaming: true)",
-        example=True),
+        MAPPED, "The --dataset_name split trained on goes through pf-trl's streaming path (as a data config with "
+        "`dataprocessor.streaming: true`): read as a datasets stream, tokenized while training, packed to the token "
+        "budget from a look-ahead buffer, nothing written to the tokenized cache. Needs --max_steps (a stream has no "
+        "length; refused in one line without it); a Hub dataset's files are downloaded first (its snapshot), then "
+        "streamed; the evaluation split is read whole (eval_max_examples rows); padded training "
+        "(--padding_free false) reads the split whole. Given without --dataset_name, refused."),
     "ignore_bias_buffers": ScriptField(
         REFUSED, "A DDP workaround for bool buffers that trl sft's script does not read either.", refuse_if=_true,
         fix="drop it", example=True),
@@ -127,9 +128,9 @@ FIELDS: dict[str, ScriptField] = {
         "data_dir, data_files, split and columns (kept columns) are read. `fraction` is refused (trl keeps the first "
         "rows of each dataset; pf-trl mixes by weight: a --data_config with sampling weights)."),
     "streaming": ScriptField(
-        REFUSED, "pf-trl streams through a data config (dataprocessor.streaming: true).", refuse_if=_true,
-        fix="drop it, or stream with a data config (--data_config mix.yaml with dataprocessor.streaming: true)",
-        example=True),
+        MAPPED, "A `datasets:` mixture (--datasets) streamed through pf-trl's streaming path, as --dataset_streaming "
+        "streams --dataset_name (the entries concatenated in order); needs --max_steps. Given without --datasets, "
+        "refused (trl sft would ignore it)."),
     "test_split_size": ScriptField(
         REFUSED, "trl sft splits the mixture at random without a seed; pf-trl evaluates on data you name.",
         refuse_if=lambda v: v not in (None, "None", "none"),

@@ -98,11 +98,15 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             from pf_trl.trainer.parity import check_config  # (imported here: `python -m` runs that module)
 
             check_config(args)  # every SFTConfig / TrainingArguments value pf-trl cannot reproduce, by name
+        build_kwargs = model_build_kwargs(args)
+        trust = build_kwargs["trust_remote_code"]
         if isinstance(model, str):  # a Hub id: its snapshot folder, read as a local folder from here on
             from pf_trl.models import resolve_model_path
 
-            model = resolve_model_path(model, revision=model_build_kwargs(args).get("revision"), flag="model")
-        processing_class = resolve_processing_class(model, processing_class)
+            # custom code without trust_remote_code is refused here, before a Hub id's weights are downloaded
+            model = resolve_model_path(model, revision=build_kwargs.get("revision"), flag="model",
+                                       trust_remote_code=trust)
+        processing_class = resolve_processing_class(model, processing_class, trust_remote_code=trust)
         if pretokenize_config is not None and getattr(pretokenize_config, "chat_template", None):
             from pf_trl.data.tokenizer import with_chat_template
 
@@ -113,8 +117,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         if isinstance(model, str):
             from pf_trl.models import build_model
 
-            model = build_model(model, seed=args.seed, **{k: v for k, v in model_build_kwargs(args).items()
-                                                          if k != "revision"})
+            model = build_model(model, seed=args.seed, **{k: v for k, v in build_kwargs.items() if k != "revision"})
         # every parallelism setting pf-trl cannot keep exact, refused before any data is prepared (every mode)
         check_parallelism(args, transformers_model(model), compute_loss_func=kwargs.get("compute_loss_func"))
         if kwargs.get("formatting_func") is None:  # a formatting_func makes text rows: TRL applies it and tokenizes
