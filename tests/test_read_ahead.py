@@ -182,9 +182,11 @@ def test_training_starts_before_the_files_are_local_with_the_local_losses(relay,
     assert from_bucket == from_local  # the same batches of the same rows: the same losses, to the bit
 
 
-def test_a_corrupted_shard_is_refused_during_read_ahead(relay, s3, local_shards):
+def test_a_corrupted_shard_is_refused_during_read_ahead(relay, s3, local_shards, monkeypatch):
     from pf_trl.data.lazy_shards import open_lazy_shards
     from pf_trl.data.shards import ShardsError
+
+    monkeypatch.setenv("PF_TRL_READ_AHEAD_STREAMS", "1")  # files in order: file 0 is read before file 5 fails
 
     fs = s3.filesystem()
     manifest = _manifest(s3)
@@ -208,6 +210,8 @@ def test_a_corrupted_shard_is_refused_during_read_ahead(relay, s3, local_shards)
     assert not (_entry(lazy) / bad).exists()  # never cached under its name
     with pytest.raises(ShardsError, match=bad):  # the read-ahead stopped: every later read says so
         lazy[int(lazy._offsets[7])]
+    with pytest.raises(ShardsError, match=bad):  # even of a file already local
+        lazy[0]
 
 
 def _rank(uri: str, reverse: bool, counter: str, queue) -> None:
@@ -245,8 +249,9 @@ def test_ranks_of_one_node_download_each_file_once(relay, s3, tmp_path):
     ranks = [ctx.Process(target=_rank, args=(URI, reverse, str(counter), queue)) for reverse in (False, True)]
     for p in ranks:
         p.start()
+    firsts = {f"data-00000-of-000{FILES}.arrow", f"data-000{FILES - 1}-of-000{FILES}.arrow"}
     deadline = time.monotonic() + 60
-    while len(set(gate.held)) < 2 and time.monotonic() < deadline:  # each rank is downloading its first file
+    while not firsts <= set(gate.held) and time.monotonic() < deadline:  # each rank is downloading its first file
         time.sleep(0.05)
     gate.open()
     results = [queue.get(timeout=120) for _ in ranks]

@@ -113,7 +113,9 @@ class LazyShards:
         if os.getpid() != self._pid:  # a forked worker: its own maps (the parent's stay valid, but start clean)
             self._tables, self._pid = {}, os.getpid()
         table = self._tables.get(f)
-        if table is None:
+        if table is not None:
+            self._ahead.check()  # a failed read-ahead stops the reader at once, not at its next missing file
+        else:
             from pf_trl.data.row_layout import open_arrow
 
             name = self._files[f]

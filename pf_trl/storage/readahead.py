@@ -13,13 +13,15 @@ the same key), but file by file:
   entry by another process waits until the read-ahead marks it ``.complete`` (see :mod:`pf_trl.storage.cache`).
   Room for the whole prefix is made, by the cache's eviction, before anything is downloaded.
 - **the order**: :meth:`ReadAhead.follow` gives it (the files of the sampler's planned rows first), :meth:`wait`
-  moves a file the reader needs now to the front; every file is downloaded in the end.
-- **fork safety**: the thread and its fsspec filesystem belong to the process that started them. A copy of the object
+  moves a file the reader needs now to the front; every file is downloaded in the end, by
+  ``PF_TRL_READ_AHEAD_STREAMS`` threads (default 4), each taking the first file of the order no one is downloading.
+- **fork safety**: the threads and their fsspec filesystem belong to the process that started them. A copy of the object
   in a DataLoader worker (forked or pickled) never downloads: it waits for the file to appear under its final name,
   and reads the owner's failure, if any, from ``<entry>/.readahead/error-<pid>``.
 
 A failure (a checksum that differs, a file missing from the bucket, an unreachable endpoint after the storage layer's
-retries) stops the read-ahead; every later :meth:`wait` raises it, one line naming the file.
+retries) stops the read-ahead; every later :meth:`wait` raises it (even for a file already local: the reader stops
+at once), one line naming the file.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ logger = logging.getLogger("pf_trl.storage")
 
 ENABLE_ENV = "PF_TRL_READ_AHEAD"
 WAIT_ENV = "PF_TRL_READ_AHEAD_WAIT_S"
+STREAMS_ENV = "PF_TRL_READ_AHEAD_STREAMS"
 DEFAULT_WAIT_S = 1800.0
+DEFAULT_STREAMS = 4
 PARTS = ".readahead"
 _POLL_S = 0.05
 
@@ -69,6 +73,21 @@ def wait_limit() -> float:
     if not value > 0:
         raise StorageError(f"{WAIT_ENV}={text!r} is not a positive number of seconds")
     return value
+
+
+def streams() -> int:
+    """Files downloaded at once by one process: ``PF_TRL_READ_AHEAD_STREAMS`` (default 4; a bucket serves each
+    connection at a bounded rate, and small files cost a round trip each).
+
+    Raises:
+        StorageError: not a positive integer.
+    """
+    text = os.environ.get(STREAMS_ENV)
+    if not text:
+        return DEFAULT_STREAMS
+    if not text.strip().isdigit() or int(text) < 1:
+        raise StorageError(f"{STREAMS_ENV}={text!r} is not a positive integer")
+    return int(text)
 
 
 def _part_name(name: str) -> str:
@@ -102,7 +121,8 @@ class ReadAhead:
         self._local: set[str] = set()
         self._error: BaseException | None = None
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._finished = False
         self._stop = False
         self._lock_file = None  # the entry's lock, held shared while this process uses the entry
         # what this process did: the benchmark and the completion line read it
@@ -141,6 +161,7 @@ class ReadAhead:
         (self.parts / f"error-{self._pid}").unlink(missing_ok=True)  # a failure of an earlier process of this pid
         self._local = {n for n in self.files if (self.entry / n).is_file()}  # a read-ahead cut short left these
         if len(self._local) == len(self.files):
+            self._finished = True
             self._finish()
             return self.entry
         cache.register_filler(self.key, self.wait_all)
@@ -157,9 +178,9 @@ class ReadAhead:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=60)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=60)
         self._release()
 
     def _release(self) -> None:
@@ -179,21 +200,30 @@ class ReadAhead:
         self.start()
 
     def start(self) -> None:
-        """Start the background thread (once; the order so far: :meth:`follow`'s, else the files sorted)."""
+        """Start the background threads (once: :func:`streams` of them; the order so far: :meth:`follow`'s, else the
+        files sorted). Each takes the first file of the order that no other is downloading."""
         if os.getpid() != self._pid:
             return
         with self._cond:
-            if self._thread is not None or self._stop:
+            if self._threads or self._stop:
                 return
             self.stats["started_at"] = time.time()
-            self._thread = threading.Thread(target=self._run, name=f"pf-trl-read-ahead-{self.key[:8]}", daemon=True)
-            self._thread.start()
+            self._threads = [threading.Thread(target=self._run, name=f"pf-trl-read-ahead-{self.key[:8]}-{i}",
+                                              daemon=True) for i in range(streams())]
+            for thread in self._threads:
+                thread.start()
 
     # ------------------------------------------------------------------------------------------------ waiting
 
     def is_local(self, name: str) -> bool:
         """Whether ``name`` is in the entry (complete and verified)."""
         return name in self._local or (self.entry / name).is_file()
+
+    def check(self) -> None:
+        """Raise the read-ahead's failure, if it failed (in its own process; a worker's copy finds out when it
+        waits)."""
+        if self._error is not None and os.getpid() == self._pid:
+            raise self._error
 
     def path(self, name: str) -> Path:
         return self.entry / name
@@ -207,6 +237,8 @@ class ReadAhead:
                 did not arrive in time (one line naming its URI).
         """
         limit = wait_limit() if timeout is None else timeout
+        if self._error is not None and os.getpid() == self._pid:
+            raise self._error
         if name in self._local:
             return self.entry / name
         if os.getpid() != self._pid:
@@ -277,14 +309,16 @@ class ReadAhead:
         try:
             while True:
                 with self._cond:
-                    if self._stop:
+                    if self._stop or self._error is not None:
                         return
                     pending = [n for n in self._order if n not in self._local]
-                if not pending:
-                    self._finish()
-                    return
+                    if not pending:
+                        if not self._finished:
+                            self._finished = True
+                            self._finish()
+                        return
                 progressed = False
-                for name in pending:  # the first file this process may download (others hold the rest)
+                for name in pending:  # the first file no one downloads (this process's other threads, other ranks)
                     if self._fill(name, blocking=False):
                         with self._cond:
                             self._local.add(name)
@@ -292,7 +326,7 @@ class ReadAhead:
                         progressed = True
                         break  # the order may have changed meanwhile: read it again
                 if not progressed:
-                    time.sleep(_POLL_S)  # every pending file is being downloaded by another process of the node
+                    time.sleep(_POLL_S)  # every pending file is being downloaded by another thread or process
         except BaseException as exc:  # the reader gets it: the thread must not die silently
             self._fail(exc)
 
@@ -326,9 +360,10 @@ class ReadAhead:
             except BaseException:
                 part.unlink(missing_ok=True)
                 raise
-            self.stats["files_downloaded"] += 1
-            self.stats["bytes_downloaded"] += got
-            self.stats["download_s"] += time.monotonic() - started
+            with self._cond:  # several threads add to it
+                self.stats["files_downloaded"] += 1
+                self.stats["bytes_downloaded"] += got
+                self.stats["download_s"] += time.monotonic() - started
         return True
 
     def _finish(self) -> None:
@@ -341,8 +376,8 @@ class ReadAhead:
         mb = self.stats["bytes_downloaded"] / 1e6
         logger.info("pf-trl: read-ahead of %s complete: %d of its %d files downloaded by this process (%.1f MB, "
                     "%.1f MB/s), %.1f s after it started; the reader waited %.1f s in %d waits", self.what,
-                    self.stats["files_downloaded"], len(self.files), mb, mb / max(self.stats["download_s"], 1e-6),
-                    took, self.stats["waited_s"], self.stats["waits"])
+                    self.stats["files_downloaded"], len(self.files), mb, mb / max(took, 1e-6), took,
+                    self.stats["waited_s"], self.stats["waits"])
 
     def _fail(self, exc: BaseException) -> None:
         error = exc if isinstance(exc, StorageError) or _one_line_error(exc) else StorageError(
@@ -373,7 +408,8 @@ class ReadAhead:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.extra, self.verify, self._order, self._local = {}, None, sorted(self.files), set()
-        self._error, self._cond, self._thread, self._lock_file = None, threading.Condition(), None, None
+        self._error, self._cond, self._threads, self._lock_file = None, threading.Condition(), [], None
+        self._finished = False
         self._stop = True  # a copy never starts a thread
         self.stats = {}
 
