@@ -26,6 +26,7 @@ at once), one line naming the file.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
@@ -171,8 +172,9 @@ class ReadAhead:
         """Whether every file is in the entry (marked ``.complete``)."""
         return (self.entry / cache.COMPLETE).is_file()
 
-    def close(self) -> None:
-        """Stop the thread (after its current file) and release the entry's lock; files stay in the cache."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the threads (each after its current file, waited for at most ``timeout`` seconds) and release the
+        entry's lock; files stay in the cache (a file cut short is only a ``.part``, downloaded again later)."""
         if os.getpid() != self._pid:
             return
         with self._cond:
@@ -180,7 +182,7 @@ class ReadAhead:
             self._cond.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(timeout=60)
+                thread.join(timeout=timeout)
         self._release()
 
     def _release(self) -> None:
@@ -436,8 +438,13 @@ def open_read_ahead(key: str, source: RemoteURI, files: dict[str, int], *, what:
     return ahead
 
 
-def close_all() -> None:
+def close_all(timeout: float = 60.0) -> None:
     """Close every read-ahead this process opened (their threads stopped after their current file, their locks
     released); what they downloaded stays in the cache."""
     for key in [k for k in _OPEN if k[0] == os.getpid()]:
-        _OPEN.pop(key).close()
+        _OPEN.pop(key).close(timeout)
+
+
+# a run that ends before its dataset is all local: its threads stop at exit instead of being cut off mid-call by the
+# interpreter's shutdown (a file in flight stays a .part)
+atexit.register(close_all, 2.0)
