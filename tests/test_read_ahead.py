@@ -350,3 +350,17 @@ def test_a_file_that_does_not_arrive_in_time_is_one_line_naming_it(relay, monkey
     assert "\n" not in line
     assert line.startswith(f"{URI}/w-") and "/data-00000-of-00024.arrow: not in the node cache after 0.5 s" in line
     assert "PF_TRL_READ_AHEAD_WAIT_S" in line
+
+
+def test_the_training_set_read_as_evaluation_data_too_is_downloaded_once(relay):
+    """The same URI as --training_data_path and --validation_data_path: the whole download of the evaluation data
+    completes this process's own read-ahead rather than waiting for its lock (or downloading a second copy)."""
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.data.remote import fetch_shards
+
+    lazy = open_lazy_shards(URI)  # holds the entry's lock shared; nothing downloaded yet
+    relay.gate_control.open()
+    whole = fetch_shards(URI)
+    assert whole == _entry(lazy) and (whole / ".complete").is_file() and lazy.is_local()
+    gets = [path.rsplit("/", 1)[-1] for method, path in relay.log if method == "GET" and "/w-" in path]
+    assert sorted(gets) == sorted(set(gets))  # each file once
