@@ -194,9 +194,10 @@ class ReadAhead:
     # ------------------------------------------------------------------------------------------------ order
 
     def follow(self, order: Iterable[str]) -> None:
-        """Download ``order``'s files first, in that order, then the others; starts the thread."""
+        """Download ``order``'s files first, in that order, then the others; starts the threads."""
         first = [n for n in dict.fromkeys(order) if n in self.files]
-        rest = [n for n in sorted(self.files) if n not in set(first)]
+        chosen = set(first)
+        rest = [n for n in sorted(self.files) if n not in chosen]
         with self._cond:
             self._order = first + rest
         self.start()
@@ -268,7 +269,7 @@ class ReadAhead:
                 if not counted:
                     self.stats["waits"] += 1
                     counted = True
-                self._cond.wait(min(left, 0.5))
+                self._cond.wait(min(left, 0.1))  # also notices a file another process put in place
         if counted:
             self.stats["waited_s"] += time.monotonic() - started
         return self.entry / name
