@@ -212,6 +212,17 @@ def test_a_corrupted_shard_is_refused_during_read_ahead(relay, s3, local_shards,
         lazy[int(lazy._offsets[7])]
     with pytest.raises(ShardsError, match=bad):  # even of a file already local
         lazy[0]
+    # a DataLoader worker (forked) finds the failure in the node cache; the CLI's line is the error, not its traceback
+    import torch
+
+    from pf_trl.cli.flags import one_line
+    from pf_trl.storage import StorageError
+
+    loader = torch.utils.data.DataLoader(lazy, batch_sampler=[[int(lazy._offsets[7])]], collate_fn=lambda rows: rows,
+                                         num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(StorageError) as exc:
+        list(loader)
+    assert one_line(exc.value) == line
 
 
 def _rank(uri: str, reverse: bool, counter: str, queue) -> None:
