@@ -19,7 +19,8 @@ import logging
 import os
 import sys
 
-LOGGERS = ("pf_trl.trainer", "pf_trl.attention", "pf_trl.cli.train", "pf_trl.data.streaming", "pf_trl.data.pretokenize")
+LOGGERS = ("pf_trl.trainer", "pf_trl.attention", "pf_trl.cli.train", "pf_trl.data.streaming", "pf_trl.data.pretokenize",
+           "pf_trl.storage")
 DEEPSPEED_LOGGER = "DeepSpeed"
 DEEPSPEED_BANNER = "Setting accelerator to CPU"
 
