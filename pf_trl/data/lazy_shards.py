@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,9 +120,10 @@ class LazyShards:
             name = self._files[f]
             table = open_arrow(self._ahead.wait(name))
             rows = int(self._offsets[f + 1] - self._offsets[f])
-            if table.num_rows != rows or "length" not in table.column_names:
-                raise ShardsError(f"{self.uri}: shard file {name} has {table.num_rows} rows, its manifest's row layout "
-                                  f"says {rows}; write the dataset again with `pf-trl pretokenize`")
+            if table.num_rows != rows or not set(COLUMNS) <= set(table.column_names):
+                raise ShardsError(f"{self.uri}: shard file {name} has {table.num_rows} rows and columns "
+                                  f"{table.column_names}, its manifest's row layout says {rows} rows of "
+                                  f"{list(COLUMNS)}; write the dataset again with `pf-trl pretokenize`")
             self._tables[f] = table
         return table
 
@@ -167,6 +167,7 @@ class LazyShards:
 
 
 def is_lazy(dataset) -> bool:
+    """Whether ``dataset`` is read while it downloads (a :class:`LazyShards`)."""
     return isinstance(dataset, LazyShards)
 
 
@@ -257,7 +258,3 @@ def stand_in(dataset):
     row = {"input_ids": [[0]], "labels": [[0]], "length": [1]}
     return datasets.Dataset.from_dict({c: row[c] for c in dataset.column_names}, features=dataset.features)
 
-
-def local_folder(dataset) -> Path | None:
-    """The node-cache folder of a :class:`LazyShards` (None for other datasets)."""
-    return dataset._ahead.entry if isinstance(dataset, LazyShards) else None
