@@ -298,6 +298,11 @@ def test_a_dataloader_worker_waits_for_the_files_and_reads_the_same_rows(relay, 
     batches = list(batches)
     expected = [[{"input_ids": local[i]["input_ids"], "labels": local[i]["labels"]} for i in b] for b in sampler]
     assert batches == expected
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(lazy))  # a spawned worker's copy: no thread, no lock, no memory map
+    assert clone._ahead._threads == [] and clone._ahead._lock_file is None and clone._tables == {}
+    assert clone[7] == lazy[7]
 
 
 def test_where_read_ahead_does_not_apply_the_dataset_is_downloaded_whole(relay, s3, monkeypatch):
