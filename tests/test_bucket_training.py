@@ -172,6 +172,8 @@ def _two_nodes(s3, tmp_path):
     assert [p.name for p in staged.glob("checkpoint-*")] == [f"checkpoint-{MAX_STEPS}"]  # the node keeps the newest
     reference = _losses(fs, "ref")
     assert len(reference) == MAX_STEPS
+    # trained while its files arrived (read-ahead fills the entry file by file), not after a whole download
+    assert list((ref.root / "cache" / "remote").glob("*/.readahead")), "the run did not read ahead"
 
     assert resumed.wait(300) == 0, b.log()[-3000:]
     said = b.log()

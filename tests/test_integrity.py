@@ -143,7 +143,7 @@ def test_pf_trl_verify_command(tmp_path):
     good, bad = _shards(tmp_path, "good"), _shards(tmp_path, "bad")
     r = _verify(str(good))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(f"ok       {good}: 3 files") and "xxh3_128" in r.stdout
+    assert r.stdout.startswith(f"ok       {good}: 4 files") and "xxh3_128" in r.stdout  # pf_lengths.npy too
     arrow = flip_token(bad)
     r = _verify(str(tmp_path))  # a directory of shards directories
     assert r.returncode == 1

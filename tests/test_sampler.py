@@ -154,6 +154,24 @@ def test_resume_reproduces_remaining_batches(cfg, data):
     assert list(fresh) == list(nxt), "the epoch after a resumed one starts from batch 0"
 
 
+def test_planned_rows_are_what_the_pass_yields_without_iterating():
+    """What a reader fetches ahead (pf_trl/storage/readahead.py): this rank's rows in yield order, from the resume point
+    or after ``skip_batches``; planning them leaves the sampler's position alone."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 200, size=600)
+    for rank in (0, 1):
+        sampler = TokenBudgetBatchSampler(lengths, 512, seed=7, num_replicas=2, rank=rank)
+        batches = list(sampler)
+        flat = [i for b in batches for i in b]
+        assert sampler.planned_rows().tolist() == flat
+        assert sampler.planned_rows(skip_batches=3).tolist() == [i for b in batches[3:] for i in b]
+        state = dict(sampler.state_dict(), batches_yielded=5)
+        fresh = TokenBudgetBatchSampler(lengths, 512, seed=7, num_replicas=2, rank=rank)
+        fresh.load_state_dict(state)
+        assert fresh.planned_rows().tolist() == [i for b in batches[5:] for i in b]
+        assert [i for b in fresh for i in b] == [i for b in batches[5:] for i in b]  # the resume point was kept
+
+
 @pytest.mark.slow
 @PROPS
 @given(configs())

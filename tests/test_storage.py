@@ -165,7 +165,7 @@ def test_ranks_of_one_node_download_once(bucket_env, committed, tmp_path):
         p.join(120)
     assert [p.exitcode for p in ranks] == [0, 0, 0]
     lines = counter.read_text().splitlines()
-    assert len(lines) == 3 and len({line.split()[0] for line in lines}) == 1  # 3 files, all by one process
+    assert len(lines) == 4 and len({line.split()[0] for line in lines}) == 1  # 4 files (the lengths too), one process
 
 
 def test_a_prefix_without_manifest_is_refused(bucket_env, sample_shards):

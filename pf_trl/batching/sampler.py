@@ -550,6 +550,21 @@ class TokenBudgetBatchSampler:
             self._yielded += 1
             yield flat[offsets[b] : offsets[b + 1]].tolist()
 
+    def planned_rows(self, skip_batches: int | None = None) -> np.ndarray:
+        """The dataset indices the next pass over the current epoch yields on this rank, in yield order, without
+        iterating (the sampler's state is left as it is): what a reader can fetch ahead of the training loop.
+
+        Args:
+            skip_batches: batches of the epoch to leave out first (e.g. those a resumed run skips); default the
+                pass's own start (a position restored by :meth:`load_state_dict`, else batch 0).
+        """
+        plan = self._plan()
+        start = self._resume_at if skip_batches is None else int(skip_batches)
+        column = plan.steps[max(start, 0):, self.rank]
+        if column.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([plan.flat[plan.offsets[b]:plan.offsets[b + 1]] for b in column.tolist()])
+
     def __len__(self) -> int:
         """Batches this rank yields in one epoch: the same for every epoch and on every rank.
 

@@ -118,5 +118,13 @@ def _check_conflict(given: dict[str, tuple[str, str | None]], target: str, spell
 
 
 def one_line(message: object) -> str:
-    """A message on one line (user errors are one line on stderr)."""
-    return " ".join(str(message).split())
+    """A message on one line (user errors are one line on stderr). An error a DataLoader worker raised comes back
+    wrapped in the worker's traceback (torch's ``ExceptionWrapper``): its own message is kept, not the traceback."""
+    text = str(message)
+    if "in DataLoader worker process" in text and "Original Traceback" in text:
+        import re
+
+        raised = list(re.finditer(r"^[A-Za-z_][\w.]*: ", text, re.M))  # "pf_trl....StorageError: ", after the frames
+        if raised:
+            text = text[raised[-1].end():]
+    return " ".join(text.split())

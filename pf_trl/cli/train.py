@@ -318,8 +318,8 @@ def precheck(argv: list[str], *, say=print) -> None:
             try:
                 if flag == "--validation_data_path" and is_data_config_path(path):
                     check_data_config_paths(read_data_config(path))  # eval on several datasets: all their rows
-                else:
-                    local[path] = str(check_source_path(path, flag=flag))
+                else:  # the training set of a bucket: only its manifest and lengths now (read-ahead)
+                    local[path] = str(check_source_path(path, flag=flag, read_ahead=path == args.training_data_path))
             except (DataSourceError, DataConfigError) as exc:
                 raise TrainCLIError(f"{flag}: {exc}" if isinstance(exc, DataConfigError) else str(exc)) from exc
     _check_data_options(args)
@@ -520,7 +520,8 @@ def load_data(data_args: DataArguments, config, tokenizer, *, quiet: bool = Fals
                 timeout_s=data_args.dataset_service_timeout_s, progress=not quiet, say=say)
         else:
             train = sources.load_training_data(data_args.training_data_path, tokenizer, options,
-                                               num_proc=data_args.pretokenize_num_proc, progress=not quiet, say=say)
+                                               num_proc=data_args.pretokenize_num_proc, progress=not quiet, say=say,
+                                               read_ahead=True)  # a bucket dataset: trained on while it downloads
         evalset = None
         if data_args.validation_data_path and (is_data_config_path(data_args.validation_data_path)
                                                or isinstance(data_args.validation_data_path, DataConfig)):

@@ -298,7 +298,7 @@ def expand_data_path(path: str) -> list[Path]:
         from pf_trl.storage import StorageError
 
         try:
-            return [Path(local_path(path))]
+            return [Path(local_path(path, purpose="a data config's source: its rows are mixed as a whole"))]
         except (StorageError, ShardsError) as exc:
             raise DataConfigError(f"data path {exc}") from exc
     p = Path(path)

@@ -163,10 +163,12 @@ def resolve_processing_class(model, processing_class, *, trust_remote_code: bool
 def _prepare_rows(dataset, *, tokenizer, model, args, options, what: str):
     """One source: raw rows or a path through pf-trl's data path, tokenized rows as they are (then the limit)."""
     from pf_trl.data import sources
+    from pf_trl.data.lazy_shards import admit
     from pf_trl.data.tokenizer import check_vocab_fits, model_vocab_size
     from pf_trl.data.vision import image_column
 
     vocab = model_vocab_size(model)
+    dataset = admit(dataset, args=args, what=what, vocab=vocab)  # read while it downloads, or the whole download
     made_with = (getattr(dataset, "pf_manifest", None) or {}).get("tokenizer", {}).get("vocab_size")
     if is_tokenized(dataset) and hasattr(dataset, "data") and not (made_with and vocab and made_with <= vocab):
         sources.check_token_ids(dataset, vocab)  # shards made with a tokenizer that fits need no scan
@@ -190,7 +192,9 @@ def _prepare_rows(dataset, *, tokenizer, model, args, options, what: str):
         check_vocab_fits(tokenizer, vocab)
         dataset = sources.load_training_data(dataset, tokenizer, options, num_proc=args.dataset_num_proc or 1,
                                              progress=False, say=lambda msg: logger.info("pf-trl: %s", msg),
-                                             what=what)
+                                             what=what, read_ahead=what == "training"
+                                             and args.padding_free_mode != "none")
+        dataset = admit(dataset, args=args, what=what, vocab=vocab)
         log_manifest_truncation(dataset, what=f"{what} data")  # cut while tokenizing: say so
         say_mask_decisions(dataset, args, what=f"{what} data")
     else:
@@ -226,7 +230,10 @@ def is_tokenized(dataset) -> bool:
 
 def dataset_lengths(dataset) -> np.ndarray:
     """The token length of every example: the ``length`` column of shards, else the ``input_ids`` list lengths
-    (read through Arrow, no rows decoded)."""
+    (read through Arrow, no rows decoded); shards read while they download: their lengths file."""
+    lengths = getattr(dataset, "pf_lengths", None)
+    if lengths is not None:
+        return np.asarray(lengths, dtype=np.int64)
     names = getattr(dataset, "column_names", None) or []
     if "length" in names:
         column = dataset.select_columns(["length"]).with_format("arrow")[:]["length"]

@@ -7,17 +7,22 @@
 - :func:`local_path`: what the data path opens for a URI: a committed dataset, downloaded once per node into the
   cache and verified against the manifest's checksums (a prefix without a manifest, or a file that differs from
   it, is refused in one line, never trained on); or a data file (``train.jsonl``) downloaded into the cache.
-  A local path passes through unchanged.
+  A local path passes through unchanged. With ``read_ahead=True`` (a training set) a dataset published with its
+  row layout is only opened: its manifest and lengths are local, its Arrow files follow in the background
+  (:func:`open_read_ahead`, read by :mod:`pf_trl.data.lazy_shards`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from pf_trl.data.shards import MANIFEST_FILE, ShardsError, read_manifest
 from pf_trl.storage import StorageError, is_remote, parse_uri
+
+logger = logging.getLogger("pf_trl.storage")
 
 
 def _files_of(manifest: dict[str, Any]) -> dict[str, int]:
@@ -68,9 +73,60 @@ def fetch_shards(uri: str) -> Path:
     return fetch_directory(uri, manifest_name=MANIFEST_FILE, files_of=_files_of, verify=_verify(uri))
 
 
-def local_path(path: Any) -> Any:
+def _verify_file(uri: str, checksums: dict[str, Any]):
+    """The check of one downloaded file of ``uri`` against its manifest's checksum (the read-ahead's ``verify``)."""
+    from pf_trl.data.integrity import HASHERS, file_digest
+
+    algorithm = checksums.get("algorithm")
+    if algorithm not in HASHERS:
+        raise ShardsError(f"{uri}: the manifest's checksum algorithm {algorithm!r} is unknown; known: "
+                          f"{', '.join(HASHERS)}")
+
+    def verify(path: Path, name: str) -> None:
+        if file_digest(path, algorithm) != checksums["files"][name].get("digest"):
+            raise ShardsError(f"{uri}: shard file {name} does not match its {algorithm} checksum (its bytes changed "
+                              "after it was written): the bucket copy is corrupt, refused (nothing trained on it); "
+                              "write the dataset again with `pf-trl pretokenize`")
+
+    return verify
+
+
+def open_read_ahead(uri: str, *, purpose: str = "training data"):
+    """``(read-ahead, manifest)`` of the committed dataset ``uri`` with its lengths file local, its Arrow files not yet
+    downloaded; None (said in the log) where read-ahead does not apply: ``PF_TRL_READ_AHEAD=0``, or a dataset
+    published without its row layout (by a pf-trl before layouts). The caller then downloads it whole.
+
+    Raises:
+        StorageError / ShardsError: one line naming the URI (missing manifest, access, endpoint, a corrupt lengths
+            file, a cache too small).
+    """
+    from pf_trl.data.row_layout import LENGTHS_FILE, read_row_layout
+    from pf_trl.storage import readahead
+    from pf_trl.storage.datasets import read_ahead_directory, read_committed_manifest
+
+    u = parse_uri(uri)
+    if not readahead.enabled():
+        logger.info("pf-trl: %s: %s=0: downloaded whole before training", u, readahead.ENABLE_ENV)
+        return None
+    manifest, raw = read_committed_manifest(u, MANIFEST_FILE)
+    if read_row_layout(manifest) is None:
+        logger.info("pf-trl: %s was published without its row layout (%s): %s is downloaded whole before training "
+                    "starts; publish it again with this pf-trl to train while it downloads", u, LENGTHS_FILE, purpose)
+        return None
+    files = _files_of(manifest)
+    ahead = read_ahead_directory(u, manifest, raw, manifest_name=MANIFEST_FILE, files=files,
+                                 verify=_verify_file(str(u), manifest["checksums"]))
+    ahead.fetch_now(LENGTHS_FILE)
+    return ahead, manifest
+
+
+def local_path(path: Any, *, read_ahead: bool = False, purpose: str | None = None) -> Any:
     """``path`` as a local path: a bucket URI is fetched into the node cache (the data file it names, else the
     committed dataset under that prefix); anything else is returned as given.
+
+    ``read_ahead``: a committed dataset with a row layout is only opened (:func:`open_read_ahead`): the returned
+    folder holds its manifest and lengths, its other files arrive later. ``purpose``: what the data is for, said in
+    the log line of a dataset that could have been read ahead but is downloaded whole.
 
     Raises:
         StorageError / ShardsError: one line naming the URI (missing manifest, corrupt file, access, endpoint).
@@ -80,7 +136,25 @@ def local_path(path: Any) -> Any:
     from pf_trl.storage.datasets import fetch_file, is_file
 
     uri = parse_uri(path)
-    return fetch_file(uri) if is_file(uri) else fetch_shards(str(uri))
+    if is_file(uri):
+        return fetch_file(uri)
+    if read_ahead:
+        opened = open_read_ahead(str(uri))
+        if opened is not None:
+            return opened[0].entry
+    elif purpose:
+        _say_whole(str(uri), purpose)
+    return fetch_shards(str(uri))
+
+
+def _say_whole(uri: str, purpose: str) -> None:
+    """The log line of a dataset downloaded whole although it could be read ahead (it has a row layout)."""
+    from pf_trl.data.row_layout import read_row_layout
+    from pf_trl.storage import readahead
+
+    if readahead.enabled() and read_row_layout(read_remote_manifest(uri)) is not None:
+        logger.info("pf-trl: %s: downloaded whole before use (%s; read-ahead serves the training set of a "
+                    "padding-free run)", uri, purpose)
 
 
 def publish_through_staging(uri: str, write, *, overwrite: bool = False, say=None) -> dict[str, Any]:

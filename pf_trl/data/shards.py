@@ -9,6 +9,10 @@ it was written is refused by name instead of trained on. Columns:
 - ``input_ids``: ``list<int32>``
 - ``labels``: ``list<int32>``, -100 where no loss
 - ``length``: ``int32``, ``len(input_ids)`` (the sampler reads only this column)
+
+The same lengths are also kept as ``pf_lengths.npy``, with the manifest's ``row_layout`` naming the rows of each
+Arrow file (:mod:`pf_trl.data.row_layout`): what a trainer reading the directory from a bucket needs before its
+Arrow files have arrived.
 """
 
 from __future__ import annotations
@@ -67,11 +71,19 @@ def length_stats(lengths: np.ndarray, max_seq_len: int | None, bins: int = 32) -
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest file, last, after the data (the caller makes the whole directory appear atomically).
 
-    Sets ``manifest["checksums"]`` to the checksums of every other file in ``directory`` (streamed, see
-    :func:`pf_trl.data.integrity.directory_checksums`), so the returned and stored manifests carry them too.
+    Writes ``pf_lengths.npy`` and sets ``manifest["row_layout"]`` first (:mod:`pf_trl.data.row_layout`: a reader of a
+    bucket copy builds its sampler from them before the Arrow files arrive), then ``manifest["checksums"]`` to the
+    checksums of every other file in ``directory`` (streamed, see :func:`pf_trl.data.integrity.directory_checksums`),
+    the lengths file included, so the returned and stored manifests carry them too.
     """
     from pf_trl.data.integrity import directory_checksums
+    from pf_trl.data.row_layout import LAYOUT_KEY, write_row_layout
 
+    layout = write_row_layout(directory)
+    if layout is None:
+        manifest.pop(LAYOUT_KEY, None)  # a copied manifest must not describe files this directory lacks
+    else:
+        manifest[LAYOUT_KEY] = layout
     manifest["checksums"] = directory_checksums(directory, exclude=(MANIFEST_FILE,))
     with open(Path(directory) / MANIFEST_FILE, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)

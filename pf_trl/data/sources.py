@@ -37,9 +37,11 @@ def _quiet(_: str) -> None:
     return None
 
 
-def check_source_path(path: str | Path, *, flag: str = "source") -> Path:
+def check_source_path(path: str | Path, *, flag: str = "source", read_ahead: bool = False) -> Path:
     """Cheap checks of a local source before anything heavy is imported: it exists and is a readable kind. A bucket
-    URI is fetched into the node cache first (:func:`pf_trl.data.remote.local_path`) and its local copy returned."""
+    URI is fetched into the node cache first (:func:`pf_trl.data.remote.local_path`) and its local copy returned;
+    with ``read_ahead`` (a training set) a dataset published with its row layout is only opened (its folder holds
+    the manifest and lengths; the Arrow files follow while training runs)."""
     from pf_trl.storage import is_remote
 
     if is_remote(path):
@@ -48,7 +50,7 @@ def check_source_path(path: str | Path, *, flag: str = "source") -> Path:
         from pf_trl.storage import StorageError
 
         try:
-            path = local_path(path)
+            path = local_path(path, read_ahead=read_ahead, purpose=None if read_ahead else flag)
         except (StorageError, ShardsError) as exc:
             raise DataSourceError(f"{flag} {exc}") from exc
     source = Path(path).expanduser()
@@ -127,8 +129,12 @@ def cached_shards(source: Any, tokenizer, config: PretokenizeConfig, *, num_proc
 
 
 def load_training_data(source: Any, tokenizer, config: PretokenizeConfig | None = None, *, num_proc: int = 1,
-                       progress: bool = True, say: Say = _quiet, what: str = "training"):
+                       progress: bool = True, say: Say = _quiet, what: str = "training", read_ahead: bool = False):
     """Loaded shards (``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``) for any local source.
+
+    ``read_ahead``: a committed dataset in a bucket, published with its row layout, is returned as a
+    :class:`~pf_trl.data.lazy_shards.LazyShards` (trained on while it downloads; the trainer decides whether it can
+    be: :func:`pf_trl.data.lazy_shards.admit`) instead of being downloaded whole first.
 
     Args:
         source: a shards directory, a data file, a ``save_to_disk`` directory, or a ``Dataset`` / ``DatasetDict``.
@@ -147,6 +153,19 @@ def load_training_data(source: Any, tokenizer, config: PretokenizeConfig | None 
     config = config or PretokenizeConfig()
     tokenizer = with_chat_template(tokenizer, config.chat_template)  # the template the data is (to be) rendered with
     expected = tokenizer_fingerprint(tokenizer)
+    if read_ahead and is_remote(source):
+        from pf_trl.data.lazy_shards import open_lazy_shards
+        from pf_trl.storage import StorageError
+        from pf_trl.storage.datasets import is_file
+
+        try:
+            lazy = None if is_file(source) else open_lazy_shards(source, expected_tokenizer=expected)
+        except (StorageError, ShardsError) as exc:
+            raise DataSourceError(f"{what} data {exc}") from exc
+        if lazy is not None:
+            say(f"{what} data: {source}: {len(lazy)} rows, read while its {len(lazy.files)} files download "
+                "(no tokenization)")
+            return lazy
     if isinstance(source, (str, os.PathLike)):
         path = check_source_path(source, flag=f"{what} data")
         source = path if is_remote(source) else source  # a bucket URI: its node-cache copy

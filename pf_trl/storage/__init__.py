@@ -7,6 +7,8 @@ One layer that data/, trainer/, the CLI and the service call; none of them parse
 - :mod:`~pf_trl.storage.filesystem`: one fsspec filesystem per process, bounded retries, one-line errors.
 - :mod:`~pf_trl.storage.cache`: the node-local cache (one download per node, a lock, a size bound) and staging.
 - :mod:`~pf_trl.storage.datasets`: a directory committed by its manifest written last; read back through the cache.
+- :mod:`~pf_trl.storage.readahead`: a committed directory's files downloaded into the cache in the background, in the
+  order a reader needs them (training starts before the whole dataset is local).
 - :mod:`~pf_trl.storage.checkpoints`: checkpoints uploaded from staging, committed by a marker, found again.
 
 Light on purpose: nothing here imports fsspec, torch or transformers until a URI is used.

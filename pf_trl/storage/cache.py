@@ -5,6 +5,11 @@ when its holder dies) lets the first download it into a temporary folder, check 
 ``verify`` checks: the shards' checksums), then rename it into place with a ``.complete`` mark; the others wait on
 the lock and find it done. A download cut short leaves only a temporary folder, removed by the next holder.
 
+A read-ahead (:mod:`pf_trl.storage.readahead`) fills the same entry file by file instead, holding the lock *shared*
+for as long as its process uses the entry: :func:`fetch` then finds a complete entry without waiting for those
+holders, waits for an incomplete one to be completed by them rather than downloading it a second time, and eviction
+(which needs the lock exclusively) never removes an entry in use.
+
 Bounded by ``PF_TRL_REMOTE_CACHE_SIZE`` (``40GiB``, ``500MB``, bytes; default 80% of the free space of the cache's
 disk plus what the cache holds): the least recently used complete entries that no process holds are evicted to
 make room; when that is not enough the download is refused with one line (a full disk is refused the same way).
@@ -19,6 +24,7 @@ import fcntl
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,6 +34,7 @@ from pf_trl.storage.uri import RemoteURI
 
 SIZE_ENV = "PF_TRL_REMOTE_CACHE_SIZE"
 COMPLETE = ".complete"
+_POLL_S = 0.2
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30,
           "ti": 2**40}
@@ -60,13 +67,13 @@ def parse_size(text: str) -> int:
 
 
 @contextlib.contextmanager
-def locked(path: Path, *, blocking: bool = True) -> Iterator[bool]:
-    """An exclusive ``flock`` on ``path`` for the ``with`` block; yields False when ``blocking=False`` and another
-    process holds it."""
+def locked(path: Path, *, blocking: bool = True, shared: bool = False) -> Iterator[bool]:
+    """An exclusive (``shared=True``: shared) ``flock`` on ``path`` for the ``with`` block; yields False when
+    ``blocking=False`` and another process holds it in a conflicting mode."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             yield False
             return
@@ -98,7 +105,13 @@ def cache_limit(root: Path) -> int:
     return int(0.8 * (shutil.disk_usage(root).free + held))
 
 
-def _make_room(root: Path, need: int, key: str, what: str) -> None:
+def make_room(root: Path, need: int, key: str, what: str) -> None:
+    """Evict least recently used complete entries (other than ``key``) that no process holds until ``need`` more
+    bytes fit the bound.
+
+    Raises:
+        StorageError: ``need`` alone exceeds the bound.
+    """
     limit = cache_limit(root)
     if need > limit:
         raise StorageError(f"{what}: {need / 2**30:.2f} GiB do not fit the node cache {root} (limit "
@@ -116,6 +129,19 @@ def _make_room(root: Path, need: int, key: str, what: str) -> None:
                 used -= size
 
 
+# entry key -> a function completing that entry, registered by a read-ahead of this process: fetch() of the same entry
+# (the same dataset as training and evaluation data) asks it rather than waiting for its lock to be released
+_FILLERS: dict[str, Callable[[], None]] = {}
+
+
+def register_filler(key: str, fill: Callable[[], None] | None) -> None:
+    """Register (``None``: forget) the function with which this process completes the entry ``key`` it fills."""
+    if fill is None:
+        _FILLERS.pop(key, None)
+    else:
+        _FILLERS[key] = fill
+
+
 def fetch(key: str, source: RemoteURI, files: dict[str, int], *, what: str,
           extra: dict[str, bytes] | None = None, verify: Callable[[Path], None] | None = None) -> Path:
     """The cache entry ``key`` holding ``files`` (``{relative name: bytes}``) downloaded from under ``source``
@@ -127,39 +153,58 @@ def fetch(key: str, source: RemoteURI, files: dict[str, int], *, what: str,
     """
     root = remote_cache_dir()
     entry = root / key
-    with locked(root / f"{key}.lock"):
-        if (entry / COMPLETE).is_file():
-            os.utime(entry / COMPLETE)  # recently used
-            return entry
-        _make_room(root, sum(files.values()), key, what)
-        tmp = root / f".{key}.tmp"
+    while True:
+        filler = _FILLERS.get(key)
+        if filler is not None:
+            filler()  # this process's own read-ahead of the entry: it completes the entry (or raises)
+        with locked(root / f"{key}.lock", shared=True):  # waits for a downloader holding it exclusively
+            if (entry / COMPLETE).is_file():
+                os.utime(entry / COMPLETE)  # recently used
+                return entry
+        with locked(root / f"{key}.lock", blocking=False) as mine:
+            if mine:
+                return _download(root, key, source, files, what=what, extra=extra, verify=verify)
+        # another process holds it: a downloader (then complete when we get the lock shared), or a read-ahead
+        # filling the entry file by file, which marks it complete when its last file is in
+        time.sleep(_POLL_S)
+
+
+def _download(root: Path, key: str, source: RemoteURI, files: dict[str, int], *, what: str,
+              extra: dict[str, bytes] | None, verify: Callable[[Path], None] | None) -> Path:
+    """:func:`fetch`'s download, under the entry's lock held exclusively."""
+    entry = root / key
+    if (entry / COMPLETE).is_file():
+        os.utime(entry / COMPLETE)
+        return entry
+    make_room(root, sum(files.values()), key, what)
+    tmp = root / f".{key}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(entry, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        for name, size in sorted(files.items()):
+            if ".." in Path(name).parts or Path(name).is_absolute():
+                raise StorageError(f"{what}: the file list names a path outside the prefix ({name!r})")
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            download(source.join(name), target)
+            got = target.stat().st_size
+            if got != size:
+                raise StorageError(f"{what}: {source.join(name)} has {got} bytes, its manifest says {size} (the "
+                                   "bucket copy was changed or cut short); write the dataset again")
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)
+        if verify is not None:
+            verify(tmp)
+        (tmp / COMPLETE).write_text(str(source))
+        os.replace(tmp, entry)
+    except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(entry, ignore_errors=True)
-        try:
-            tmp.mkdir(parents=True)
-            for name, size in sorted(files.items()):
-                if ".." in Path(name).parts or Path(name).is_absolute():
-                    raise StorageError(f"{what}: the file list names a path outside the prefix ({name!r})")
-                target = tmp / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                download(source.join(name), target)
-                got = target.stat().st_size
-                if got != size:
-                    raise StorageError(f"{what}: {source.join(name)} has {got} bytes, its manifest says {size} (the "
-                                       "bucket copy was changed or cut short); write the dataset again")
-            for name, data in (extra or {}).items():
-                (tmp / name).write_bytes(data)
-            if verify is not None:
-                verify(tmp)
-            (tmp / COMPLETE).write_text(str(source))
-            os.replace(tmp, entry)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if exc.errno == errno.ENOSPC:
-                raise StorageError(f"{what}: the node cache's disk is full ({root}); set {SIZE_ENV} below the disk's "
-                                   "size or give the pod a larger cache volume") from exc
-            raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if exc.errno == errno.ENOSPC:
+            raise StorageError(f"{what}: the node cache's disk is full ({root}); set {SIZE_ENV} below the disk's "
+                               "size or give the pod a larger cache volume") from exc
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return entry

@@ -94,6 +94,32 @@ def read_committed_manifest(uri: str | RemoteURI, manifest_name: str) -> tuple[d
     return manifest, raw
 
 
+def entry_key(uri: RemoteURI, manifest_bytes: bytes) -> str:
+    """The node-cache entry of one commit of ``uri`` (a new commit of the prefix is a new entry)."""
+    return hashlib.sha256(str(uri).encode() + b"\0" + manifest_bytes).hexdigest()[:32]
+
+
+def files_source(uri: RemoteURI, manifest: dict[str, Any]) -> RemoteURI:
+    """The prefix a committed manifest's files are under (its writer folder)."""
+    writer = manifest.get(FILES_KEY) or ""
+    return uri.join(writer) if writer else uri
+
+
+def read_ahead_directory(uri: str | RemoteURI, manifest: dict[str, Any], manifest_bytes: bytes, *, manifest_name: str,
+                         files: dict[str, int], verify=None):
+    """This process's :class:`~pf_trl.storage.readahead.ReadAhead` of the committed prefix ``uri`` (its manifest
+    already read): the same cache entry as :func:`fetch_directory`, filled file by file, nothing downloaded yet.
+
+    Raises:
+        StorageError: the cache cannot hold the prefix.
+    """
+    from pf_trl.storage.readahead import open_read_ahead
+
+    u = parse_uri(uri)
+    return open_read_ahead(entry_key(u, manifest_bytes), files_source(u, manifest), files, what=str(u),
+                           extra={manifest_name: manifest_bytes}, verify=verify)
+
+
 def fetch_directory(uri: str | RemoteURI, *, manifest_name: str, files_of: Callable[[dict[str, Any]], dict[str, int]],
                     verify: Callable[[Path, dict[str, Any]], None] | None = None) -> Path:
     """The local copy (node cache) of the committed prefix ``uri``: its manifest, then every file it lists, sizes
@@ -104,10 +130,8 @@ def fetch_directory(uri: str | RemoteURI, *, manifest_name: str, files_of: Calla
     """
     u = parse_uri(uri)
     manifest, raw = read_committed_manifest(u, manifest_name)
-    writer = manifest.get(FILES_KEY) or ""
     files = files_of(manifest)
-    key = hashlib.sha256(str(u).encode() + b"\0" + raw).hexdigest()[:32]
-    source = u.join(writer) if writer else u
+    key, source = entry_key(u, raw), files_source(u, manifest)
     try:
         return cache.fetch(key, source, files, what=str(u), extra={manifest_name: raw},
                            verify=(lambda folder: verify(folder, manifest)) if verify else None)

@@ -215,3 +215,7 @@ def forget_filesystems() -> None:
     """Drop this process's filesystems: the next call makes new ones from the environment as it is now (after
     credentials rotate, or in tests that change them)."""
     _FILESYSTEMS.clear()
+
+
+# a forked child (a DataLoader worker) never holds its parent's handles, not even unused ones
+os.register_at_fork(after_in_child=_FILESYSTEMS.clear)

@@ -84,6 +84,21 @@ def token_budget_sampler(trainer, dataset, budget: int | None, batch_size: int, 
                                    rank=rank, drop_last=False, ordered=ordered)
 
 
+def read_ahead(trainer, dataset, sampler) -> None:
+    """Shards read while they download (:class:`~pf_trl.data.lazy_shards.LazyShards`): their files fetched in the
+    order of ``sampler``'s planned rows for this rank, from where a resumed run starts; a no-op for other data."""
+    from pf_trl.data.lazy_shards import is_lazy
+
+    if not is_lazy(dataset):
+        return
+    if not hasattr(sampler, "planned_rows"):  # a sampler that plans no order: the files in row order
+        dataset.follow(np.arange(len(dataset)))
+        return
+    resumed = getattr(trainer, "_pf_resumed_state", None) if trainer._pf_resume_dir else None
+    skipped = ((resumed or {}).get("sampler") or {}).get("batches_yielded", 0)  # Trainer skips them unread
+    dataset.follow(sampler.planned_rows(skip_batches=int(skipped or 0)))
+
+
 def packed_dataloader(trainer, dataset, sampler, *, training: bool, wrap_collator=None, collate_fn=None):
     """The dataloader of ``dataset`` batched by ``sampler`` and collated padding-free (the model's columns only),
     prepared by accelerate with its sharding turned off: the sampler is already rank-aware. ``wrap_collator``: a

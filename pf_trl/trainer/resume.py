@@ -47,6 +47,13 @@ def data_identity(dataset, columns: tuple[str, ...] = ("input_ids", "labels")) -
     """``{"examples", "tokens", "content"}`` of a ``datasets.Dataset``: the content is a BLAKE2b of the list lengths
     and values of its token columns in row order (its indices mapping honoured); None (and tokens None) for data that
     cannot be read that way, e.g. an IterableDataset."""
+    from pf_trl.data.lazy_shards import is_lazy
+
+    if is_lazy(dataset):  # shards read while they download: never waits for them
+        whole = dataset.local_dataset()
+        if whole is None:  # not all local yet: what the lengths say (describe_change compares those)
+            return {"examples": len(dataset), "tokens": int(dataset.pf_lengths.sum()), "content": None}
+        dataset = whole
     examples = len(dataset) if hasattr(dataset, "__len__") else None
     present = [c for c in columns if c in (getattr(dataset, "column_names", None) or [])]
     if not present or not hasattr(dataset, "with_format"):
@@ -71,7 +78,14 @@ def data_identity(dataset, columns: tuple[str, ...] = ("input_ids", "labels")) -
 
 def describe_change(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     """A sentence naming how the data differs from the checkpoint's, or None when it is the same (or unknown)."""
-    if not saved or not saved.get("content") or not now.get("content"):
+    if not saved:
+        return None
+    if not saved.get("content") or not now.get("content"):
+        # a dataset still downloading has no content digest yet: its counts (from its lengths) are still compared
+        if None not in (saved.get("examples"), now.get("examples"), saved.get("tokens"), now.get("tokens")) and (
+                saved["examples"], saved["tokens"]) != (now["examples"], now["tokens"]):
+            return (f"it has {now['examples']} examples and {now['tokens']} tokens, the checkpoint's data had "
+                    f"{saved['examples']} and {saved['tokens']}")
         return None
     if saved["content"] == now["content"]:
         return None

@@ -166,10 +166,18 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             args = copy.copy(args)  # the caller's config keeps its URI (a second trainer from it stages again)
         self.pf_remote_output = stage_output_dir(args)
         tokenized = is_tokenized(train_dataset)
+        from pf_trl.data.lazy_shards import is_lazy, stand_in
+
+        # shards read while they download: TRL's init takes only a datasets.Dataset and reads its first row (it would
+        # wait for the first file); it gets a one-row stand-in, the dataset is put back right after
+        lazy = train_dataset if is_lazy(train_dataset) else None
         with hidden_from_trl(args, active=tokenized, skip_prepare=tokenized and self.pf_mode != "none"), \
                 admit_head_adapters(self.pf_mode != "none"):
-            super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            super().__init__(model, args=args, data_collator=data_collator,
+                             train_dataset=stand_in(lazy) if lazy is not None else train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+        if lazy is not None:
+            self.train_dataset = lazy
         if self.args.fsdp and not self.is_fsdp_enabled:
             # accelerate routes FSDP only on accelerator devices; elsewhere (e.g. CPU) it trains plain DDP silently
             logger.warning("pf-trl: fsdp was requested, but accelerate runs %s on this device: every rank holds the "
@@ -224,6 +232,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                         sampler.max_tokens, self.args.per_device_train_batch_size)
         self._pf_train_sampler = sampler
         restore_sampler(self, sampler)
+        data_inputs.read_ahead(self, self.train_dataset, sampler)  # shards still downloading: in this rank's order
         return data_inputs.packed_dataloader(self, self.train_dataset, sampler, training=True)
 
     def get_eval_dataloader(self, eval_dataset=None):

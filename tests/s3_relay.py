@@ -1,0 +1,130 @@
+"""An HTTP relay in front of the test S3 server: holds requests back (a gate) or slows them (a bandwidth limit).
+
+The relay forwards each request as it came, the ``Host`` header included, so the client's SigV4 signature (made for
+the relay's address) still verifies at the server. What the tests of read-ahead need from it:
+
+- ``gate``: a function called with the method and the object path before a request is forwarded; it may block
+  (a file held back until the test lets it through: deterministic "not local yet");
+- ``bytes_per_s``: responses paced to that rate (a bucket across a network, for the benchmark);
+- ``log``: every (method, path) forwarded, in order.
+
+Point a process at it with ``AWS_ENDPOINT_URL=relay.endpoint``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
+
+
+class S3Relay:
+    """A relay on a free port of 127.0.0.1 to ``upstream`` (``host:port``); :meth:`stop` ends it."""
+
+    def __init__(self, upstream_port: int, *, gate: Callable[[str, str], None] | None = None,
+                 bytes_per_s: float | None = None) -> None:
+        self.upstream_port, self.gate, self.bytes_per_s = upstream_port, gate, bytes_per_s
+        self.log: list[tuple[str, str]] = []
+        self._pace = threading.Lock()
+        relay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                path = self.path.split("?", 1)[0]
+                relay.log.append((self.command, path))
+                if relay.gate is not None:
+                    relay.gate(self.command, path)
+                upstream = http.client.HTTPConnection("127.0.0.1", relay.upstream_port, timeout=120)
+                try:
+                    upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for name, value in self.headers.items():
+                        if name.lower() not in _HOP:
+                            upstream.putheader(name, value)
+                    upstream.endheaders(body)
+                    response = upstream.getresponse()
+                    data = response.read()
+                    self.send_response_only(response.status, response.reason)
+                    for name, value in response.getheaders():
+                        if name.lower() not in _HOP and name.lower() != "content-length":
+                            self.send_header(name, value)
+                    if self.command == "HEAD":
+                        self.send_header("Content-Length", response.getheader("Content-Length") or "0")
+                    else:
+                        self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        relay._send(self.wfile, data)
+                finally:
+                    upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _send(self, out, data: bytes) -> None:
+        if not self.bytes_per_s:
+            out.write(data)
+            return
+        chunk = 256 * 1024
+        with self._pace:  # one link: concurrent responses share its rate
+            for i in range(0, len(data), chunk):
+                started = time.monotonic()
+                out.write(data[i:i + chunk])
+                left = len(data[i:i + chunk]) / self.bytes_per_s - (time.monotonic() - started)
+                if left > 0:
+                    time.sleep(left)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Gate:
+    """Holds GETs of objects whose name ends with ``suffix`` until :meth:`allow` names them or :meth:`open` lets
+    everything through. Requests wait at most ``timeout_s`` (then go through: a test fails on its assertions, never
+    hangs)."""
+
+    def __init__(self, suffix: str = ".arrow", timeout_s: float = 60.0) -> None:
+        self.suffix, self.timeout_s = suffix, timeout_s
+        self._allowed: set[str] = set()
+        self._open = False
+        self._cond = threading.Condition()
+        self.held: list[str] = []
+
+    def __call__(self, method: str, path: str) -> None:
+        name = path.rsplit("/", 1)[-1]
+        if method != "GET" or not name.endswith(self.suffix):
+            return
+        with self._cond:
+            if not (self._open or name in self._allowed):
+                self.held.append(name)
+            self._cond.wait_for(lambda: self._open or name in self._allowed, timeout=self.timeout_s)
+
+    def allow(self, names) -> None:
+        with self._cond:
+            self._allowed.update(names)
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()

@@ -1,0 +1,382 @@
+"""Read-ahead from a bucket (pf_trl/storage/readahead.py, pf_trl/data/lazy_shards.py) against a real S3 server the
+module starts (SeaweedFS), reached through a relay (tests/s3_relay.py) that can hold files back:
+
+- a published dataset carries its lengths and row layout, covered by the manifest's checksums;
+- training starts while files are still in the bucket (the relay holds every file the first batches do not need
+  until step 1 has ended: deterministic), and gives the losses of the same training from the local copy;
+- a corrupted shard is refused by its checksum during read-ahead, in one line naming the file;
+- ranks of one node download each file once; a DataLoader worker (forked) waits for files and gets the same rows;
+- where read-ahead cannot apply the dataset is downloaded whole, and the log says why; a wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from s3_relay import Gate, S3Relay
+from s3_server import s3_server_or_skip
+
+from conftest import LogRecords
+
+pytestmark = pytest.mark.slow
+
+URI = "s3://pfra/datasets/many"
+FILES = 24
+TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = s3_server_or_skip(tmp_path_factory.mktemp("s3"))
+    server.make_bucket("pfra")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def local_shards(tmp_path_factory, sample_rows) -> Path:
+    """160 rows of the sample tokenized at max_seq_len 128, written as 24 Arrow files (a dataset of many files)."""
+    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+    from pf_trl.data.shards import load_shards, read_manifest, write_manifest
+
+    from conftest import write_jsonl
+
+    tmp = tmp_path_factory.mktemp("shards")
+    pretokenize(write_jsonl(tmp / "rows.jsonl", sample_rows[:160]), tmp / "one", PretokenizeConfig(max_seq_len=128),
+                progress=False)
+    load_shards(tmp / "one").save_to_disk(str(tmp / "many"), num_shards=FILES)
+    write_manifest(tmp / "many", read_manifest(tmp / "one"))
+    return tmp / "many"
+
+
+@pytest.fixture(scope="module")
+def published(s3, local_shards, tmp_path_factory):
+    from pf_trl.data.remote import publish_shards
+    from pf_trl.storage import filesystem
+
+    saved = {k: os.environ.get(k) for k in s3.env()}
+    os.environ.update(s3.env())
+    filesystem.forget_filesystems()
+    try:
+        publish_shards(local_shards, URI)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        filesystem.forget_filesystems()
+    return URI
+
+
+@pytest.fixture
+def relay(s3, published, monkeypatch, tmp_path):
+    """This process reaches the bucket through a relay holding back every Arrow file (``relay.gate``), with a node
+    cache of its own."""
+    from pf_trl.storage import filesystem, readahead
+
+    gate = Gate()
+    server = S3Relay(s3.port, gate=gate)
+    server.gate_control = gate
+    for name, value in s3.env(AWS_ENDPOINT_URL=server.endpoint).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "node"))
+    monkeypatch.setenv("PF_TRL_READ_AHEAD_WAIT_S", "60")  # a bug fails the test, never hangs it
+    filesystem.forget_filesystems()
+    yield server
+    gate.open()
+    readahead.close_all()
+    server.stop()
+    filesystem.forget_filesystems()
+
+
+def _manifest(s3, uri=URI) -> dict:
+    return json.loads(s3.filesystem().cat(uri[len("s3://"):] + "/pf_manifest.json"))
+
+
+def _entry(dataset) -> Path:
+    return dataset._ahead.entry
+
+
+def _tokenizer():
+    from pf_trl.data.tokenizer import resolve_tokenizer
+
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = resolve_tokenizer(None, None)
+    return _TOKENIZER
+
+
+_TOKENIZER = None
+
+
+def test_a_published_dataset_carries_its_lengths_and_row_layout(s3, published, local_shards):
+    from pf_trl.data.shards import load_shards
+
+    manifest = _manifest(s3)
+    layout = manifest["row_layout"]
+    assert layout["lengths"] == "pf_lengths.npy" and len(layout["files"]) == FILES
+    assert "pf_lengths.npy" in manifest["checksums"]["files"]  # the commit covers it like every file
+    assert sum(f["rows"] for f in layout["files"]) == manifest["counts"]["examples"]
+    lengths = np.load(local_shards / "pf_lengths.npy")
+    assert lengths.tolist() == load_shards(local_shards)["length"]
+
+
+def _train(data, output_dir: Path, callbacks=()):
+    from pf_trl.models import build_model
+    from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+    args = PaddingFreeConfig(output_dir=str(output_dir), report_to=[], logging_steps=1, disable_tqdm=True, max_steps=4,
+                             per_device_train_batch_size=4, use_cpu=True, save_strategy="no", learning_rate=1e-3,
+                             dataloader_num_workers=0, seed=0, max_length=None)
+    model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
+    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=data, processing_class=_tokenizer(),
+                                    callbacks=list(callbacks))
+    trainer.train()
+    return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _sampler_of(loader):
+    sampler = loader.batch_sampler
+    while not hasattr(sampler, "planned_rows"):  # accelerate's wrapper around pf-trl's sampler
+        sampler = sampler.batch_sampler
+    return sampler
+
+
+def test_training_starts_before_the_files_are_local_with_the_local_losses(relay, local_shards, tmp_path):
+    from transformers import TrainerCallback
+
+    from pf_trl.data.lazy_shards import is_lazy
+
+    gate = relay.gate_control
+    seen: dict[str, object] = {}
+
+    class Watch(TrainerCallback):
+        """Lets through the files of the first three batches (the loader prefetches one), then, when step 1 has
+        ended, looks at the node cache and lets everything through."""
+
+        def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+            data, sampler = train_dataloader.dataset, _sampler_of(train_dataloader)
+            first = sampler.planned_rows()[:int(sampler.batch_example_counts(rank=0)[:3].sum())]
+            which = np.searchsorted(data._offsets, first, side="right") - 1
+            seen["needed"] = {data.files[f] for f in which.tolist()}
+            seen["entry"] = _entry(data)
+            gate.allow(seen["needed"])
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                seen["local at step 1"] = {p.name for p in seen["entry"].glob("*.arrow")}
+                seen["complete at step 1"] = (seen["entry"] / ".complete").exists()
+                gate.open()
+
+    trainer, from_bucket = _train(URI, tmp_path / "bucket", callbacks=[Watch()])
+    assert is_lazy(trainer.train_dataset)
+    assert seen["local at step 1"] <= seen["needed"], "a file the first batches do not need was read before step 1"
+    assert len(seen["local at step 1"]) < FILES and not seen["complete at step 1"]
+    assert gate.held, "the relay held no file back: the test proved nothing"
+    _, from_local = _train(str(local_shards), tmp_path / "local")
+    assert len(from_bucket) == 4
+    assert from_bucket == from_local  # the same batches of the same rows: the same losses, to the bit
+
+
+def test_a_corrupted_shard_is_refused_during_read_ahead(relay, s3, local_shards, monkeypatch):
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.data.shards import ShardsError
+
+    monkeypatch.setenv("PF_TRL_READ_AHEAD_STREAMS", "1")  # files in order: file 0 is read before file 5 fails
+
+    fs = s3.filesystem()
+    manifest = _manifest(s3)
+    writer = manifest["storage_files_prefix"]
+    bad = manifest["row_layout"]["files"][5]["file"]
+    for name in manifest["checksums"]["files"]:
+        data = bytearray(fs.cat(f"pfra/datasets/many/{writer}/{name}"))
+        if name == bad:
+            data[len(data) // 2] ^= 0xFF  # same size, other bytes
+        fs.pipe(f"pfra/datasets/corrupt/{writer}/{name}", bytes(data))
+    fs.pipe("pfra/datasets/corrupt/pf_manifest.json", json.dumps(manifest).encode())
+    relay.gate_control.open()
+    lazy = open_lazy_shards("s3://pfra/datasets/corrupt")
+    assert lazy[0]["input_ids"]  # file 0 is sound
+    row = int(lazy._offsets[5])
+    with pytest.raises(ShardsError) as exc:
+        lazy[row]
+    line = str(exc.value)
+    assert "\n" not in line
+    assert line.startswith(f"s3://pfra/datasets/corrupt: shard file {bad} does not match its xxh3_128 checksum")
+    assert not (_entry(lazy) / bad).exists()  # never cached under its name
+    with pytest.raises(ShardsError, match=bad):  # the read-ahead stopped: every later read says so
+        lazy[int(lazy._offsets[7])]
+    with pytest.raises(ShardsError, match=bad):  # even of a file already local
+        lazy[0]
+    # a DataLoader worker (forked) finds the failure in the node cache; the CLI's line is the error, not its traceback
+    import torch
+
+    from pf_trl.cli.flags import one_line
+    from pf_trl.storage import StorageError
+
+    loader = torch.utils.data.DataLoader(lazy, batch_sampler=[[int(lazy._offsets[7])]], collate_fn=lambda rows: rows,
+                                         num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(StorageError) as exc:
+        list(loader)
+    assert one_line(exc.value) == line
+
+
+def _rank(uri: str, reverse: bool, counter: str, queue) -> None:
+    """A rank of the node (forked): no handle of its parent; its own read-ahead, in its own order; downloads counted."""
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.storage import filesystem, readahead
+
+    inherited = [k for k in filesystem._FILESYSTEMS if k[0] != os.getpid()]
+    real = readahead.download
+
+    def counted(source, target):
+        with open(counter, "a") as f:
+            f.write(f"{os.getpid()} {str(source).rsplit('/', 1)[-1]}\n")
+        real(source, target)
+
+    readahead.download = counted
+    lazy = open_lazy_shards(uri)
+    rows = np.arange(len(lazy))[::-1 if reverse else 1]
+    lazy.follow(rows)
+    got = lazy.__getitems__(rows.tolist())
+    lazy._ahead.wait_all()  # the small files after the Arrow ones
+    queue.put((inherited, len(got)))
+    readahead.close_all()
+
+
+def test_ranks_of_one_node_download_each_file_once(relay, s3, tmp_path):
+    import time
+
+    from pf_trl.storage.filesystem import filesystem
+
+    filesystem(URI)  # the parent holds a handle when it forks
+    gate, counter = relay.gate_control, tmp_path / "downloads"
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    ranks = [ctx.Process(target=_rank, args=(URI, reverse, str(counter), queue)) for reverse in (False, True)]
+    for p in ranks:
+        p.start()
+    firsts = {f"data-00000-of-000{FILES}.arrow", f"data-000{FILES - 1}-of-000{FILES}.arrow"}
+    deadline = time.monotonic() + 60
+    while not firsts <= set(gate.held) and time.monotonic() < deadline:  # each rank is downloading its first file
+        time.sleep(0.05)
+    gate.open()
+    results = [queue.get(timeout=120) for _ in ranks]
+    for p in ranks:
+        p.join(60)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    rows = _manifest(s3)["counts"]["examples"]
+    assert results == [([], rows), ([], rows)]  # no fsspec handle crossed the fork; every row read
+    lines = [line.split() for line in counter.read_text().splitlines()]
+    names = [name for _, name in lines]
+    assert sorted(names) == sorted(set(names)) and len(names) == len(_manifest(s3)["checksums"]["files"])
+    assert len({pid for pid, _ in lines}) == 2  # both ranks downloaded, neither twice
+
+
+def test_a_dataloader_worker_waits_for_the_files_and_reads_the_same_rows(relay, local_shards):
+    import torch
+
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.data.shards import load_shards
+
+    lazy = open_lazy_shards(URI)
+    local = load_shards(local_shards)
+    sampler = TokenBudgetBatchSampler(lazy.pf_lengths, 512, seed=3)
+    assert np.array_equal(lazy.pf_lengths, np.asarray(local["length"]))
+    lazy.follow(sampler.planned_rows())
+    loader = torch.utils.data.DataLoader(lazy.select_columns(["input_ids", "labels"]), batch_sampler=sampler,
+                                         collate_fn=lambda rows: rows, num_workers=1,
+                                         multiprocessing_context="fork")
+    batches = iter(loader)  # the worker is forked now, with none of the Arrow files local
+    assert not any(_entry(lazy).glob("*.arrow"))
+    relay.gate_control.open()
+    batches = list(batches)
+    expected = [[{"input_ids": local[i]["input_ids"], "labels": local[i]["labels"]} for i in b] for b in sampler]
+    assert batches == expected
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(lazy))  # a spawned worker's copy: no thread, no lock, no memory map
+    assert clone._ahead._threads == [] and clone._ahead._lock_file is None and clone._tables == {}
+    assert clone[7] == lazy[7]
+
+
+def test_where_read_ahead_does_not_apply_the_dataset_is_downloaded_whole(relay, s3, monkeypatch):
+    import types
+
+    import datasets
+
+    from pf_trl.data.lazy_shards import admit, is_lazy, open_lazy_shards
+    from pf_trl.data.sources import load_training_data
+
+    relay.gate_control.open()
+    records = LogRecords()
+    loggers = [logging.getLogger(name) for name in ("pf_trl.storage", "pf_trl.trainer")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.addHandler(records)
+        log.setLevel(logging.INFO)
+    try:
+        args = dict(padding_free_mode="internal", shuffle_dataset=False, max_length=None)
+        lazy = open_lazy_shards(URI)
+        assert admit(lazy, args=types.SimpleNamespace(**args), what="training", vocab=32000) is lazy
+        for change, said in ((dict(shuffle_dataset=True), "shuffle_dataset=True"),
+                             (dict(padding_free_mode="none"), "padded training"),
+                             (dict(max_length=16), "max_length 16 may cut or drop rows")):
+            whole = admit(lazy, args=types.SimpleNamespace(**{**args, **change}), what="training", vocab=32000)
+            assert isinstance(whole, datasets.Dataset) and whole.num_rows == len(lazy)
+            assert any(said in m and URI in m for m in records.messages), records.messages
+        assert isinstance(admit(lazy, args=types.SimpleNamespace(**args), what="evaluation", vocab=32000),
+                          datasets.Dataset)
+        assert isinstance(admit(lazy, args=types.SimpleNamespace(**args), what="training", vocab=100),
+                          datasets.Dataset)  # the shards' vocabulary does not fit: every id is checked
+        # a dataset published before row layouts: downloaded whole, and said
+        manifest = _manifest(s3)
+        manifest.pop("row_layout")
+        fs = s3.filesystem()
+        writer = manifest["storage_files_prefix"]
+        for name in manifest["checksums"]["files"]:
+            fs.pipe(f"pfra/datasets/old/{writer}/{name}", fs.cat(f"pfra/datasets/many/{writer}/{name}"))
+        fs.pipe("pfra/datasets/old/pf_manifest.json", json.dumps(manifest).encode())
+        old = load_training_data("s3://pfra/datasets/old", _tokenizer(), read_ahead=True)
+        assert isinstance(old, datasets.Dataset) and old.num_rows == len(lazy)
+        assert any("s3://pfra/datasets/old was published without its row layout" in m for m in records.messages)
+        monkeypatch.setenv("PF_TRL_READ_AHEAD", "0")
+        assert not is_lazy(load_training_data(URI, _tokenizer(), read_ahead=True))
+        assert any("PF_TRL_READ_AHEAD=0" in m for m in records.messages)
+    finally:
+        for log, level in zip(loggers, levels):
+            log.removeHandler(records)
+            log.setLevel(level)
+
+
+def test_a_file_that_does_not_arrive_in_time_is_one_line_naming_it(relay, monkeypatch):
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.storage import StorageError
+
+    lazy = open_lazy_shards(URI)  # the relay holds every Arrow file
+    monkeypatch.setenv("PF_TRL_READ_AHEAD_WAIT_S", "0.5")
+    with pytest.raises(StorageError) as exc:
+        lazy[0]
+    line = str(exc.value)
+    assert "\n" not in line
+    assert line.startswith(f"{URI}/w-") and "/data-00000-of-00024.arrow: not in the node cache after 0.5 s" in line
+    assert "PF_TRL_READ_AHEAD_WAIT_S" in line
+
+
+def test_the_training_set_read_as_evaluation_data_too_is_downloaded_once(relay):
+    """The same URI as --training_data_path and --validation_data_path: the whole download of the evaluation data
+    completes this process's own read-ahead rather than waiting for its lock (or downloading a second copy)."""
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.data.remote import fetch_shards
+
+    lazy = open_lazy_shards(URI)  # holds the entry's lock shared; nothing downloaded yet
+    relay.gate_control.open()
+    whole = fetch_shards(URI)
+    assert whole == _entry(lazy) and (whole / ".complete").is_file() and lazy.is_local()
+    gets = [path.rsplit("/", 1)[-1] for method, path in relay.log if method == "GET" and "/w-" in path]
+    assert sorted(gets) == sorted(set(gets))  # each file once
