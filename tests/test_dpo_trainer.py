@@ -60,6 +60,38 @@ def test_step_equals_trl_and_controls_fail(llama_pair):
     assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3], mutate=split_pair))
 
 
+def _head_rows(t, indices) -> int:
+    """Positions projected through the ``[vocab, hidden]`` head in one forward step (policy and reference)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        S.one_step(t, indices, backward=False)
+    head = [S.TINY["hidden_size"], 32000]
+    return sum(e.input_shapes[0][0] for e in prof.events()
+               if e.name in ("aten::mm", "aten::addmm") and len(e.input_shapes) > 1 and head in e.input_shapes[:3])
+
+
+def test_only_completion_tokens_reach_the_head(llama_pair):
+    from pf_trl.trainer.adapters import transformers_model
+    from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+
+    trl, pf = llama_pair
+    batch = pf.data_collator([pf.train_dataset[i] for i in range(4)])
+    scored = int(batch["completion_mask"][:, 1:].sum())
+    assert 0 < scored < int(batch["attention_mask"].sum()) - 8  # prompts hold tokens the head must not see
+    assert _head_rows(pf, range(4)) == 2 * scored  # pf-trl's CPU head, policy and reference
+    try:  # TRL's own head on the narrowed hidden states
+        install_packed_preference_forward(transformers_model(pf.model), pf._pf_policy_fields(), head="trl")
+        install_packed_preference_forward(pf.ref_model, ("log_probs",), head="trl")
+        assert _head_rows(pf, range(4)) == 2 * scored
+        assert S.differences(S.one_step(trl, [0, 1, 2, 3]), S.one_step(pf, [0, 1, 2, 3])) == []
+    finally:
+        install_packed_preference_forward(transformers_model(pf.model), pf._pf_policy_fields())
+        install_packed_preference_forward(pf.ref_model, ("log_probs",))
+    # control: TRL's padded run projects every position of its [2n, L] batch, padding and prompts included
+    assert _head_rows(trl, range(4)) == 2 * batch["input_ids"].shape[0] * (batch["input_ids"].shape[1] - 1)
+
+
 LOSSES = ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero",
           "apo_down", "discopop", "sft", "sigmoid_norm"]
 
@@ -263,3 +295,18 @@ def _dataset(image: bool = False):
     if image:
         rows = [dict(r, images=[]) for r in rows]
     return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.slow
+def test_weighted_preference_optimization_equals_trl(tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    trl = S.trainer(DPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3, use_weighting=True)
+    pf = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3, use_weighting=True)
+    ref = S.one_step(trl, [0, 1, 2])
+    assert S.differences(ref, S.one_step(pf, [0, 1, 2])) == []
+    # control: without the WPO weights (log_sum_sq_probs) the loss differs
+    unweighted = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3)
+    assert S.differences(ref, S.one_step(unweighted, [0, 1, 2]))

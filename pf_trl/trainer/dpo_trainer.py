@@ -82,9 +82,9 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
         # TRL's collator made the precomputed reference log-probs during __init__ (padded, once); from here on every
         # forward of training, evaluation and later precomputes runs the packed row
         self.data_collator = PackedPreferenceCollator(self.data_collator)
-        self._pf_enable(transformers_model(self.model))
+        self._pf_enable(transformers_model(self.model), self._pf_policy_fields())
         if self.ref_model is not None:
-            self._pf_enable(self.accelerator.unwrap_model(self.ref_model))
+            self._pf_enable(self.accelerator.unwrap_model(self.ref_model), ("log_probs",))
         self._pf_init_metrics()
         from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback
 
@@ -93,12 +93,17 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
         if self.pf_token_budget is not None:
             self.loss_is_scaled_for_ga = True  # compute_loss weights each micro-batch by its share of the step's pairs
 
-    def _pf_enable(self, model: torch.nn.Module) -> None:
+    def _pf_policy_fields(self) -> tuple[str, ...]:
+        # the per-token outputs TRL's __init__ asks the policy's fused head for (the reference's: log_probs only)
+        fields = ("log_probs", "entropy", "mean_logits", "is_top1")
+        return fields + ("log_sum_sq_probs",) if self.use_weighting else fields
+
+    def _pf_enable(self, model: torch.nn.Module, fields: tuple[str, ...]) -> None:
         from pf_trl.attention import enable_padding_free
 
         enable_padding_free(model, mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
                             allow_unverified=getattr(self.args, "allow_unverified", False))
-        install_packed_preference_forward(model)
+        install_packed_preference_forward(model, fields)
 
     # ------------------------------------------------------------------ data
 
