@@ -68,8 +68,6 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("trl.SFTTrainer", "_metrics", ("pf_trl/trainer/trainer.py",), kind="source"),
     # the packed forward wraps the fused LM head TRL's DPOTrainer installs and calls with `fused_lm_head=True`
     PrivateSymbol("trl.trainer.utils", "add_fused_lm_head", ("pf_trl/trainer/dpo_forward.py",)),
-    # pf-trl's CPU head returns the output type of TRL's fused head, which TRL's loss code reads
-    PrivateSymbol("trl.trainer.utils", "FusedCausalLMOutput", ("pf_trl/trainer/dpo_forward.py",)),
     # torch
     PrivateSymbol("torch", "_assert_async", ("pf_trl/attention/hf.py",)),
     PrivateSymbol("torch._dynamo", "maybe_mark_dynamic", ("pf_trl/batching/collator.py",), via="maybe_mark_dynamic"),

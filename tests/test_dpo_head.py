@@ -4,6 +4,8 @@ logit scale and soft-cap, across chunk borders; each check beside a negative con
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -53,18 +55,46 @@ def _differences(a, b) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("scale, softcap", [(1.0, None), (0.25, 3.0)])
-def test_every_field_and_gradient_equals_trls_kernel(scale, softcap):
+def _precision(name: str):
+    """The inputs' dtype and the context of a precision case: TRL's kernel computes the projection in autocast's
+    dtype, else in the hidden states' dtype, and its statistics in float32."""
+    if name == "bf16-autocast":
+        return torch.float32, torch.autocast("cpu", dtype=torch.bfloat16)
+    return getattr(torch, name), contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("scale, softcap, precision", [(1.0, None, "float32"), (0.25, 3.0, "float32"),
+                                                        (0.25, 3.0, "bf16-autocast"), (1.0, None, "float64")])
+def test_every_field_and_gradient_equals_trls_kernel(scale, softcap, precision):
+    dtype, context = _precision(precision)
     head, hidden, targets, g_logp, g_entropy = _inputs()
     targets[:5] = _inputs()[0](hidden[:5]).argmax(-1)  # a few targets that are the top-1 (is_top1 true)
-    trl = _run("trl", head, hidden, targets, g_logp, g_entropy, scale=scale, softcap=softcap)
+    head, hidden, g_logp, g_entropy = head.to(dtype), hidden.to(dtype), g_logp.to(dtype), g_entropy.to(dtype)
+    with context:
+        trl = _run("trl", head, hidden, targets, g_logp, g_entropy, scale=scale, softcap=softcap)
+        pf = _run("pf", head, hidden, targets, g_logp, g_entropy, scale=scale, softcap=softcap)
     assert bool(trl[0]["is_top1"].any())
-    assert _differences(trl, _run("pf", head, hidden, targets, g_logp, g_entropy, scale=scale, softcap=softcap)) == []
+    assert _differences(trl, pf) == []
     # control: the transform is applied (another soft-cap is seen) and the gradient flows per token
     other = _run("pf", head, hidden, targets, g_logp, g_entropy, scale=scale, softcap=(softcap or 30.0) / 2)
     assert _differences(trl, other)
     swapped = _run("pf", head, hidden, targets, g_logp.flip(0), g_entropy, scale=scale, softcap=softcap)
     assert {"grad hidden", "grad weight"} <= set(_differences(trl, swapped))
+
+
+def test_a_tie_with_an_earlier_token_is_not_a_top1_as_in_trl():
+    head, hidden, _, g_logp, g_entropy = _inputs(tokens=8)
+    with torch.no_grad():  # tokens 3 and 7 share their weights and win every row: equal logits, 3 comes first
+        head.weight[3] = head.weight[7] = hidden.sum(0) * 10
+        head.bias[3] = head.bias[7] = 0.0
+    targets = torch.tensor([3, 7] * 4)
+    trl = _run("trl", head, hidden, targets, g_logp, g_entropy, scale=1.0, softcap=None)
+    pf = _run("pf", head, hidden, targets, g_logp, g_entropy, scale=1.0, softcap=None)
+    assert trl[0]["is_top1"].tolist() == [True, False] * 4
+    assert _differences(trl, pf) == []
+    # control: the other token of the tie as target flips every row
+    flipped = _run("pf", head, hidden, targets.flip(0), g_logp, g_entropy, scale=1.0, softcap=None)
+    assert flipped[0]["is_top1"].tolist() == [False, True] * 4
 
 
 def test_only_the_requested_fields_and_an_empty_call():
@@ -83,8 +113,6 @@ def test_only_the_requested_fields_and_an_empty_call():
 def test_refusals_send_other_heads_to_trls_kernel():
     head = torch.nn.Linear(4, 8)
     assert cpu_head_refusal(head, torch.device("cpu")) is None
-    assert "bfloat16" in cpu_head_refusal(head.to(torch.bfloat16), torch.device("cpu"))
+    assert cpu_head_refusal(head.to(torch.bfloat16), torch.device("cpu")) is None
     assert "device" in cpu_head_refusal(head, torch.device("meta"))
     assert "plain nn.Linear" in cpu_head_refusal(torch.nn.Sequential(head), torch.device("cpu"))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert "autocast" in cpu_head_refusal(torch.nn.Linear(4, 8), torch.device("cpu"))

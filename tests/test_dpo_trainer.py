@@ -4,6 +4,7 @@ budgets; each claim beside a negative control that must fail the same check."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,23 +139,10 @@ def test_other_architectures_step_equals_trl(arch, tmp_path):
 
 def _logs(t) -> list[dict]:
     t.train()
-    return [{k: v for k, v in h.items() if k in LOGGED or k.startswith(("rewards/", "logps/", "logits/", "eval_"))}
-            for h in t.state.log_history]
+    return S.logged(t.state.log_history)
 
 
-LOGGED = ("loss", "grad_norm", "entropy", "num_tokens", "mean_token_accuracy")
-_TIMES = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
-
-
-def _compare_logs(a: list[dict], b: list[dict], rtol: float = 1e-4) -> list[str]:
-    bad = []
-    for step, (x, y) in enumerate(zip(a, b, strict=True)):
-        for key in x:
-            if key in _TIMES or key.startswith("eval_") and key.endswith(("per_second", "_tokens")):
-                continue
-            if key not in y or abs(x[key] - y[key]) > 1e-5 + rtol * abs(x[key]):
-                bad.append(f"step {step} {key}: {x[key]} vs {y.get(key)}")
-    return bad
+_compare_logs = S.compare_logs
 
 
 @pytest.mark.slow
@@ -310,3 +298,52 @@ def test_weighted_preference_optimization_equals_trl(tmp_path):
     # control: without the WPO weights (log_sum_sq_probs) the loss differs
     unweighted = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3)
     assert S.differences(ref, S.one_step(unweighted, [0, 1, 2]))
+
+
+def _budget_trainer(tmp_path, **kw):
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    return S.trainer(PaddingFreeDPOTrainer, S.pairs(9, seed=3), tmp_path, max_tokens_per_batch=200,
+                     per_device_train_batch_size=1, **kw)
+
+
+@pytest.mark.slow
+def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
+    per_epoch = len(_budget_trainer(tmp_path / "probe").get_train_dataloader())
+    assert per_epoch >= 2
+    # a checkpoint one step into the second epoch, two steps after it (the second into the third epoch when an epoch
+    # has two micro-batches): the restored epoch, the skipped batches and the next epoch's shuffle all count
+    saved, steps = per_epoch + 1, per_epoch + 3
+    kw = dict(max_steps=steps, save_strategy="steps", save_steps=saved, save_only_model=False)
+    whole = _budget_trainer(tmp_path / "whole", **kw)
+    whole.train()
+    losses = [h["loss"] for h in whole.state.log_history if "loss" in h]
+    assert len(losses) == steps
+    checkpoint = str(tmp_path / "whole" / "PaddingFreeDPOTrainer" / f"checkpoint-{saved}")
+
+    def resumed_losses(**extra) -> list[float]:
+        t = _budget_trainer(tmp_path / "resumed", **kw, **extra)
+        t.train(resume_from_checkpoint=checkpoint)
+        return [h["loss"] for h in t.state.log_history if "loss" in h and h["step"] > saved]
+
+    np.testing.assert_allclose(resumed_losses(), losses[saved:], rtol=1e-5, atol=1e-6)
+    # control: resumed without skipping the epoch's consumed batches, the next steps train on other pairs
+    assert not np.allclose(resumed_losses(ignore_data_skip=True), losses[saved:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_eval_under_a_token_budget_gives_trls_eval_metrics(tmp_path):
+    from trl import DPOTrainer
+
+    evals = S.pairs(5, seed=11)
+    kw = dict(per_device_eval_batch_size=2, prediction_loss_only=True, max_steps=1)
+    pf = _budget_trainer(tmp_path, eval_rows=evals, **kw)
+    pf.train()  # one budget step first: its loss weighting and packed batches must not reach evaluation
+    trl = S.trainer(DPOTrainer, ROWS, tmp_path, eval_rows=evals, **kw)
+    before = trl.evaluate()
+    trl.model.load_state_dict(pf.model.state_dict())
+    expected, got = trl.evaluate(), pf.evaluate()
+    assert {"eval_loss", "eval_rewards/margins", "eval_logps/chosen"} <= set(expected)
+    assert _compare_logs(S.logged([expected]), [got]) == []
+    # control: TRL's metrics of the weights before that step differ
+    assert _compare_logs(S.logged([before]), [got])

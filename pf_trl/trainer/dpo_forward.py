@@ -8,11 +8,14 @@ the backbone runs the ``[1, T]`` row instead (no pad token, ``position_ids`` res
 through :func:`pf_trl.attention.enable_padding_free`), and the head scores only the predictions whose label TRL keeps
 (the completion tokens):
 
-- on CPU, with a plain linear head in float32/float64 (:func:`~pf_trl.trainer.dpo_head.cpu_head_refusal`), pf-trl's
-  head :func:`~pf_trl.trainer.dpo_head.preference_head` computes TRL's fields from the narrowed hidden states;
-- otherwise TRL's own head runs, on the backbone's last hidden state narrowed to those positions for the duration
-  of the call, with the matching pre-shifted ``shift_labels`` (the head's documented input for pre-shifted labels).
+- on CPU, with a plain linear head (:func:`~pf_trl.trainer.dpo_head.cpu_head_refusal`), pf-trl's head
+  :func:`~pf_trl.trainer.dpo_head.preference_head` computes TRL's fields from those hidden states, in the dtype TRL's
+  head would project in at that moment (autocast's, else the hidden states'), and TRL's head is handed no position;
+- otherwise TRL's own head scores them.
 
+Either way TRL's forward runs as it always does (inside whatever autocast wraps the model, with its router loss):
+only the backbone's last hidden state is narrowed (a forward hook on the backbone, for the duration of the call),
+and the head is given the matching pre-shifted ``shift_labels`` (its documented input for pre-shifted labels).
 Every per-token output (``log_probs``, ``entropy``, ``mean_logits``, ``is_top1``, ``log_sum_sq_probs``,
 ``label_mask``) is then placed at its position in TRL's ``[2n, L - 1]`` layout, zero elsewhere, exactly as TRL's head
 leaves unscored positions. TRL's own loss and metric code then reads the tensors it reads in a padded run: the loss
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from pf_trl.attention.precision import autocast_dtype
 from pf_trl.batching.packing import IGNORE_INDEX
 from pf_trl.batching.preference import PACKED_KEY
 from pf_trl.trainer.dpo_head import cpu_head_refusal, preference_head
@@ -97,12 +101,20 @@ def _trl_backbone(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 @contextlib.contextmanager
-def _hidden_states_at(backbone: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
-    """While open, ``backbone``'s ``last_hidden_state`` ``[1, T, H]`` comes out as ``[1, K, H]``: the rows at
-    ``positions`` (differentiable: the backward scatters into the full row)."""
+def _narrowed(backbone: torch.nn.Module, positions: torch.Tensor, capture: dict[str, Any] | None) -> Iterator[None]:
+    """While open, ``backbone``'s ``last_hidden_state`` ``[1, T, H]`` comes out narrowed for TRL's head: to the rows
+    at ``positions`` (``[1, K, H]``, differentiable), or, with ``capture``, to no row at all, the ``K`` rows then
+    stored in ``capture["hidden"]`` for pf-trl's head together with ``capture["matmul_dtype"]``, the dtype TRL's head
+    would project in at that moment (autocast's, else the hidden states')."""
 
     def narrow(module, args, output):
-        output.last_hidden_state = output.last_hidden_state.index_select(1, positions)
+        hidden = output.last_hidden_state
+        if capture is None:
+            output.last_hidden_state = hidden.index_select(1, positions)
+            return output
+        capture["hidden"] = hidden.index_select(1, positions)[0]
+        capture["matmul_dtype"] = autocast_dtype(hidden.device.type) or hidden.dtype
+        output.last_hidden_state = hidden[:, :0]
         return output
 
     handle = backbone.register_forward_hook(narrow)
@@ -114,45 +126,42 @@ def _hidden_states_at(backbone: torch.nn.Module, positions: torch.Tensor) -> Ite
 
 def _backbone_call(packed_ids: torch.Tensor, layout: dict[str, Any], kwargs: dict[str, Any],
                    device: torch.device) -> dict[str, Any]:
-    """The keyword arguments of the packed row's backbone call (what TRL's head passes on, on the packed row)."""
+    """The keyword arguments of the packed row's call (what TRL's head passes on to the backbone, on the packed row)."""
     return dict(input_ids=packed_ids.to(device), position_ids=layout["position_ids"].to(device),
                 cu_seq_lens_q=layout["cu_seq_lens_q"], cu_seq_lens_k=layout["cu_seq_lens_k"],
                 max_length_q=layout["max_length_q"], max_length_k=layout["max_length_k"], **kwargs)
 
 
-def _cpu_head_refusal(model: torch.nn.Module, backbone: torch.nn.Module | None, kwargs: dict[str, Any],
-                      device: torch.device) -> str | None:
+def _cpu_head_refusal(model: torch.nn.Module, backbone: torch.nn.Module | None, device: torch.device) -> str | None:
     """Why pf-trl's CPU head does not score this call (``None``: it does); TRL's own head scores it then."""
     if backbone is None:
         return "no separate backbone"
     if getattr(model, _HEAD_ATTR, "auto") == "trl":
         return "TRL's head was asked for"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if kwargs.get("output_router_logits") or getattr(config, "output_router_logits", False):
-        return "router logits requested: TRL's head adds the load-balancing loss"
     _, softcap = head_transform_from_config(model.config)
     if softcap == 0:
         return "final_logit_softcapping is 0 (TRL's kernel reads it as 1.0)"
     return cpu_head_refusal(model.get_output_embeddings(), device)
 
 
-def _pf_head_call(model: torch.nn.Module, backbone: torch.nn.Module, call: dict[str, Any], src: torch.Tensor,
-                  targets: torch.Tensor):
-    """TRL's fused-head output of the scored predictions (``[1, K]`` fields), the head computed by
-    :func:`~pf_trl.trainer.dpo_head.preference_head`."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
+def _pf_head_outputs(model: torch.nn.Module, outputs: Any, capture: dict[str, Any], targets: torch.Tensor) -> Any:
+    """TRL's head output of the call (it scored no position) with pf-trl's head's fields of the ``K`` scored
+    predictions (``[1, K]``) in place of the empty ones; everything else (``aux_loss``) is TRL's."""
     head = model.get_output_embeddings()
-    hidden = backbone(**{**call, "use_cache": False}).last_hidden_state  # as TRL's head calls it
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, src.to(hidden.device)).to(head.weight.device)
+    hidden = capture["hidden"].to(head.weight.device)
     scale, softcap = head_transform_from_config(model.config)
-    fields = getattr(model, _FIELDS_ATTR, ("log_probs",))
-    values = preference_head(head, hidden, targets.to(hidden.device), scale=scale, softcap=softcap, fields=fields)
+    values = preference_head(head, hidden, targets.to(hidden.device), scale=scale, softcap=softcap,
+                             fields=getattr(model, _FIELDS_ATTR, ("log_probs",)), matmul_dtype=capture["matmul_dtype"])
     log_probs = values["log_probs"]
-    count = max(1, int(log_probs.numel()))
-    return FusedCausalLMOutput(loss=-log_probs.sum() / count,
-                               label_mask=torch.ones_like(log_probs, dtype=torch.bool).unsqueeze(0),
-                               **{name: value.unsqueeze(0) for name, value in values.items()})
+    for name, value in values.items():
+        outputs[name] = value.unsqueeze(0)
+    outputs["label_mask"] = torch.ones_like(log_probs, dtype=torch.bool).unsqueeze(0)
+    # TRL's loss field: the mean negative log-likelihood of the scored tokens, plus its router loss if any
+    loss = -log_probs.sum() / max(1, int(log_probs.numel()))
+    if getattr(outputs, "aux_loss", None) is not None:
+        loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * outputs.aux_loss
+    outputs["loss"] = loss
+    return outputs
 
 
 def _packed_call(model: torch.nn.Module, inner, kwargs: dict[str, Any], layout: dict[str, Any]):
@@ -165,15 +174,16 @@ def _packed_call(model: torch.nn.Module, inner, kwargs: dict[str, Any], layout: 
     packed_ids = layout.get("input_ids")
     if packed_ids is None:
         packed_ids = input_ids.reshape(-1).index_select(0, layout["token_index"]).unsqueeze(0)
-    backbone = _trl_backbone(model)
-    if _cpu_head_refusal(model, backbone, kwargs, device) is None:
-        fused = {k: v for k, v in kwargs.items() if k != "fused_lm_head"}
-        outputs = _pf_head_call(model, backbone, _backbone_call(packed_ids, layout, fused, device), src, targets)
-        return unpack_outputs(outputs, dst, rows, width)
     call = _backbone_call(packed_ids, layout, kwargs, device)
-    if backbone is not None:  # TRL's head, on the K scored positions only
-        with _hidden_states_at(backbone, src.to(device)):
-            outputs = inner(shift_labels=targets.unsqueeze(0), **call)
+    backbone = _trl_backbone(model)
+    if backbone is not None:
+        # TRL's forward runs as always (under whatever autocast wraps it; its router loss); its head sees the K
+        # scored positions, or none when pf-trl's head scores them
+        capture = {} if _cpu_head_refusal(model, backbone, device) is None else None
+        with _narrowed(backbone, src.to(device), capture):
+            outputs = inner(shift_labels=(targets if capture is None else targets[:0]).unsqueeze(0), **call)
+        if capture is not None:
+            outputs = _pf_head_outputs(model, outputs, capture, targets)
         return unpack_outputs(outputs, dst, rows, width)
     # no separate backbone to narrow: TRL's head scores the whole row (pre-shifted labels, -100 where unscored) and
     # the scored predictions are read back from it
