@@ -1,12 +1,13 @@
 """Preference training speed: TRL's DPOTrainer (padded) against PaddingFreeDPOTrainer on the same pairs.
 
 Usage: python benchmarks/dpo_throughput.py [--pairs 24] [--batch 4] [--max_length 512] [--repeats 3]
-                                           [--threads 2] [--out benchmarks/results/dpo_throughput.json]
+                                           [--threads 2] [--bf16] [--out benchmarks/results/dpo_throughput.json]
 
 Pairs of real lengths: the prompt and response of a ShareGPT first turn (the shipped sample,
 ``pf_trl/data/samples/sharegpt_sample.jsonl``) as ``prompt``/``chosen``, the next row's response as ``rejected``.
-The model is pf-trl's tiny Llama (4 layers x 256, Mistral vocabulary 32,000, float32, sdpa) with a separate
-reference model, as TRL builds it. Every mode trains one epoch over the same pairs:
+The model is pf-trl's tiny Llama (4 layers x 256, Mistral vocabulary 32,000, float32 weights, sdpa) with a separate
+reference model, as TRL builds it; training runs in float32 (``bf16=False``), or with ``--bf16`` under bfloat16
+autocast (the default of TRL's ``DPOConfig``). Every mode trains one epoch over the same pairs:
 
 - ``trl``: TRL's DPOTrainer, ``per_device_train_batch_size`` pairs a step, padded;
 - ``pf-fixed``: PaddingFreeDPOTrainer, the same pairs in the same steps (TRL's sampler), one packed row each;
@@ -51,7 +52,8 @@ def sharegpt_pairs(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: int | None, workdir: str) -> dict:
+def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: int | None, workdir: str,
+        bf16: bool = False) -> dict:
     from trl import DPOConfig
 
     from pf_trl.data.tokenizer import load_tokenizer
@@ -62,7 +64,7 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
 
     common = dict(output_dir=str(Path(workdir) / mode), report_to=[], save_strategy="no", use_cpu=True, seed=0,
                   per_device_train_batch_size=batch, num_train_epochs=1, max_length=max_length, logging_steps=1000,
-                  disable_tqdm=True, learning_rate=1e-5, dataloader_num_workers=0)
+                  disable_tqdm=True, learning_rate=1e-5, dataloader_num_workers=0, bf16=bf16)
     if mode == "trl":
         cls, args = MeasuredDPOTrainer, DPOConfig(**common)
     else:
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (TRL's DPOConfig default)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dpo_throughput.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -131,16 +134,18 @@ def main(argv: list[str] | None = None) -> dict:
         for repeat in range(args.repeats):
             order = MODES if repeat % 2 == 0 else MODES[::-1]
             runs.append([run(mode, pairs, batch=args.batch, max_length=args.max_length, budget=budget,
-                             workdir=workdir) for mode in order])
+                             workdir=workdir, bf16=args.bf16) for mode in order])
             print(f"repeat {repeat}: " + ", ".join(f"{r['mode']} {r['real_tokens_per_s']:.0f} tok/s"
                                                    for r in runs[-1]), flush=True)
     results = summarize(runs)
     report = dict(pairs=args.pairs, batch=args.batch, max_length=args.max_length, token_budget=budget,
                   threads=args.threads, repeats=args.repeats,
-                  model="pf-trl/tiny-llama (4 x 256, vocab 32000, fp32, sdpa)", torch=torch.__version__,
+                  model="pf-trl/tiny-llama (4 x 256, vocab 32000, fp32 weights, sdpa)",
+                  precision="bf16 autocast" if args.bf16 else "fp32", torch=torch.__version__,
                   results=results)
     print(f"\n{args.pairs} ShareGPT pairs, {args.batch} pairs a step (budget {budget} tokens), max_length "
-          f"{args.max_length}, CPU {args.threads} threads, {args.repeats} interleaved repeats (median run; speedup: "
+          f"{args.max_length}, {'bf16 autocast' if args.bf16 else 'fp32'}, CPU {args.threads} threads, "
+          f"{args.repeats} interleaved repeats (median run; speedup: "
           "median of the per-repeat ratios, min-max)\n")
     print("| mode | steps | real tokens | processed | padding | real tok/s | vs TRL | peak RSS MB | vs TRL |")
     print("|---|---|---|---|---|---|---|---|---|")
