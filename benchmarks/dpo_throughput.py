@@ -1,7 +1,7 @@
 """Preference training speed: TRL's DPOTrainer (padded) against PaddingFreeDPOTrainer on the same pairs.
 
 Usage: python benchmarks/dpo_throughput.py [--pairs 24] [--batch 4] [--max_length 512] [--repeats 3]
-                                           [--threads 2] [--bf16] [--out benchmarks/results/dpo_throughput.json]
+                                           [--threads 1] [--bf16] [--out benchmarks/results/dpo_throughput.json]
 
 Pairs of real lengths: the prompt and response of a ShareGPT first turn (the shipped sample,
 ``pf_trl/data/samples/sharegpt_sample.jsonl``) as ``prompt``/``chosen``, the next row's response as ``rejected``.
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--max_length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    # one thread by default: on a small shared machine a second thread measures the other jobs' load (a parallel
+    # region waits for its slowest thread) more than the trainers
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (TRL's DPOConfig default)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dpo_throughput.json"))
     args = parser.parse_args(argv)
