@@ -44,6 +44,7 @@ import torch
 from pf_trl.attention.precision import autocast_dtype
 from pf_trl.batching.packing import IGNORE_INDEX
 from pf_trl.batching.preference import PACKED_KEY
+from pf_trl.errors import ModelSupportError
 from pf_trl.trainer.dpo_head import cpu_head_refusal, preference_head
 from pf_trl.trainer.loss import head_transform_from_config
 
@@ -85,9 +86,9 @@ def unpack_outputs(outputs: Any, dst: torch.Tensor, rows: int, width: int) -> An
     return outputs
 
 
-def _trl_backbone(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The module TRL's fused head calls for the last hidden state (``base_model``, or ``model`` for a
-    vision-language model on transformers < 5), or ``None`` where that is the model itself."""
+def _trl_backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The module TRL's fused head calls for the last hidden state: ``base_model``, or ``model`` for a
+    vision-language model on transformers < 5 (``add_fused_lm_head``'s rule)."""
     import transformers
     from packaging.version import Version
 
@@ -97,7 +98,11 @@ def _trl_backbone(model: torch.nn.Module) -> torch.nn.Module | None:
     if text is not config and Version(transformers.__version__) < Version("5.0.0"):
         name = "model"
     backbone = getattr(model, name, None)
-    return backbone if isinstance(backbone, torch.nn.Module) and backbone is not model else None
+    if not isinstance(backbone, torch.nn.Module) or backbone is model:
+        # TRL's head would call the model itself for its hidden states: no packed (nor padded) run can work
+        raise ModelSupportError(f"{type(model).__name__} has no separate backbone ({name} is the model itself), which "
+                                "TRL's fused LM head needs; it cannot be trained with DPOTrainer")
+    return backbone
 
 
 @contextlib.contextmanager
@@ -132,10 +137,8 @@ def _backbone_call(packed_ids: torch.Tensor, layout: dict[str, Any], kwargs: dic
                 max_length_q=layout["max_length_q"], max_length_k=layout["max_length_k"], **kwargs)
 
 
-def _cpu_head_refusal(model: torch.nn.Module, backbone: torch.nn.Module | None, device: torch.device) -> str | None:
+def _cpu_head_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
     """Why pf-trl's CPU head does not score this call (``None``: it does); TRL's own head scores it then."""
-    if backbone is None:
-        return "no separate backbone"
     if getattr(model, _HEAD_ATTR, "auto") == "trl":
         return "TRL's head was asked for"
     _, softcap = head_transform_from_config(model.config)
@@ -175,24 +178,13 @@ def _packed_call(model: torch.nn.Module, inner, kwargs: dict[str, Any], layout: 
     if packed_ids is None:
         packed_ids = input_ids.reshape(-1).index_select(0, layout["token_index"]).unsqueeze(0)
     call = _backbone_call(packed_ids, layout, kwargs, device)
-    backbone = _trl_backbone(model)
-    if backbone is not None:
-        # TRL's forward runs as always (under whatever autocast wraps it; its router loss); its head sees the K
-        # scored positions, or none when pf-trl's head scores them
-        capture = {} if _cpu_head_refusal(model, backbone, device) is None else None
-        with _narrowed(backbone, src.to(device), capture):
-            outputs = inner(shift_labels=(targets if capture is None else targets[:0]).unsqueeze(0), **call)
-        if capture is not None:
-            outputs = _pf_head_outputs(model, outputs, capture, targets)
-        return unpack_outputs(outputs, dst, rows, width)
-    # no separate backbone to narrow: TRL's head scores the whole row (pre-shifted labels, -100 where unscored) and
-    # the scored predictions are read back from it
-    row_labels = torch.full((packed_ids.shape[1],), IGNORE_INDEX, dtype=targets.dtype, device=targets.device)
-    outputs = inner(shift_labels=row_labels.index_copy(0, src, targets).unsqueeze(0), **call)
-    for name in _PER_TOKEN:
-        value = getattr(outputs, name, None)
-        if value is not None:
-            outputs[name] = value.reshape(-1).index_select(0, src.to(value.device)).unsqueeze(0)
+    # TRL's forward runs as always (under whatever autocast wraps it; its router loss); its head sees the K scored
+    # positions, or none when pf-trl's head scores them
+    capture = {} if _cpu_head_refusal(model, device) is None else None
+    with _narrowed(_trl_backbone(model), src.to(device), capture):
+        outputs = inner(shift_labels=(targets if capture is None else targets[:0]).unsqueeze(0), **call)
+    if capture is not None:
+        outputs = _pf_head_outputs(model, outputs, capture, targets)
     return unpack_outputs(outputs, dst, rows, width)
 
 
