@@ -1,20 +1,24 @@
 """Preference training speed: TRL's DPOTrainer (padded) against PaddingFreeDPOTrainer on the same pairs.
 
-Usage: python benchmarks/dpo_throughput.py [--pairs 24] [--batch 4] [--max_length 512] [--repeats 2]
-                                           [--out benchmarks/results/dpo_throughput.json]
+Usage: python benchmarks/dpo_throughput.py [--pairs 24] [--batch 4] [--max_length 512] [--repeats 3]
+                                           [--threads 1] [--bf16] [--out benchmarks/results/dpo_throughput.json]
 
 Pairs of real lengths: the prompt and response of a ShareGPT first turn (the shipped sample,
 ``pf_trl/data/samples/sharegpt_sample.jsonl``) as ``prompt``/``chosen``, the next row's response as ``rejected``.
-The model is pf-trl's tiny Llama (4 layers x 256, Mistral vocabulary 32,000, float32, sdpa) with a separate
-reference model, as TRL builds it. Every mode trains one epoch over the same pairs:
+The model is pf-trl's tiny Llama (4 layers x 256, Mistral vocabulary 32,000, float32 weights, sdpa) with a separate
+reference model, as TRL builds it; training runs in float32 (``bf16=False``), or with ``--bf16`` under bfloat16
+autocast (the default of TRL's ``DPOConfig``). Every mode trains one epoch over the same pairs:
 
 - ``trl``: TRL's DPOTrainer, ``per_device_train_batch_size`` pairs a step, padded;
 - ``pf-fixed``: PaddingFreeDPOTrainer, the same pairs in the same steps (TRL's sampler), one packed row each;
+- ``pf-fixed-trl-head``: the same, with TRL's own LM-head kernel on the completion tokens instead of pf-trl's CPU
+  head (``install_packed_preference_forward(..., head="trl")``): what packing and scoring fewer tokens give alone;
 - ``pf-budget``: PaddingFreeDPOTrainer with ``max_tokens_per_batch`` = batch x mean pair length (whole pairs).
 
 Measured by the same code (pf-trl's token metrics: real tokens / train_runtime; peak RSS during training). The modes
-run in turn, ``--repeats`` times; the best run of each counts (the machine may be shared). Prints a markdown table
-and writes the JSON.
+run in turn, ``--repeats`` times, in reversed order every other repeat, so that each repeat compares runs made
+minutes apart on the same (possibly shared) machine: every speedup is the median over the repeats of the ratio
+within a repeat (min and max beside it). Prints a markdown table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import argparse
 import gc
 import json
 import logging
+import statistics
 import tempfile
 import warnings
 from pathlib import Path
@@ -47,7 +52,8 @@ def sharegpt_pairs(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: int | None, workdir: str) -> dict:
+def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: int | None, workdir: str,
+        bf16: bool = False) -> dict:
     from trl import DPOConfig
 
     from pf_trl.data.tokenizer import load_tokenizer
@@ -58,7 +64,7 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
 
     common = dict(output_dir=str(Path(workdir) / mode), report_to=[], save_strategy="no", use_cpu=True, seed=0,
                   per_device_train_batch_size=batch, num_train_epochs=1, max_length=max_length, logging_steps=1000,
-                  disable_tqdm=True, learning_rate=1e-5, dataloader_num_workers=0)
+                  disable_tqdm=True, learning_rate=1e-5, dataloader_num_workers=0, bf16=bf16)
     if mode == "trl":
         cls, args = MeasuredDPOTrainer, DPOConfig(**common)
     else:
@@ -68,6 +74,11 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
     ref = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0)
     trainer = cls(model, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(pairs),
                   processing_class=load_tokenizer())
+    if mode == "pf-fixed-trl-head":
+        from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+
+        install_packed_preference_forward(model, trainer._pf_policy_fields(), head="trl")
+        install_packed_preference_forward(ref, ("log_probs",), head="trl")
     metrics = trainer.train().metrics
     out = dict(mode=mode, runtime_s=metrics["train_runtime"], steps=trainer.state.global_step,
                real_tokens=metrics["train_real_tokens"], processed_tokens=metrics["train_processed_tokens"],
@@ -79,13 +90,35 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
     return out
 
 
+MODES = ("trl", "pf-fixed", "pf-fixed-trl-head", "pf-budget")
+
+
+def summarize(runs: list[list[dict]]) -> list[dict]:
+    """Per mode: the median run (by real tokens/s) and the speedups over TRL's run of the same repeat."""
+    out = []
+    for mode in MODES:
+        mine = [next(r for r in rep if r["mode"] == mode) for rep in runs]
+        ratios = sorted(next(r for r in rep if r["mode"] == mode)["real_tokens_per_s"]
+                        / next(r for r in rep if r["mode"] == "trl")["real_tokens_per_s"] for rep in runs)
+        memory = [next(r for r in rep if r["mode"] == mode)["peak_rss_mb"]
+                  / next(r for r in rep if r["mode"] == "trl")["peak_rss_mb"] for rep in runs]
+        median = sorted(mine, key=lambda r: r["real_tokens_per_s"])[len(mine) // 2]
+        out.append(dict(median, speedup_vs_trl=statistics.median(ratios), speedup_min=ratios[0],
+                        speedup_max=ratios[-1], speedups=ratios, peak_rss_vs_trl=statistics.median(memory),
+                        runs_real_tokens_per_s=[r["real_tokens_per_s"] for r in mine]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=24)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--max_length", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    # one thread by default: on a small shared machine a second thread measures the other jobs' load (a parallel
+    # region waits for its slowest thread) more than the trainers
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (TRL's DPOConfig default)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dpo_throughput.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -98,28 +131,30 @@ def main(argv: list[str] | None = None) -> dict:
                            [len(tok(p["chosen"])["input_ids"]) for p in pairs],
                            [len(tok(p["rejected"])["input_ids"]) for p in pairs], max_length=args.max_length)
     budget = max(int(args.batch * lengths.mean()), int(lengths.max()))
-    best: dict[str, dict] = {}
+    runs: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as workdir:
-        for _ in range(args.repeats):
-            for mode in ("trl", "pf-fixed", "pf-budget"):
-                result = run(mode, pairs, batch=args.batch, max_length=args.max_length, budget=budget, workdir=workdir)
-                if mode not in best or result["real_tokens_per_s"] > best[mode]["real_tokens_per_s"]:
-                    best[mode] = result
-    base = best["trl"]["real_tokens_per_s"]
-    for r in best.values():
-        r["speedup_vs_trl"] = r["real_tokens_per_s"] / base
-        r["peak_rss_vs_trl"] = r["peak_rss_mb"] / best["trl"]["peak_rss_mb"]
+        for repeat in range(args.repeats):
+            order = MODES if repeat % 2 == 0 else MODES[::-1]
+            runs.append([run(mode, pairs, batch=args.batch, max_length=args.max_length, budget=budget,
+                             workdir=workdir, bf16=args.bf16) for mode in order])
+            print(f"repeat {repeat}: " + ", ".join(f"{r['mode']} {r['real_tokens_per_s']:.0f} tok/s"
+                                                   for r in runs[-1]), flush=True)
+    results = summarize(runs)
     report = dict(pairs=args.pairs, batch=args.batch, max_length=args.max_length, token_budget=budget,
-                  threads=args.threads, model="pf-trl/tiny-llama (4 x 256, vocab 32000, fp32, sdpa)",
-                  torch=torch.__version__, results=list(best.values()))
-    print(f"{args.pairs} ShareGPT pairs, {args.batch} pairs a step (budget {budget} tokens), max_length "
-          f"{args.max_length}, CPU {args.threads} threads, best of {args.repeats}\n")
+                  threads=args.threads, repeats=args.repeats,
+                  model="pf-trl/tiny-llama (4 x 256, vocab 32000, fp32 weights, sdpa)",
+                  precision="bf16 autocast" if args.bf16 else "fp32", torch=torch.__version__,
+                  results=results)
+    print(f"\n{args.pairs} ShareGPT pairs, {args.batch} pairs a step (budget {budget} tokens), max_length "
+          f"{args.max_length}, {'bf16 autocast' if args.bf16 else 'fp32'}, CPU {args.threads} threads, "
+          f"{args.repeats} interleaved repeats (median run; speedup: "
+          "median of the per-repeat ratios, min-max)\n")
     print("| mode | steps | real tokens | processed | padding | real tok/s | vs TRL | peak RSS MB | vs TRL |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in best.values():
+    for r in results:
         print(f"| {r['mode']} | {r['steps']} | {r['real_tokens']} | {r['processed_tokens']} | {r['padding_share']:.1%} "
-              f"| {r['real_tokens_per_s']:.0f} | {r['speedup_vs_trl']:.2f}x | {r['peak_rss_mb']:.0f} "
-              f"| {r['peak_rss_vs_trl']:.2f} |")
+              f"| {r['real_tokens_per_s']:.0f} | {r['speedup_vs_trl']:.2f}x ({r['speedup_min']:.2f}-"
+              f"{r['speedup_max']:.2f}) | {r['peak_rss_mb']:.0f} | {r['peak_rss_vs_trl']:.2f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import datasets
 import torch
+from transformers import TrainerCallback
 
 TINY = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 WORDS = ("the a cat dog runs sleeps quickly blue green red house tree over under with and because never always one "
@@ -99,3 +101,94 @@ def differences(a, b) -> list[str]:
         if float((ga[name] - gb[name]).abs().max()) > GRAD_RTOL * scale + 1e-9:
             bad.append(f"grad {name}")
     return bad
+
+
+# ------------------------------------------------------------------------------------------- logged metrics
+
+LOGGED = ("loss", "grad_norm", "entropy", "num_tokens", "mean_token_accuracy")
+_TIMES = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+
+
+def logged(history: list[dict]) -> list[dict]:
+    """TRL's logged values of a ``log_history`` (loss, grad norm and every DPO metric, train and eval)."""
+    return [{k: v for k, v in h.items() if k in LOGGED or k.startswith(("rewards/", "logps/", "logits/", "eval_"))}
+            for h in history]
+
+
+def compare_logs(a: list[dict], b: list[dict], rtol: float = 1e-4) -> list[str]:
+    """What differs between two :func:`logged` histories beyond float32 rounding (timings aside)."""
+    bad = []
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        for key in x:
+            if key in _TIMES or key.startswith("eval_") and key.endswith(("per_second", "_tokens")):
+                continue
+            if key not in y or abs(x[key] - y[key]) > 1e-5 + rtol * abs(x[key]):
+                bad.append(f"step {step} {key}: {x[key]} vs {y.get(key)}")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------- recorded runs
+
+
+def chosen_sequences(inputs: dict) -> list[list[int]]:
+    """The prompt+chosen token ids of each pair of a collated batch (its first half of rows): a pair's identity."""
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    half = ids.shape[0] // 2
+    return [ids[i][mask[i].bool()].tolist() for i in range(half)]
+
+
+def recording(cls):
+    """``cls`` (a DPO trainer class) that records the pairs of every training micro-batch in ``pf_seen`` and the
+    gradient of its first optimizer step (after the ranks' reduction) in ``pf_grad``."""
+
+    class Recording(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.pf_seen: list[list[list[int]]] = []
+            self.pf_grad: dict[str, torch.Tensor] = {}
+            self.add_callback(_FirstGradient(self))
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if self.model.training:
+                self.pf_seen.append(chosen_sequences(inputs))
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    Recording.__name__ = cls.__name__
+    return Recording
+
+
+class _FirstGradient(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if not self.trainer.pf_grad:
+            self.trainer.pf_grad.update({n: p.grad.detach().clone()
+                                         for n, p in self.trainer.model.named_parameters() if p.grad is not None})
+
+
+def run_job(job: dict, out: str) -> dict:
+    """One recorded training (``job``: ``name``, ``trainer`` ``"pf"`` / ``"trl"``, ``rows`` ``[n, seed]``,
+    ``unweighted`` (pf under a budget: each micro-batch's plain mean, the control of the pair weighting), and
+    :func:`fields` keywords under ``kw``). Returns the logged history, the pairs of every micro-batch, the budget
+    sampler's batches and the rank; the first step's gradient is under ``grad``."""
+    import torch.distributed as dist
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    cls = recording(PaddingFreeDPOTrainer if job["trainer"] == "pf" else DPOTrainer)
+    n, seed = job["rows"]
+    t = trainer(cls, pairs(n, seed=seed), Path(out) / job["name"], **job["kw"])
+    if job.get("unweighted"):
+        t.loss_is_scaled_for_ga = False
+        t._get_num_items_in_batch = lambda batch_samples, device: None
+    t.train()
+    sampler = getattr(t, "_pf_train_sampler", None)
+    if sampler is not None:
+        sampler.set_epoch(0)
+    return {"name": job["name"], "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "world": t.args.world_size, "history": logged(t.state.log_history), "seen": t.pf_seen,
+            "batches": [list(map(int, b)) for b in sampler] if sampler is not None else [], "grad": t.pf_grad,
+            "weights": {k: v.detach().clone() for k, v in t.model.state_dict().items()}}

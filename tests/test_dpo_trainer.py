@@ -4,6 +4,7 @@ budgets; each claim beside a negative control that must fail the same check."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,38 @@ def test_step_equals_trl_and_controls_fail(llama_pair):
     assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3], mutate=split_pair))
 
 
+def _head_rows(t, indices) -> int:
+    """Positions projected through the ``[vocab, hidden]`` head in one forward step (policy and reference)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        S.one_step(t, indices, backward=False)
+    head = [S.TINY["hidden_size"], 32000]
+    return sum(e.input_shapes[0][0] for e in prof.events()
+               if e.name in ("aten::mm", "aten::addmm") and len(e.input_shapes) > 1 and head in e.input_shapes[:3])
+
+
+def test_only_completion_tokens_reach_the_head(llama_pair):
+    from pf_trl.trainer.adapters import transformers_model
+    from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+
+    trl, pf = llama_pair
+    batch = pf.data_collator([pf.train_dataset[i] for i in range(4)])
+    scored = int(batch["completion_mask"][:, 1:].sum())
+    assert 0 < scored < int(batch["attention_mask"].sum()) - 8  # prompts hold tokens the head must not see
+    assert _head_rows(pf, range(4)) == 2 * scored  # pf-trl's CPU head, policy and reference
+    try:  # TRL's own head on the narrowed hidden states
+        install_packed_preference_forward(transformers_model(pf.model), pf._pf_policy_fields(), head="trl")
+        install_packed_preference_forward(pf.ref_model, ("log_probs",), head="trl")
+        assert _head_rows(pf, range(4)) == 2 * scored
+        assert S.differences(S.one_step(trl, [0, 1, 2, 3]), S.one_step(pf, [0, 1, 2, 3])) == []
+    finally:
+        install_packed_preference_forward(transformers_model(pf.model), pf._pf_policy_fields())
+        install_packed_preference_forward(pf.ref_model, ("log_probs",))
+    # control: TRL's padded run projects every position of its [2n, L] batch, padding and prompts included
+    assert _head_rows(trl, range(4)) == 2 * batch["input_ids"].shape[0] * (batch["input_ids"].shape[1] - 1)
+
+
 LOSSES = ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero",
           "apo_down", "discopop", "sft", "sigmoid_norm"]
 
@@ -106,23 +139,10 @@ def test_other_architectures_step_equals_trl(arch, tmp_path):
 
 def _logs(t) -> list[dict]:
     t.train()
-    return [{k: v for k, v in h.items() if k in LOGGED or k.startswith(("rewards/", "logps/", "logits/", "eval_"))}
-            for h in t.state.log_history]
+    return S.logged(t.state.log_history)
 
 
-LOGGED = ("loss", "grad_norm", "entropy", "num_tokens", "mean_token_accuracy")
-_TIMES = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
-
-
-def _compare_logs(a: list[dict], b: list[dict], rtol: float = 1e-4) -> list[str]:
-    bad = []
-    for step, (x, y) in enumerate(zip(a, b, strict=True)):
-        for key in x:
-            if key in _TIMES or key.startswith("eval_") and key.endswith(("per_second", "_tokens")):
-                continue
-            if key not in y or abs(x[key] - y[key]) > 1e-5 + rtol * abs(x[key]):
-                bad.append(f"step {step} {key}: {x[key]} vs {y.get(key)}")
-    return bad
+_compare_logs = S.compare_logs
 
 
 @pytest.mark.slow
@@ -263,3 +283,67 @@ def _dataset(image: bool = False):
     if image:
         rows = [dict(r, images=[]) for r in rows]
     return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.slow
+def test_weighted_preference_optimization_equals_trl(tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    trl = S.trainer(DPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3, use_weighting=True)
+    pf = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3, use_weighting=True)
+    ref = S.one_step(trl, [0, 1, 2])
+    assert S.differences(ref, S.one_step(pf, [0, 1, 2])) == []
+    # control: without the WPO weights (log_sum_sq_probs) the loss differs
+    unweighted = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3)
+    assert S.differences(ref, S.one_step(unweighted, [0, 1, 2]))
+
+
+def _budget_trainer(tmp_path, **kw):
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    return S.trainer(PaddingFreeDPOTrainer, S.pairs(9, seed=3), tmp_path, max_tokens_per_batch=200,
+                     per_device_train_batch_size=1, **kw)
+
+
+@pytest.mark.slow
+def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
+    per_epoch = len(_budget_trainer(tmp_path / "probe").get_train_dataloader())
+    assert per_epoch >= 2
+    # a checkpoint one step into the second epoch, two steps after it (the second into the third epoch when an epoch
+    # has two micro-batches): the restored epoch, the skipped batches and the next epoch's shuffle all count
+    saved, steps = per_epoch + 1, per_epoch + 3
+    kw = dict(max_steps=steps, save_strategy="steps", save_steps=saved, save_only_model=False)
+    whole = _budget_trainer(tmp_path / "whole", **kw)
+    whole.train()
+    losses = [h["loss"] for h in whole.state.log_history if "loss" in h]
+    assert len(losses) == steps
+    checkpoint = str(tmp_path / "whole" / "PaddingFreeDPOTrainer" / f"checkpoint-{saved}")
+
+    def resumed_losses(**extra) -> list[float]:
+        t = _budget_trainer(tmp_path / "resumed", **kw, **extra)
+        t.train(resume_from_checkpoint=checkpoint)
+        return [h["loss"] for h in t.state.log_history if "loss" in h and h["step"] > saved]
+
+    np.testing.assert_allclose(resumed_losses(), losses[saved:], rtol=1e-5, atol=1e-6)
+    # control: resumed without skipping the epoch's consumed batches, the next steps train on other pairs
+    assert not np.allclose(resumed_losses(ignore_data_skip=True), losses[saved:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_eval_under_a_token_budget_gives_trls_eval_metrics(tmp_path):
+    from trl import DPOTrainer
+
+    evals = S.pairs(5, seed=11)
+    kw = dict(per_device_eval_batch_size=2, prediction_loss_only=True, max_steps=1)
+    pf = _budget_trainer(tmp_path, eval_rows=evals, **kw)
+    pf.train()  # one budget step first: its loss weighting and packed batches must not reach evaluation
+    trl = S.trainer(DPOTrainer, ROWS, tmp_path, eval_rows=evals, **kw)
+    before = trl.evaluate()
+    trl.model.load_state_dict(pf.model.state_dict())
+    expected, got = trl.evaluate(), pf.evaluate()
+    assert {"eval_loss", "eval_rewards/margins", "eval_logps/chosen"} <= set(expected)
+    assert _compare_logs(S.logged([expected]), [got]) == []
+    # control: TRL's metrics of the weights before that step differ
+    assert _compare_logs(S.logged([before]), [got])

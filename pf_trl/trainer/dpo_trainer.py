@@ -38,7 +38,7 @@ from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.dpo_config import check_pf_fields
 from pf_trl.trainer.dpo_forward import install_packed_preference_forward
 
-__all__ = ["PaddingFreeDPOTrainer"]
+__all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
 
 logger = logging.getLogger("pf_trl.trainer")
 
@@ -55,6 +55,30 @@ def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> Non
         if getattr(config, "is_prompt_learning", False):
             raise ConfigError(f"{type(config).__name__} (prompt learning) prepends virtual tokens to every sequence, "
                               "which a packed row cannot hold; use LoRA or another adapter")
+
+
+def gather_uneven_first_dim(accelerator) -> None:
+    """Let ``accelerator.gather`` take tensors whose first dimension differs across ranks: the result is every
+    rank's tensor in rank order, as for equal sizes.
+
+    Under a token budget the ranks' micro-batches hold different numbers of pairs, and TRL gathers its per-pair
+    metrics (``rewards/*``, ``logps/*``) with ``accelerator.gather``, whose all-gather needs equal shapes (gloo
+    aborts on a size mismatch). Scalars and equal sizes take accelerate's own path; otherwise the sizes are gathered
+    first, each tensor is padded to the largest and the padding dropped after the gather."""
+    plain = accelerator.gather
+
+    def gather(tensor):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return plain(tensor)
+        sizes = plain(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        if len(set(sizes)) == 1:
+            return plain(tensor)
+        width = max(sizes)
+        padded = torch.cat([tensor, tensor.new_zeros((width - tensor.shape[0], *tensor.shape[1:]))])
+        gathered = plain(padded)
+        return torch.cat([gathered[r * width:r * width + n] for r, n in enumerate(sizes)])
+
+    accelerator.gather = gather
 
 
 class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
@@ -82,9 +106,9 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
         # TRL's collator made the precomputed reference log-probs during __init__ (padded, once); from here on every
         # forward of training, evaluation and later precomputes runs the packed row
         self.data_collator = PackedPreferenceCollator(self.data_collator)
-        self._pf_enable(transformers_model(self.model))
+        self._pf_enable(transformers_model(self.model), self._pf_policy_fields())
         if self.ref_model is not None:
-            self._pf_enable(self.accelerator.unwrap_model(self.ref_model))
+            self._pf_enable(self.accelerator.unwrap_model(self.ref_model), ("log_probs",))
         self._pf_init_metrics()
         from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback
 
@@ -92,13 +116,20 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
         self.add_callback(CheckpointCompleteCallback(self))
         if self.pf_token_budget is not None:
             self.loss_is_scaled_for_ga = True  # compute_loss weights each micro-batch by its share of the step's pairs
+            if self.accelerator.num_processes > 1:
+                gather_uneven_first_dim(self.accelerator)
 
-    def _pf_enable(self, model: torch.nn.Module) -> None:
+    def _pf_policy_fields(self) -> tuple[str, ...]:
+        # the per-token outputs TRL's __init__ asks the policy's fused head for (the reference's: log_probs only)
+        fields = ("log_probs", "entropy", "mean_logits", "is_top1")
+        return fields + ("log_sum_sq_probs",) if self.use_weighting else fields
+
+    def _pf_enable(self, model: torch.nn.Module, fields: tuple[str, ...]) -> None:
         from pf_trl.attention import enable_padding_free
 
         enable_padding_free(model, mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
                             allow_unverified=getattr(self.args, "allow_unverified", False))
-        install_packed_preference_forward(model)
+        install_packed_preference_forward(model, fields)
 
     # ------------------------------------------------------------------ data
 
