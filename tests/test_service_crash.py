@@ -342,14 +342,16 @@ def _agree(settings, row) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dataset", "mixture"])
-@pytest.mark.parametrize("step,expected", [("claimed", "failed"), ("written", "failed"), ("renamed", "succeeded"),
-                                           ("committed", "succeeded")])
+@pytest.mark.parametrize("kind,step,expected", [
+    *[("dataset", step, expected) for step, expected in (("claimed", "failed"), ("written", "failed"),
+                                                         ("renamed", "succeeded"), ("committed", "succeeded"))],
+    ("mixture", "written", "failed"), ("mixture", "renamed", "succeeded"),  # the two sides of a mixture's publish
+])
 def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, tmp_path, step, expected, kind):
     """A worker SIGKILLs itself (TEST-ONLY hook) after claiming, after writing the shards, after the publish rename
     (before COMMIT), after COMMIT; the supervisor handles the dead worker. Then the same request again: a
-    succeeded job is not run again, a failed one is rebuilt (by a worker without the hook). Mixture jobs pass
-    the same crash points."""
+    succeeded job is not run again, a failed one is rebuilt (by a worker without the hook). Mixture jobs pass the
+    crash points on either side of their publish rename (the others are the dataset's code path)."""
     settings, store = store_settings
     if kind == "mixture":
         request = _mixture_request(settings, [write_rows(tmp_path / f"rows{i}.jsonl", generated_rows(20, f"{step}{i}"))

@@ -44,7 +44,7 @@ import torch
 from pf_trl.attention.precision import autocast_dtype
 from pf_trl.batching.packing import IGNORE_INDEX
 from pf_trl.batching.preference import PACKED_KEY
-from pf_trl.errors import ModelSupportError
+from pf_trl.errors import ConfigError, ModelSupportError
 from pf_trl.trainer.dpo_head import cpu_head_refusal, preference_head
 from pf_trl.trainer.loss import head_transform_from_config
 
@@ -202,7 +202,7 @@ def install_packed_preference_forward(model: torch.nn.Module, fields: tuple[str,
 
     Idempotent (the latest ``fields`` and ``head`` count); returns ``model``."""
     if head not in HEADS:
-        raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
+        raise ConfigError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
     setattr(model, _FIELDS_ATTR, tuple(fields))
     setattr(model, _HEAD_ATTR, head)
     if getattr(model, _ATTR, False):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from pf_trl.attention.precision import autocast_dtype, autocast_off
+from pf_trl.errors import ConfigError
 
 __all__ = ["OUTPUT_FIELDS", "PreferenceHeadFunction", "chunk_tokens", "cpu_head_refusal", "preference_head"]
 
@@ -204,7 +205,7 @@ def preference_head(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.
             else ``hidden``'s dtype."""
     unknown = set(fields) - set(OUTPUT_FIELDS)
     if unknown:
-        raise ValueError(f"unknown fused-head fields {sorted(unknown)}; known: {', '.join(OUTPUT_FIELDS)}")
+        raise ConfigError(f"unknown fused-head fields {sorted(unknown)}; known: {', '.join(OUTPUT_FIELDS)}")
     step = int(chunk) if chunk else chunk_tokens(head.weight.shape[0])
     mm = matmul_dtype or autocast_dtype(hidden.device.type) or hidden.dtype
     values = PreferenceHeadFunction.apply(hidden, head.weight, head.bias, targets, float(scale), softcap,
