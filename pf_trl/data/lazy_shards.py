@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pf_trl.data.shards import COLUMNS, ShardsError
+from pf_trl.data.shards import COLUMNS, ShardsError, check_tokenizer
 
 logger = logging.getLogger("pf_trl.trainer")
 
@@ -202,20 +202,6 @@ def open_lazy_shards(uri: str, *, expected_tokenizer: dict[str, Any] | None = No
     if dataset.is_local():
         logger.info("pf-trl: %s: every file is in the node cache already", uri)
     return dataset
-
-
-def check_tokenizer(where: str, manifest: dict[str, Any], expected: dict[str, Any]) -> None:
-    """:func:`pf_trl.data.shards.load_shards`'s tokenizer refusal, from the manifest alone."""
-    from pf_trl.data.tokenizer import mismatch_fix, tokenizer_differences
-
-    have = manifest["tokenizer"]
-    differences = tokenizer_differences(have, expected)
-    if differences:
-        raise ShardsError(
-            f"{where} was tokenized with another tokenizer than the model's: {'; '.join(differences)} "
-            f"(data: {have.get('name')!r}, sha256 {str(have.get('sha256'))[:12]}; model: "
-            f"{expected.get('name')!r}, sha256 {str(expected.get('sha256'))[:12]}); {mismatch_fix(have, expected)}"
-        )
 
 
 def why_not(dataset: LazyShards, args, *, what: str, vocab: int | None) -> str | None:

@@ -191,23 +191,28 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
             "directory was modified after it was written: re-run pretokenize"
         )
     if expected_tokenizer is not None:
-        from pf_trl.data.tokenizer import mismatch_fix, tokenizer_differences
-
-        have = manifest["tokenizer"]
-        differences = tokenizer_differences(have, expected_tokenizer)
-        if differences:
-            raise ShardsError(
-                f"{directory} was tokenized with another tokenizer than the model's: {'; '.join(differences)} "
-                f"(data: {have.get('name')!r}, sha256 {str(have.get('sha256'))[:12]}; model: "
-                f"{expected_tokenizer.get('name')!r}, sha256 {str(expected_tokenizer.get('sha256'))[:12]}); "
-                f"{mismatch_fix(have, expected_tokenizer)}"
-            )
+        check_tokenizer(str(directory), manifest, expected_tokenizer)
     from pf_trl.data.identity import stamp
 
     stamp(dataset, manifest, where=str(directory))  # shards written before identities were stamped carry one too
     dataset.pf_manifest = manifest
     return dataset
 
+
+
+def check_tokenizer(where: str, manifest: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Refuse shards tokenized with another tokenizer than the model's (``ShardsError`` naming what differs and the
+    fix), from the manifest alone: :func:`load_shards` and the bucket's lazy shards both call it."""
+    from pf_trl.data.tokenizer import mismatch_fix, tokenizer_differences
+
+    have = manifest["tokenizer"]
+    differences = tokenizer_differences(have, expected)
+    if differences:
+        raise ShardsError(
+            f"{where} was tokenized with another tokenizer than the model's: {'; '.join(differences)} "
+            f"(data: {have.get('name')!r}, sha256 {str(have.get('sha256'))[:12]}; model: "
+            f"{expected.get('name')!r}, sha256 {str(expected.get('sha256'))[:12]}); {mismatch_fix(have, expected)}"
+        )
 
 def is_shards_dir(path: str | Path) -> bool:
     """True when ``path`` is a directory with a pf-trl manifest (no validation)."""
