@@ -20,6 +20,8 @@ import torch
 
 from pf_trl_dev import precision as pm
 
+from tolerances import BF16_LOSS_RTOL, assert_same_math
+
 SLOW = pytest.mark.slow
 # the cheapest cell (a 2-layer Llama under autocast, pf-trl's own kernels) runs in the fast lane; the others are slow
 FAST = {("llama", "bf16", "internal", "sdpa")}
@@ -293,7 +295,10 @@ def test_python_api_bf16_trains_in_both_modes(tmp_path, monkeypatch):
     for mode in pm.MODES:
         for name, what in (("bf16", "train"), ("bf16", "eval"), ("bf16_full_eval", "eval")):
             fp32, half = losses[mode, "fp32", what], losses[mode, name, what]
-            assert half != fp32 and abs(half - fp32) < 1e-2 * fp32, losses
+            # bf16 was on: with bf16 ignored both runs are the same float32 operations in the same order, so equal
+            # to the bit (the gap is small, 2e-6 relative seen: an untrained model's loss is ~log(vocab))
+            assert half != fp32, losses
+            assert_same_math(half, fp32, what=f"{mode} {name} {what} loss", rtol=BF16_LOSS_RTOL)
 
 
 def chat_jsonl(tmp_path, n: int = 24):

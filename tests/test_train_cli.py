@@ -7,6 +7,8 @@ import shlex
 
 import pytest
 
+from tolerances import BF16_LOSS_RTOL, assert_same_math
+
 SEED_CMD = (
     "--model_name_or_path pf-trl/tiny-llama --padding_free huggingface --packing False --max_seq_len 4096 "
     "--learning_rate 2e-5 --torch_dtype float16 --use_flash_attn True --response_template '### Response:' "
@@ -192,4 +194,7 @@ def test_bf16_on_cpu_trains(tmp_path, mode):
                         "--padding_free_mode", mode, "--output_dir", str(out), "--save_strategy", "no",
                         "--report_to", "none", "--disable_tqdm", "True"]) == 0
         losses[bf16] = json.loads((out / "train_results.json").read_text())["train_loss"]
-    assert losses["True"] != losses["False"] and abs(losses["True"] - losses["False"]) < 1e-2 * losses["False"]
+    # bf16 was on: with bf16 ignored both runs are the same float32 operations in the same order, so equal to the
+    # bit (the gap is small, 7e-6 relative seen: an untrained model's loss is ~log(vocab))
+    assert losses["True"] != losses["False"]
+    assert_same_math(losses["True"], losses["False"], what="bf16 vs float32 loss", rtol=BF16_LOSS_RTOL)
