@@ -27,7 +27,7 @@ from pf_trl.attention.shared_prefix import SHARED_PREFIX_KEY
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.rl.layout import rl_packed_layout
 
-__all__ = ["attention_switched", "packed_logps_and_entropies", "unwrapped_model"]
+__all__ = ["attention_switched", "packed_chunk", "packed_logps_and_entropies", "unwrapped_model"]
 
 
 def unwrapped_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -70,8 +70,10 @@ def _scatter(values: torch.Tensor, dst: torch.Tensor, rows: int, width: int) -> 
     return values.new_zeros(rows * width).index_copy(0, dst, values.reshape(-1)).view(rows, width)
 
 
-def _packed_chunk(model: torch.nn.Module, inner: torch.nn.Module, layout: dict[str, Any], device: torch.device,
-                  compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_chunk(model: torch.nn.Module, inner: torch.nn.Module, layout: dict[str, Any], device: torch.device,
+                 compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log-probs, entropies or None)`` ``[B, C]`` of one :func:`~pf_trl.trainer.rl.layout.rl_packed_layout` row;
+    ``model`` is what TRL calls, ``inner`` the transformers model inside it."""
     call = dict(input_ids=layout["input_ids"].to(device), position_ids=layout["position_ids"].to(device),
                 cu_seq_lens_q=layout["cu_seq_lens_q"].to(device), cu_seq_lens_k=layout["cu_seq_lens_k"].to(device),
                 max_length_q=layout["max_length_q"], max_length_k=layout["max_length_k"])
@@ -102,7 +104,7 @@ def packed_logps_and_entropies(model: torch.nn.Module, input_ids: torch.Tensor, 
         end = min(start + batch_size, input_ids.size(0))
         layout = rl_packed_layout(input_ids[start:end], attention_mask[start:end], logits_to_keep,
                                   shared_prefix=shared_prefix)
-        logps, entropies = _packed_chunk(model, inner, layout, input_ids.device, compute_entropy)
+        logps, entropies = packed_chunk(model, inner, layout, input_ids.device, compute_entropy)
         all_logps.append(logps)
         all_entropies.append(entropies)
     logps = torch.cat(all_logps, dim=0)
