@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import rl_support as S
+from tests import rl_support as S
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

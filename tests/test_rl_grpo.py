@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rl_support as S
+from tests import rl_support as S
 
 LOGP_RTOL = 2e-5
 
@@ -148,7 +148,7 @@ def test_rloo_matches_trl_on_equal_prompts(folder, tmp_path):
     assert S.compare_logs(*logs) == []
 
 
-# ------------------------------------------------------------------------------------------ prompts of different lengths
+# ------------------------------------------------------------------------------- prompts of different lengths
 
 
 def _ragged_batch(tokenizer_pad: int):

@@ -27,7 +27,12 @@ __all__ = ["load_prompt_split", "reward_functions", "run_rl"]
 
 def reward_functions(names: list[str] | None, reward_model: str | None) -> list[Any]:
     """TRL's scripts' reward functions for ``--reward_funcs`` / ``--reward_model_name_or_path``."""
-    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
+    from trl.rewards import (
+        accuracy_reward,
+        get_soft_overlong_punishment,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
 
     registry: dict[str, Callable] = {
         "accuracy_reward": accuracy_reward,
