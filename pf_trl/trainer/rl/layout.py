@@ -57,7 +57,8 @@ def rl_packed_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, logi
     Returns ``input_ids`` / ``position_ids`` (``LongTensor[1, T]``), ``cu_seq_lens_q`` / ``cu_seq_lens_k``,
     ``max_length_q`` / ``max_length_k``, ``shared_prefix`` (a
     :class:`~pf_trl.attention.shared_prefix.SharedPrefixLayout` or ``None``), ``src`` / ``dst`` / ``targets``
-    (long ``[K]``: packed position, flattened ``[B, C]`` position and token of every scored prediction), ``rows`` and ``width`` (``B``, ``C``), all on the host."""
+    (long ``[K]``: packed position, flattened ``[B, C]`` position and token of every scored prediction), ``rows``
+    and ``width`` (``B``, ``C``), all on the host."""
     ids = input_ids.detach().cpu()
     mask = attention_mask.detach().cpu()
     rows, total_width = ids.shape
