@@ -30,7 +30,8 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_shared_prefix_attention_equals_separate_rows():
     """A prompt held once and G completions seeing it: the outputs and gradients of G separate causal rows (GQA,
-    a sliding window that crosses into the prompt)."""
+    a sliding window that crosses into the prompt), with the completions' queries bottom-right aligned (GPU kernels)
+    and laid out after copies of the prompt's queries (the CPU path)."""
     from pf_trl.attention.backends.sdpa import forward as sdpa_forward
     from pf_trl.attention.shared_prefix import attend, shared_prefix_layout
 
@@ -39,8 +40,8 @@ def test_shared_prefix_attention_equals_separate_rows():
     total = p + sum(cs)
     q, k, v = (torch.randn(total, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
     layout = shared_prefix_layout([p, *cs], [-1, 0, 0, 0])
-    for window in (None, 4):
-        out = attend(q, k, v, layout, causal=True, sliding_window=window)
+    for window, copy_queries in ((None, True), (None, False), (4, True), (4, False)):
+        out = attend(q, k, v, layout, causal=True, sliding_window=window, copy_queries=copy_queries)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
         grads = [x.grad.clone() for x in (q, k, v)]
         for x in (q, k, v):

@@ -17,7 +17,8 @@ How every backend honours it (:func:`attend`): the keys and values of each segme
 ``i`` of the segment at key position ``prefix_len + i``: the separate row's mask, windows included. The gather's
 backward sums the gradients of the ``G`` uses of a prefix key into that key, as ``G`` copies of the prompt would sum
 through the shared weights. Every varlen backend takes ``cu_seqlens_k != cu_seqlens_q`` (flash-attn's varlen kernels
-and FlexAttention natively; on CPU ``sdpa`` attends such a segment with its chunked online-softmax kernel).
+and FlexAttention natively). On CPU the queries are laid out the same way (prefix copies, their outputs dropped), so
+that PyTorch's fused flash kernel serves every segment (``attend(copy_queries=...)``).
 
 Refused by name (:func:`shared_prefix_refusal`): models whose layers carry state along the row (conv, SSM, linear
 attention: a completion would need the prefix's final state, which pf-trl does not split), chunked attention
@@ -49,6 +50,7 @@ class SharedPrefixLayout:
         key_index: long ``[total_k]``: the row token behind each key of the expanded key layout.
         cu_seq_lens_k: int32 ``[n + 1]``: each segment's keys in that layout (its prefix's, then its own).
         max_length_k: the most keys of one segment.
+        own_rows: long ``[total]``: where each row token's own (not a prefix copy) entry sits in that layout.
     """
 
     cu_seq_lens: torch.Tensor
@@ -56,10 +58,11 @@ class SharedPrefixLayout:
     key_index: torch.Tensor
     cu_seq_lens_k: torch.Tensor
     max_length_k: int
+    own_rows: torch.Tensor
 
     def to(self, device: torch.device) -> SharedPrefixLayout:
         return SharedPrefixLayout(self.cu_seq_lens.to(device), self.max_length, self.key_index.to(device),
-                                  self.cu_seq_lens_k.to(device), self.max_length_k)
+                                  self.cu_seq_lens_k.to(device), self.max_length_k, self.own_rows.to(device))
 
 
 def shared_prefix_layout(lengths: Sequence[int], prefix_of: Sequence[int]) -> SharedPrefixLayout:
@@ -72,33 +75,53 @@ def shared_prefix_layout(lengths: Sequence[int], prefix_of: Sequence[int]) -> Sh
         if int(n) <= 0:
             raise PackingError("a shared-prefix row holds an empty segment")
         starts.append(starts[-1] + int(n))
-    pieces, key_lengths = [], []
+    pieces, key_lengths, own_rows = [], [], []
+    expanded = 0
     for s, (n, p) in enumerate(zip(lengths, prefix_of)):
         own = torch.arange(starts[s], starts[s] + int(n))
         if p < 0:
             pieces.append(own)
             key_lengths.append(int(n))
+            own_rows.append(torch.arange(expanded, expanded + int(n)))
+            expanded += int(n)
             continue
         if not 0 <= p < s or prefix_of[p] >= 0:
             raise PackingError(f"segment {s} names {p} as its prefix: a prefix is an earlier segment without one")
         pieces.append(torch.cat([torch.arange(starts[p], starts[p + 1]), own]))
         key_lengths.append(int(lengths[p]) + int(n))
+        own_rows.append(torch.arange(expanded + int(lengths[p]), expanded + key_lengths[-1]))
+        expanded += key_lengths[-1]
     return SharedPrefixLayout(cu_seq_lens=cu_seqlens_from_lengths([int(n) for n in lengths]),
                               max_length=max(int(n) for n in lengths), key_index=torch.cat(pieces).long(),
-                              cu_seq_lens_k=cu_seqlens_from_lengths(key_lengths), max_length_k=max(key_lengths))
+                              cu_seq_lens_k=cu_seqlens_from_lengths(key_lengths), max_length_k=max(key_lengths),
+                              own_rows=torch.cat(own_rows).long())
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SharedPrefixLayout, **options) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SharedPrefixLayout, *,
+           copy_queries: bool | None = None, **options) -> torch.Tensor:
     """Varlen attention of one packed row under ``layout`` (see the module docstring): ``q`` ``(T, Hq, D)``, ``k``/``v``
     ``(T, Hkv, D)``; ``options`` are :func:`~pf_trl.attention.dispatch.varlen_attention`'s (``causal`` must be
-    true: a non-causal segment seeing a prefix has no separate-row equivalent here)."""
+    true: a non-causal segment seeing a prefix has no separate-row equivalent here).
+
+    ``copy_queries`` (default: on CPU) also lays the queries out as ``[prefix queries, own queries]`` per segment, so
+    that every segment has as many queries as keys and PyTorch's fused CPU flash kernel serves it (memory-linear,
+    forward and backward); the prefix copies' outputs are dropped (their gradient is zero). It spends the attention
+    scores of the prefix once more per segment (what a separate row spends) but no projection or MLP work; without
+    it the segment's queries attend bottom-right aligned, which flash-attn and FlexAttention serve natively."""
     from pf_trl.attention.dispatch import varlen_attention
 
     if not options.get("causal", True):
         raise PackingError("shared prefixes need causal attention")
     index = layout.key_index.to(k.device)
-    return varlen_attention(q, k.index_select(0, index), v.index_select(0, index), layout.cu_seq_lens.to(q.device),
-                            layout.cu_seq_lens_k.to(q.device), layout.max_length, layout.max_length_k, **options)
+    cu_q, cu_k = layout.cu_seq_lens.to(q.device), layout.cu_seq_lens_k.to(q.device)
+    if copy_queries is None:
+        copy_queries = q.device.type == "cpu"
+    if not copy_queries:
+        return varlen_attention(q, k.index_select(0, index), v.index_select(0, index), cu_q, cu_k, layout.max_length,
+                                layout.max_length_k, **options)
+    out = varlen_attention(q.index_select(0, index), k.index_select(0, index), v.index_select(0, index), cu_k, cu_k,
+                           layout.max_length_k, layout.max_length_k, **options)
+    return out.index_select(0, layout.own_rows.to(out.device))
 
 
 def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
