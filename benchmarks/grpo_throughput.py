@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 SCENARIOS = {
-    "prompt-heavy": dict(prompt=(192, 256), completion=(8, 32)),
-    "completion-heavy": dict(prompt=(16, 48), completion=(96, 192)),
+    "prompt-heavy": dict(prompt=(96, 128), completion=(4, 16)),
+    "completion-heavy": dict(prompt=(8, 24), completion=(48, 96)),
 }
 MODES = ("trl", "pf-packed", "pf-shared")
 
@@ -136,7 +136,7 @@ def build(mode: str, folder: str, data, tmp: Path, batch_size: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "grpo_throughput.json"))

@@ -22,7 +22,8 @@ that PyTorch's fused flash kernel serves every segment (``attend(copy_queries=..
 
 Refused by name (:func:`shared_prefix_refusal`): models whose layers carry state along the row (conv, SSM, linear
 attention: a completion would need the prefix's final state, which pf-trl does not split), chunked attention
-(Llama 4), multimodal models, and any attention implementation other than ``pf_varlen``.
+(Llama 4), multimodal models, any attention implementation other than ``pf_varlen``, and, until a GPU run has checked
+the bottom-right aligned path, models on an accelerator.
 """
 
 from __future__ import annotations
@@ -139,6 +140,11 @@ def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
         return f"{type(model).__name__} has chunked-attention layers, whose chunks would cross the prompt boundary"
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cpu":
+        # the GPU kernels take the layout (bottom-right aligned causal varlen), but no GPU run has checked it yet
+        return (f"shared prefixes are checked on CPU only so far, not on {device.type}; pf-trl packs every sequence "
+                "with its prompt there (shared_prefix='off')")
     if getattr(model, "_pf_padding_free", {}).get("mode") != "internal":
         return "the model is not padding-free with mode='internal' (pf-trl's pf_varlen attention reads the layout)"
     return None
