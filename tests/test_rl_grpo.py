@@ -81,7 +81,8 @@ def test_shared_prefix_refusals():
     from pf_trl.models import build_model
 
     hybrid = build_model("pf-trl/tiny-qwen3.5", hidden_size=64, intermediate_size=64, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2)
+                         num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+                         num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], vocab_size=1000)
     assert "carry state along the row" in shared_prefix_refusal(hybrid)
     plain = build_model("pf-trl/tiny-llama", **S.TINY)
     assert "mode='internal'" in shared_prefix_refusal(plain)
