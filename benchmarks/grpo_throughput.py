@@ -118,11 +118,11 @@ def training_phase(trainer, batch: dict) -> float:
 
 
 def build(mode: str, folder: str, data, tmp: Path, batch_size: int):
+    from rl_support import reward_length
     from trl import GRPOConfig, GRPOTrainer
 
     from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.trainer.rl import PaddingFreeGRPOConfig, PaddingFreeGRPOTrainer
-    from rl_support import reward_length
 
     cls, config_cls, extra = {"trl": (GRPOTrainer, GRPOConfig, {}),
                               "pf-packed": (PaddingFreeGRPOTrainer, PaddingFreeGRPOConfig, {"shared_prefix": "off"}),
