@@ -117,18 +117,49 @@ def grpo_runs(folder, tmp_path_factory):
                                           {"shared_prefix": "off"})):
         t = S.trainer(cls, config_cls, folder, data, tmp / name, num_iterations=2, optim="sgd", learning_rate=1.0,
                       **extra)
+        calls = _record_scoring_forwards(t)
         t.train()
-        runs[name] = (t, S.logged(t.state.log_history), S.parameters(t))
+        runs[name] = (t, S.logged(t.state.log_history), S.parameters(t), calls)
     return runs
+
+
+def _record_scoring_forwards(t) -> list[dict]:
+    """What the policy's and the reference's backbones are given outside generation (rows, attention mask, layout)."""
+    calls, generating = [], []
+
+    def record(module, args, kwargs):
+        if not generating:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            calls.append(dict(rows=int(ids.shape[0]), mask=kwargs.get("attention_mask") is not None,
+                              segments=kwargs.get("cu_seq_lens_q") is not None,
+                              shared="pf_shared_prefix" in kwargs))
+
+    for model in (t.model, t.ref_model):
+        model.base_model.register_forward_pre_hook(record, with_kwargs=True)
+    generate = t._generate
+
+    def tracked(prompts):
+        generating.append(True)
+        try:
+            return generate(prompts)
+        finally:
+            generating.pop()
+
+    t._generate = tracked
+    return calls
 
 
 @pytest.mark.slow
 def test_grpo_matches_trl_on_equal_prompts(grpo_runs):
-    _, trl_logs, trl_params = grpo_runs["trl"]
+    _, trl_logs, trl_params, trl_calls = grpo_runs["trl"]
     assert grpo_runs["shared"][0].pf_shared_prefix and not grpo_runs["plain"][0].pf_shared_prefix
     assert trl_logs[1]["kl"] > 0 and trl_logs[0]["grad_norm"] > 0  # the reference and the gradients are exercised
+    # every scoring forward of pf-trl's backbones is one packed row (TRL's: the padded batch, with its mask)
+    assert trl_calls and all(c["rows"] == 4 and c["mask"] for c in trl_calls)
     for name in ("shared", "plain"):
-        _, logs, params = grpo_runs[name]
+        _, logs, params, calls = grpo_runs[name]
+        assert calls and all(c["rows"] == 1 and not c["mask"] and c["segments"] for c in calls), name
+        assert all(c["shared"] == (name == "shared") for c in calls), name
         assert S.compare_logs(trl_logs, logs) == [], name
         for key, value in trl_params.items():
             assert _close(value, params[key], 1e-5), (name, key)
