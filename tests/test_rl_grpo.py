@@ -185,10 +185,10 @@ def test_rloo_matches_trl_on_equal_prompts(folder, tmp_path):
 
 
 def _ragged_batch(tokenizer_pad: int):
-    """TRL's layout of 3 prompts (2, 5 and 9 tokens) x 2 completions (1 to 6 tokens): left-padded prompts,
-    right-padded completions."""
+    """TRL's layout of 3 prompts (2, 5 and 9 tokens) x 2 completions (0 to 6 tokens; 0: a completion TRL masked
+    whole, as ``mask_truncated_completions`` does): left-padded prompts, right-padded completions."""
     g = torch.Generator().manual_seed(0)
-    prompt_lengths, completion_lengths = (2, 5, 9), ((3, 6), (1, 4), (5, 2))
+    prompt_lengths, completion_lengths = (2, 5, 9), ((3, 6), (1, 4), (5, 0))
     P, C = max(prompt_lengths), 6
     ids, mask = [], []
     for p, cs in zip(prompt_lengths, completion_lengths):
@@ -220,6 +220,9 @@ def _unpadded_reference(trl_trainer, ids, mask, width):
     for i in range(ids.shape[0]):
         seq = ids[i][mask[i].bool()]
         c = int(mask[i, ids.shape[1] - width:].sum())
+        if c == 0:  # nothing scored: zeros, as TRL's head leaves unscored positions
+            rows.append((torch.zeros(width), torch.zeros(width)))
+            continue
         logps, ent, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             trl_trainer, trl_trainer.model, seq[None], torch.ones_like(seq)[None], c, compute_entropy=True)
         rows.append((torch.nn.functional.pad(logps[0], (0, width - c)),
