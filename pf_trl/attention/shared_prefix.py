@@ -128,7 +128,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SharedPref
 def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot attend shared prefixes exactly (``None``: it can). The model must have been made
     padding-free with ``mode="internal"`` (pf-trl's ``pf_varlen`` attention reads the layout)."""
-    from pf_trl.attention import multimodal
+    import pf_trl.attention.multimodal as multimodal
     from pf_trl.attention.stateful import stateful_mixers
 
     config = model.config
