@@ -13,6 +13,9 @@ import torch
 
 from tests import rl_support as S
 
+# every test here takes over 3 s or reads the module's trained runs (about 15-30 s to build)
+pytestmark = pytest.mark.slow
+
 LOGP_RTOL = 2e-5
 
 
@@ -149,7 +152,6 @@ def _record_scoring_forwards(t) -> list[dict]:
     return calls
 
 
-@pytest.mark.slow
 def test_grpo_matches_trl_on_equal_prompts(grpo_runs):
     _, trl_logs, trl_params, trl_calls = grpo_runs["trl"]
     assert grpo_runs["shared"][0].pf_shared_prefix and not grpo_runs["plain"][0].pf_shared_prefix
@@ -165,7 +167,6 @@ def test_grpo_matches_trl_on_equal_prompts(grpo_runs):
             assert _close(value, params[key], 1e-5), (name, key)
 
 
-@pytest.mark.slow
 def test_rloo_matches_trl_on_equal_prompts(folder, tmp_path):
     from trl import RLOOConfig, RLOOTrainer
 
