@@ -8,7 +8,9 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
   :class:`PaddingFreeCollator`, :class:`PackedPreferenceCollator`
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
 - training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`; preference training:
-  :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`
+  :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`; reinforcement learning:
+  :class:`PaddingFreeGRPOConfig`, :class:`PaddingFreeGRPOTrainer`, :class:`PaddingFreeRLOOConfig`,
+  :class:`PaddingFreeRLOOTrainer`
 - errors: :class:`PfTrlError`, the root of every exception pf-trl raises on purpose (``pf_trl.errors``)
 """
 
@@ -39,6 +41,10 @@ _EXPORTS = {
     "PaddingFreeDPOConfig": "pf_trl.trainer",
     "PaddingFreeDPOTrainer": "pf_trl.trainer",
     "PackedPreferenceCollator": "pf_trl.batching.preference",
+    "PaddingFreeGRPOConfig": "pf_trl.trainer.rl",
+    "PaddingFreeGRPOTrainer": "pf_trl.trainer.rl",
+    "PaddingFreeRLOOConfig": "pf_trl.trainer.rl",
+    "PaddingFreeRLOOTrainer": "pf_trl.trainer.rl",
 }
 
 __all__ = ["__version__", "PfTrlError", *_EXPORTS]

@@ -68,6 +68,12 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("trl.SFTTrainer", "_metrics", ("pf_trl/trainer/trainer.py",), kind="source"),
     # the packed forward wraps the fused LM head TRL's DPOTrainer installs and calls with `fused_lm_head=True`
     PrivateSymbol("trl.trainer.utils", "add_fused_lm_head", ("pf_trl/trainer/dpo_forward.py",)),
+    # GRPO / RLOO: every log-probability forward outside generation goes through this one method (replaced by the
+    # packed forward); generation through _generate (run with the model's own attention implementation)
+    PrivateSymbol("trl.GRPOTrainer", "_get_per_token_logps_and_entropies", ("pf_trl/trainer/rl/mixin.py",)),
+    PrivateSymbol("trl.RLOOTrainer", "_get_per_token_logps_and_entropies", ("pf_trl/trainer/rl/mixin.py",)),
+    PrivateSymbol("trl.GRPOTrainer", "_generate", ("pf_trl/trainer/rl/mixin.py",)),
+    PrivateSymbol("trl.RLOOTrainer", "_generate", ("pf_trl/trainer/rl/mixin.py",)),
     # torch
     PrivateSymbol("torch", "_assert_async", ("pf_trl/attention/hf.py",)),
     PrivateSymbol("torch._dynamo", "maybe_mark_dynamic", ("pf_trl/batching/collator.py",), via="maybe_mark_dynamic"),

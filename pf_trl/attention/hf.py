@@ -15,6 +15,9 @@ this order, and never lets two segments see each other:
    ``find_packed_sequence_indices`` rule; a restart at 0 always qualifies) and at every row start;
 4. with fewer queries than keys (KV cache holding past tokens): one segment per row, bottom-right causal.
 
+A ``pf_shared_prefix`` layout (:mod:`pf_trl.attention.shared_prefix`) takes precedence over all of these: segments
+that also see a prefix segment of the row.
+
 This holds whether or not a KV cache exists, which closes the hole where transformers skips its packed-sequence
 detection when ``use_cache=True`` (see :mod:`pf_trl.attention.enable`).
 
@@ -123,6 +126,7 @@ def hf_varlen_attention(
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     backend: str | None = None,
+    pf_shared_prefix=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function ``pf_varlen`` (see module docstring)."""
@@ -139,6 +143,16 @@ def hf_varlen_attention(
     common = dict(causal=causal, softmax_scale=scaling, sliding_window=sliding_window, softcap=softcap)
     common.update(dropout_p=float(dropout), backend=backend, sinks=s_aux)  # s_aux: gpt-oss style attention sinks
     chunk = attention_chunk(module)
+    if pf_shared_prefix is not None:  # segments that also see a prefix segment (pf_trl.attention.shared_prefix)
+        if attention_mask is not None or b != 1 or lq != lk or chunk is not None:
+            raise PaddingFreeError(
+                "a shared-prefix layout needs one packed row without attention_mask or KV cache, and no chunked "
+                "attention layer; pass the layout only as pf_trl.trainer.rl builds it"
+            )
+        from pf_trl.attention.shared_prefix import attend
+
+        out = attend(q[0], k[0], v[0], pf_shared_prefix, **common)
+        return out.unsqueeze(0), None
 
     if attention_mask is not None:
         if attention_mask.dim() != 2:

@@ -11,6 +11,8 @@ from pf_trl._version import __version__
 COMMANDS = {
     "train": ("pf_trl.cli.train", "fine-tune with TRL's SFTTrainer, padding-free"),
     "dpo": ("pf_trl.cli.dpo", "preference training (TRL's DPOTrainer), padding-free; the flags of `trl dpo`"),
+    "grpo": ("pf_trl.cli.grpo", "GRPO (TRL's GRPOTrainer), padding-free, one prompt per group; `trl grpo`'s flags"),
+    "rloo": ("pf_trl.cli.rloo", "RLOO (TRL's RLOOTrainer), padding-free, one prompt per group; `trl rloo`'s flags"),
     "pretokenize": ("pf_trl.cli.pretokenize", "tokenize a dataset into a shards directory"),
     "inspect": ("pf_trl.cli.inspect", "print the manifest and packing statistics of a shards directory"),
     "verify": ("pf_trl.cli.verify", "check shards directories against their manifests' checksums"),
