@@ -32,7 +32,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-FLOAT32_ULP = 2.0**-23  # spacing of float32 numbers in [1, 2): the relative size of one last-place difference
 LOSS_RTOL = 1e-6  # float32 loss or metric, same math in another order: ~8 ulps (seen: 1 ulp)
 BF16_LOSS_RTOL = 1e-2  # a bfloat16 forward's loss against float32's (bf16 unit roundoff 2**-9, a few layers)
 CONTROL_FACTOR = 100.0  # a negative control differs by at least this many tolerances
