@@ -223,7 +223,8 @@ def test_trl_flags_refused_in_one_line_within_seconds_before_any_tokenizing(worl
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (bad, err)
         for word in words:
             assert word in lines[0], (bad, lines[0])
-        assert seconds < 5, (bad, seconds)
+        # no heavy import (above) is what shows it came before any tokenizing; the bound is loose for a loaded machine
+        assert seconds < 15, (bad, seconds)
         assert ok_rc == 0, (good, ok_err)  # negative control: the corrected command passes the same checks
 
 
@@ -239,7 +240,7 @@ def test_qlora_on_cpu_is_refused_in_one_line_before_the_data(world, tmp_path, ca
                "--use_peft", "--load_in_4bit", "--output_dir", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--load_in_4bit needs a CUDA device" in err[0], err
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 15  # seconds, not a model build (loose: a loaded 2-core machine)
     assert not (tmp_path / "cache" / "datasets").exists()  # nothing was tokenized
 
 
