@@ -13,6 +13,9 @@ it was written is refused by name instead of trained on. Columns:
 The same lengths are also kept as ``pf_lengths.npy``, with the manifest's ``row_layout`` naming the rows of each
 Arrow file (:mod:`pf_trl.data.row_layout`): what a trainer reading the directory from a bucket needs before its
 Arrow files have arrived.
+
+A dataset of many parts (:mod:`pf_trl.data.parts`) is a directory of such directories with a manifest of its own,
+written last; :func:`load_shards` opens it as the concatenation of its parts.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
     """Open a shards directory memory-mapped and validate it against its manifest.
 
     Args:
-        path: the directory written by :func:`pf_trl.pretokenize`.
+        path: the directory written by :func:`pf_trl.pretokenize` (one part, or a dataset of many parts).
         expected_tokenizer: a :func:`~pf_trl.data.tokenizer.tokenizer_fingerprint`; when given, shards made
             with another tokenizer are refused (their token ids would mean other tokens).
         verify: check every file against the manifest's checksums first (:func:`verify_shards`: one streaming
@@ -165,12 +168,19 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
     """
     import datasets
 
+    from pf_trl.data.parts import is_multipart, load_parts
+
     manifest = read_manifest(path)
     directory = Path(path)
     if verify:
         verify_shards(directory, manifest)
     try:
-        dataset = datasets.load_from_disk(str(directory))
+        if is_multipart(manifest):  # a dataset of parts: their concatenation, no merge copy (pf_trl.data.parts)
+            dataset = load_parts(directory, manifest)
+        else:
+            dataset = datasets.load_from_disk(str(directory))
+    except ShardsError:
+        raise
     except Exception as exc:
         raise ShardsError(f"{directory} has a manifest but its Arrow data cannot be opened ({exc}); re-run pretokenize") from exc
     if isinstance(dataset, datasets.DatasetDict):
