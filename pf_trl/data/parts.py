@@ -55,6 +55,24 @@ def merge_counts(manifests: list[dict]) -> dict:
     return out
 
 
+def combined_source(path: str, manifests: list[dict]) -> dict[str, Any]:
+    """The ``source`` of a dataset whose parts were tokenized from different sources (the Indexed Job's slices):
+    a checksum over the parts' source checksums, their rows summed, their formats, each part's source."""
+    import hashlib
+
+    formats = sorted({m["source"].get("input_format") for m in manifests})
+    return {
+        "path": path,
+        "sha256": hashlib.sha256("".join(m["source"]["sha256"] for m in manifests).encode()).hexdigest(),
+        "rows": sum(m["source"].get("rows", 0) for m in manifests),
+        "input_format": formats[0] if len(formats) == 1 else "mixed",
+        "chat_mask": manifests[0]["source"].get("chat_mask"),
+        "mask_columns": sorted({c for m in manifests for c in m["source"].get("mask_columns") or []}),
+        "parts": [{"path": m["source"].get("path"), "sha256": m["source"]["sha256"],
+                   "input_format": m["source"].get("input_format")} for m in manifests],
+    }
+
+
 def check_compatible(names: list[str], manifests: list[dict]) -> None:
     """Refuse parts that cannot form one dataset: another format version, tokenizer, options or truncation."""
     from pf_trl.data.shards import ShardsError
