@@ -32,8 +32,8 @@ merge_shards = _load("pf_trl_k8s_merge_shards_parts", ROOT / "k8s" / "scripts" /
 
 def _rows(start: int, stop: int) -> list[dict]:
     # prompt/completion rows of ~10 to ~60 tokens, a few cut by max_seq_len 48 (their counts must add up too)
-    return [{"prompt": f"### Instruction:\nCount to {i}.\n\n### Response:\n", "completion": f"{i}, " * (2 + 2 * (i % 13))}
-            for i in range(start, stop)]
+    return [{"prompt": f"### Instruction:\nCount to {i}.\n\n### Response:\n",
+             "completion": f"{i}, " * (2 + 2 * (i % 13))} for i in range(start, stop)]
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_the_plan_is_never_read_half_written(tmp_path, monkeypatch):
     def one_index():
         try:
             pretokenize_slice.check_plan(tmp_path, 8, ["--max_seq_len", "48"])
-        except BaseException as exc:  # noqa: BLE001 (collected and asserted below)
+        except BaseException as exc:  # collected and asserted below
             errors.append(exc)
 
     threads = [threading.Thread(target=one_index) for _ in range(8)]
@@ -176,7 +176,29 @@ def test_the_plan_is_never_read_half_written(tmp_path, monkeypatch):
         t.join()
     monkeypatch.setattr(pretokenize_slice.json, "dump", real_dump)
     assert errors == []
-    assert json.loads((tmp_path / "slices.json").read_text()) == {"count": 8, "pretokenize_flags": ["--max_seq_len", "48"]}
+    plan = json.loads((tmp_path / "slices.json").read_text())
+    assert plan == {"count": 8, "pretokenize_flags": ["--max_seq_len", "48"]}
     assert not list(tmp_path.glob(".slices.json.tmp-*"))
     with pytest.raises(pretokenize_slice.SliceError, match="holds a run of 8 slices"):
         pretokenize_slice.check_plan(tmp_path, 4, ["--max_seq_len", "48"])
+
+
+def test_engine_ray_without_ray_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """No Ray installed (its import fails, as in a venv without the extra): one line naming pf-trl[ray], nothing
+    written. The Python API refuses the same way."""
+    import sys
+
+    from pf_trl.cli.main import main
+    from pf_trl.data.pretokenize import PretokenizeError, pretokenize
+
+    src = write_jsonl(tmp_path / "rows.jsonl", _rows(0, 4))
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert main(["pretokenize", str(src), str(tmp_path / "out"), "--engine", "ray"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pf-trl pretokenize: error: --engine ray needs Ray Data")
+    assert "pip install 'pf-trl[ray]'" in err
+    assert "\n" not in err and not (tmp_path / "out").exists()
+    with pytest.raises(PretokenizeError, match=r"pf-trl\[ray\]"):
+        pretokenize(src, tmp_path / "out", engine="ray")
+    assert main(["pretokenize", str(src), str(tmp_path / "out"), "--ray_workers", "2"]) == 2
+    assert "--ray_workers and --rows_per_part apply to --engine ray only" in capsys.readouterr().err

@@ -239,6 +239,9 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
     out = Path(output_dir).absolute()
     if overwrite and out.exists():
         shutil.rmtree(out)  # not atomic with this engine: the old dataset is gone before the new one is whole
+    if (out / "pf_manifest.json").is_file():
+        raise PretokenizeError(f"output {out} already exists; choose a new directory or pass overwrite=True "
+                               "(--overwrite)")
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(str(tokenizer))
     tokenizer = with_chat_template(tokenizer, config.chat_template)
@@ -251,13 +254,15 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
         raise PretokenizeError("--engine ray tokenizes text rows; this source has images: use --engine local")
     source_sha = source_fingerprint_value or source_fingerprint(source)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    _connect(ray, num_workers)
-    workers = num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     rows = ds.num_rows
-    per_part = rows_per_part or max(1000, min(100_000, -(-rows // (4 * workers))))
     plan = _check_plan(out, {"source_sha256": source_sha, "rows": rows, "input_format": input_format,
                              "tokenizer_sha256": fingerprint.get("sha256"), "options": config.to_dict(),
-                             "rows_per_part": per_part})
+                             "rows_per_part": rows_per_part})  # an interrupted run's plan, or this run's
+    _connect(ray, num_workers)
+    workers = num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    if plan["rows_per_part"] is None:  # a new run without --rows_per_part: ~4 parts per worker
+        plan["rows_per_part"] = max(1000, min(100_000, -(-rows // (4 * workers))))
+        write_json_atomic(out / PLAN_FILE, plan)
     plan_id = f"{source_sha[:16]}-{plan['rows_per_part']}"
     ranges = plan_ranges(rows, plan["rows_per_part"])
     pending = [(a, b) for a, b in ranges if not part_committed(out, part_name(a), plan_id)]
