@@ -188,8 +188,9 @@ def test_engine_ray_without_ray_is_refused_in_one_line(tmp_path, monkeypatch, ca
     written. The Python API refuses the same way."""
     import sys
 
+    from pf_trl import pretokenize
     from pf_trl.cli.main import main
-    from pf_trl.data.pretokenize import PretokenizeError, pretokenize
+    from pf_trl.data.pretokenize import PretokenizeError
 
     src = write_jsonl(tmp_path / "rows.jsonl", _rows(0, 4))
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError

@@ -135,7 +135,7 @@ def _ray_workers_of_this_cluster() -> list[int]:
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_part_is_retried_and_every_row_written_once(cluster, source, tmp_path):
-    from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
+    from pf_trl import PretokenizeConfig, pretokenize
 
     dest = tmp_path / "ray"
     config = PretokenizeConfig(max_seq_len=64, truncation="drop")

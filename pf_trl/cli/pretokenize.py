@@ -180,7 +180,7 @@ def main(argv: list[str]) -> int:
         if data_config is not None:
             manifest = _pretokenize_mixture(data_config, args, config, tokenizer)
         else:
-            from pf_trl.data.pretokenize import pretokenize
+            from pf_trl.data.engines import pretokenize
 
             manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
                                    overwrite=args.overwrite, progress=not args.no_progress, engine=args.engine,

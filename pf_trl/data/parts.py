@@ -13,7 +13,8 @@ has every field a single-part manifest has (``counts`` summed over the parts, ``
   trainer reading the dataset from a bucket builds its sampler before the parts arrive.
 
 :func:`pf_trl.data.shards.load_shards` opens such a directory as the concatenation of its parts (memory-mapped, in
-the listed order): the trainer, the token-budget sampler, ``pf-trl inspect`` and ``pf-trl verify`` read it directly.
+the listed order; this module writes them): the trainer, the token-budget sampler, ``pf-trl inspect`` and
+``pf-trl verify`` read it directly.
 """
 
 from __future__ import annotations
@@ -25,20 +26,15 @@ from typing import Any
 
 import numpy as np
 
-PARTS_KEY = "parts"
+from pf_trl.data.shards import PARTS_KEY, ShardsError
 
-
-def is_multipart(manifest: dict[str, Any]) -> bool:
-    """True for the manifest of a dataset of many parts."""
-    return isinstance(manifest.get(PARTS_KEY), list)
+__all__ = ["PARTS_KEY", "check_compatible", "combined_source", "merge_counts", "write_parts_manifest"]
 
 
 def merge_counts(manifests: list[dict]) -> dict:
     """The ``counts`` of a dataset of parts: every key any part has (a part without it counts 0 / false), integers
     summed, booleans (lower-bound flags: "at least this many were lost") true when any part's is; a key of another
     type must be equal in every part."""
-    from pf_trl.data.shards import ShardsError
-
     keys = list(dict.fromkeys(k for m in manifests for k in m.get("counts", {})))
     out: dict = {}
     for key in keys:
@@ -75,8 +71,6 @@ def combined_source(path: str, manifests: list[dict]) -> dict[str, Any]:
 
 def check_compatible(names: list[str], manifests: list[dict]) -> None:
     """Refuse parts that cannot form one dataset: another format version, tokenizer, options or truncation."""
-    from pf_trl.data.shards import ShardsError
-
     first = manifests[0]
     for name, m in zip(names[1:], manifests[1:]):
         for key in ("format_version", "options", "max_seq_len", "truncation"):
@@ -104,7 +98,7 @@ def write_parts_manifest(directory: str | Path, names: list[str], manifest: dict
     """
     from pf_trl.data.integrity import file_digest
     from pf_trl.data.row_layout import LAYOUT_KEY, LENGTHS_FILE, read_row_layout
-    from pf_trl.data.shards import MANIFEST_FILE, ShardsError, length_stats, read_manifest
+    from pf_trl.data.shards import MANIFEST_FILE, length_stats, read_manifest
 
     directory = Path(directory)
     if not names:
@@ -160,32 +154,3 @@ def write_parts_manifest(directory: str | Path, names: list[str], manifest: dict
         os.fsync(f.fileno())
     os.replace(tmp, directory / MANIFEST_FILE)  # last: the directory is a dataset from here on
     return out
-
-
-def load_parts(directory: str | Path, manifest: dict[str, Any]):
-    """The ``datasets.Dataset`` of a multi-part directory: its parts memory-mapped and concatenated in order.
-
-    Raises:
-        ShardsError: a listed part is missing or is not the part the dataset manifest recorded.
-    """
-    import datasets
-
-    from pf_trl.data.shards import MANIFEST_FILE, ShardsError, load_shards
-
-    directory = Path(directory)
-    loaded = []
-    for record in manifest[PARTS_KEY]:
-        name = record.get("name") if isinstance(record, dict) else None
-        if not isinstance(name, str) or "/" in name or name.startswith("."):
-            raise ShardsError(f"{directory}: the manifest lists a malformed part {record!r}; re-run pretokenize")
-        if not (directory / name / MANIFEST_FILE).is_file():
-            raise ShardsError(f"{directory}: part {name} listed by the dataset manifest is missing (or was never "
-                              "committed); restore it or re-run pretokenize into a new directory")
-        part = load_shards(directory / name, verify=False)  # the dataset's checksums cover every part's files
-        if part.num_rows != record.get("examples"):
-            raise ShardsError(f"{directory}: part {name} has {part.num_rows} rows, the dataset manifest records "
-                              f"{record.get('examples')}; the part was replaced: re-run pretokenize")
-        loaded.append(part)
-    if not loaded:
-        raise ShardsError(f"{directory}: the manifest lists no parts; re-run pretokenize")
-    return datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]

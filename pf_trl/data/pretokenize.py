@@ -452,11 +452,9 @@ def pretokenize(
     source_fingerprint_value: str | None = None,
     limits: SourceLimits | None = None,
     image_roots: tuple[str, ...] | None = None,
-    engine: str = "local",
-    ray_workers: int | None = None,
-    rows_per_part: int | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
+    """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest (in this process and
+    ``num_proc`` forked workers; :func:`pf_trl.pretokenize` also takes ``engine="ray"``, :mod:`pf_trl.data.engines`).
 
     Args:
         source: JSON / JSONL / Parquet / CSV file, a ``datasets.save_to_disk`` directory, or a ``datasets.Dataset``
@@ -475,11 +473,6 @@ def pretokenize(
             is parsed, the loaded rows after (the service passes its limits; None: no limits).
         image_roots: directories image paths of a vision-language source may be read from (default: the source
             file's directory); relative paths are resolved against the first.
-        engine: ``"local"`` (this process and ``num_proc`` forked workers: one shards directory) or ``"ray"``
-            (Ray Data tasks on ``RAY_ADDRESS``'s cluster, else a local one: a dataset of many parts with the same
-            rows in the same order; needs ``pf-trl[ray]``, see :mod:`pf_trl.data.ray_engine`).
-        ray_workers: with ``engine="ray"``, the Ray workers (default: every CPU of the cluster).
-        rows_per_part: with ``engine="ray"``, source rows per part (default ~4 parts per worker).
 
     Raises:
         PretokenizeError: bad source, format, options or rows; the message names the row and the fix.
@@ -487,17 +480,6 @@ def pretokenize(
     from pf_trl.data.remote import local_path, publish_through_staging
     from pf_trl.storage import is_remote
 
-    if engine not in ("local", "ray"):
-        raise PretokenizeError(f"engine must be 'local' or 'ray', got {engine!r}")
-    if engine == "ray":
-        if limits is not None or image_roots is not None or progress_callback is not None:
-            raise PretokenizeError("engine='ray' takes no limits, image_roots or progress_callback (the service's "
-                                   "options); use engine='local'")
-        from pf_trl.data.ray_engine import pretokenize_ray
-
-        return pretokenize_ray(source, output_dir, config, tokenizer=tokenizer, overwrite=overwrite,
-                               num_workers=ray_workers, rows_per_part=rows_per_part,
-                               source_fingerprint_value=source_fingerprint_value)
     source = local_path(source)  # a bucket URI: the node cache's copy
     if is_remote(output_dir):  # tokenized into staging, then uploaded (manifest last)
         return publish_through_staging(str(output_dir), lambda local: pretokenize(

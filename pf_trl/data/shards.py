@@ -32,6 +32,7 @@ from pf_trl.errors import PfTrlError
 MANIFEST_FILE = "pf_manifest.json"
 FORMAT_VERSION = 1
 COLUMNS = ("input_ids", "labels", "length")
+PARTS_KEY = "parts"  # the manifest of a dataset of many parts lists them here (pf_trl.data.parts writes it)
 
 
 class ShardsError(PfTrlError, ValueError):
@@ -168,15 +169,13 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
     """
     import datasets
 
-    from pf_trl.data.parts import is_multipart, load_parts
-
     manifest = read_manifest(path)
     directory = Path(path)
     if verify:
         verify_shards(directory, manifest)
     try:
         if is_multipart(manifest):  # a dataset of parts: their concatenation, no merge copy (pf_trl.data.parts)
-            dataset = load_parts(directory, manifest)
+            dataset = _load_parts(directory, manifest)
         else:
             dataset = datasets.load_from_disk(str(directory))
     except ShardsError:
@@ -208,6 +207,37 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
     dataset.pf_manifest = manifest
     return dataset
 
+
+
+def is_multipart(manifest: dict[str, Any]) -> bool:
+    """True for the manifest of a dataset of many parts (:mod:`pf_trl.data.parts`)."""
+    return isinstance(manifest.get(PARTS_KEY), list)
+
+
+def _load_parts(directory: Path, manifest: dict[str, Any]):
+    """The ``datasets.Dataset`` of a dataset of many parts: its parts memory-mapped and concatenated in order.
+
+    Raises:
+        ShardsError: a listed part is missing or is not the part the dataset manifest recorded.
+    """
+    import datasets
+
+    loaded = []
+    for record in manifest[PARTS_KEY]:
+        name = record.get("name") if isinstance(record, dict) else None
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            raise ShardsError(f"{directory}: the manifest lists a malformed part {record!r}; re-run pretokenize")
+        if not (directory / name / MANIFEST_FILE).is_file():
+            raise ShardsError(f"{directory}: part {name} listed by the dataset manifest is missing (or was never "
+                              "committed); restore it or re-run pretokenize into a new directory")
+        part = load_shards(directory / name, verify=False)  # the dataset's checksums cover every part's files
+        if part.num_rows != record.get("examples"):
+            raise ShardsError(f"{directory}: part {name} has {part.num_rows} rows, the dataset manifest records "
+                              f"{record.get('examples')}; the part was replaced: re-run pretokenize")
+        loaded.append(part)
+    if not loaded:
+        raise ShardsError(f"{directory}: the manifest lists no parts; re-run pretokenize")
+    return datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
 
 
 def check_tokenizer(where: str, manifest: dict[str, Any], expected: dict[str, Any]) -> None:
