@@ -178,6 +178,7 @@ def test_an_interrupted_run_resumes_from_its_committed_parts(cluster, source, tm
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None and len(list(dest.glob("part-*/pf_manifest.json"))) < 2:
         time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the job's driver, its process group only
     proc.communicate()
     committed = {p.parent.name: p.stat().st_mtime_ns for p in dest.glob("part-*/pf_manifest.json")}

@@ -175,6 +175,8 @@ def main(argv: list[str]) -> int:
             if data_config is not None:
                 raise PretokenizeCLIError("--engine ray tokenizes one source; a data config (or a Hub dataset of "
                                           "several files) is tokenized with --engine local")
+            if args.num_proc != 1:
+                raise PretokenizeCLIError("--num_proc applies to --engine local; Ray's workers: --ray_workers")
         elif args.ray_workers is not None or args.rows_per_part is not None:
             raise PretokenizeCLIError("--ray_workers and --rows_per_part apply to --engine ray only")
         if data_config is not None:
@@ -182,9 +184,10 @@ def main(argv: list[str]) -> int:
         else:
             from pf_trl.data.engines import pretokenize
 
-            manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
-                                   overwrite=args.overwrite, progress=not args.no_progress, engine=args.engine,
-                                   ray_workers=args.ray_workers, rows_per_part=args.rows_per_part)
+            engine_options = ({"ray_workers": args.ray_workers, "rows_per_part": args.rows_per_part}
+                              if args.engine == "ray" else {"num_proc": args.num_proc})
+            manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, engine=args.engine,
+                                   overwrite=args.overwrite, progress=not args.no_progress, **engine_options)
     # PfTrlError: pf-trl's refusals (flags, options, sources, tokenizer, shards); ValueError: what upstream raises on the
     # data (transformers' tokenizers, e.g. apply_chat_template; datasets) and the truncation policy check
     except (argparse.ArgumentError, PfTrlError, ValueError) as exc:
