@@ -248,7 +248,15 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     work = out / WORK_DIR
-    ds = load_source(source, work)
+    import datasets
+
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # Ray Data reports the progress
+    try:
+        ds = load_source(source, work)
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
     input_format = resolve_format(ds, config)
     if input_format == "vision":
         raise PretokenizeError("--engine ray tokenizes text rows; this source has images: use --engine local")
@@ -273,7 +281,7 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
 
         items = ray.data.from_items([{"start": a, "stop": b} for a, b in pending], override_num_blocks=len(pending))
         results = items.map_batches(
-            PartWriter, batch_size=1, concurrency=min(workers, len(pending)), num_cpus=1,
+            PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers, len(pending))), num_cpus=1,
             fn_constructor_kwargs={"source": source, "cache_dir": str(work), "out": str(out), "tokenizer": tokenizer,
                                    "input_format": input_format, "config": config, "source_record": source_record,
                                    "plan_id": plan_id},
