@@ -112,9 +112,7 @@ def write_part(ds, start: int, stop: int, *, out: Path, tokenizer, input_format:
             _, _, path, _ = _ChunkJob(ds, tokenizer, input_format, config, tmp)((start, stop))
             full = datasets.Dataset.from_file(path)
             tokenized = summarize_tokenized(full, config, stop - start, index_offset=start)
-        except FormatError as exc:
-            return {"name": name, "error": str(exc)}
-        except PretokenizeError as exc:
+        except (FormatError, PretokenizeError, ValueError) as exc:  # ValueError: what the tokenizer raises on a row
             return {"name": name, "error": str(exc)}
         shards = tmp / "shards"
         tokenized.kept.save_to_disk(str(shards), max_shard_size=config.shard_size)
@@ -147,9 +145,11 @@ class PartWriter:
     def __init__(self, *, source, cache_dir: str, out: str, tokenizer, input_format: str, config: PretokenizeConfig,
                  source_record: dict[str, Any], plan_id: str) -> None:
         from pf_trl.data.pretokenize import load_source
+        from pf_trl.data.remote import local_path
 
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        self.ds = load_source(source, Path(cache_dir))  # the driver's datasets cache: memory-mapped, not re-parsed
+        # a bucket URI: this node's cache copy; the driver's datasets cache (DEST/.work): memory-mapped, not re-parsed
+        self.ds = load_source(local_path(source), Path(cache_dir))
         self.kwargs = {"out": Path(out), "tokenizer": tokenizer, "input_format": input_format, "config": config,
                        "source_record": source_record, "plan_id": plan_id}
 
@@ -235,7 +235,7 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
     if rows_per_part is not None and rows_per_part < 1:
         raise PretokenizeError(f"rows_per_part must be >= 1, got {rows_per_part}")
     config = config or PretokenizeConfig()
-    source = local_path(source)
+    given_source, source = source, local_path(source)  # the workers resolve a bucket URI on their own nodes
     out = Path(output_dir).absolute()
     if overwrite and out.exists():
         shutil.rmtree(out)  # not atomic with this engine: the old dataset is gone before the new one is whole
@@ -282,9 +282,9 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
         items = ray.data.from_items([{"start": a, "stop": b} for a, b in pending], override_num_blocks=len(pending))
         results = items.map_batches(
             PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers, len(pending))), num_cpus=1,
-            fn_constructor_kwargs={"source": source, "cache_dir": str(work), "out": str(out), "tokenizer": tokenizer,
-                                   "input_format": input_format, "config": config, "source_record": source_record,
-                                   "plan_id": plan_id},
+            fn_constructor_kwargs={"source": given_source, "cache_dir": str(work), "out": str(out),
+                                   "tokenizer": tokenizer, "input_format": input_format, "config": config,
+                                   "source_record": source_record, "plan_id": plan_id},
         ).take_all()
         errors = {r["name"]: r["error"] for r in results if r["error"]}
     if errors:
