@@ -184,10 +184,13 @@ def test_an_interrupted_run_resumes_from_its_committed_parts(cluster, source, tm
     committed = {p.parent.name: p.stat().st_mtime_ns for p in dest.glob("part-*/pf_manifest.json")}
     assert 2 <= len(committed) < 8, "not interrupted mid-run"
     assert not (dest / "pf_manifest.json").exists() and (dest / "pf_plan.json").exists()
-    # other flags on the interrupted run: refused in one line, nothing touched
-    other = subprocess.run([*cmd, "--max_seq_len", "32"], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert other.returncode == 2 and "interrupted run of another source, tokenizer or flags" in other.stderr
+    # other flags on the interrupted run: refused, nothing touched
+    from pf_trl import PretokenizeConfig, pretokenize
+    from pf_trl.data.pretokenize import PretokenizeError
+
+    with pytest.raises(PretokenizeError, match="interrupted run of another source, tokenizer or flags"):
+        pretokenize(source / "rows.jsonl", dest, PretokenizeConfig(max_seq_len=32, truncation="drop"), engine="ray",
+                    rows_per_part=50)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     for name, mtime in committed.items():
