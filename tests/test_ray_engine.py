@@ -95,6 +95,13 @@ def test_ray_engine_writes_the_rows_of_one_process_and_trains(cluster, source, t
     # a committed dataset is not written over without --overwrite
     assert main(["pretokenize", str(source / "rows.jsonl"), str(dest), *FLAGS, "--engine", "ray"]) == 2
     assert "already exists" in capsys.readouterr().err
+    # a source the default engine refuses is refused the same way, in one line, before any Ray task; nothing written
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "no known format"}])
+    assert main(["pretokenize", str(bad), str(tmp_path / "bad"), "--engine", "ray"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pf-trl pretokenize: error:") and "\n" not in err and not (tmp_path / "bad").exists()
+    assert main(["pretokenize", str(bad), str(tmp_path / "bad-local")]) == 2
+    assert capsys.readouterr().err.strip().split("error:")[1] == err.split("error:")[1]
     # the trainer reads the parts as they are: the losses of the single-process dataset, bit for bit (same rows,
     # same batches, same ops)
     losses = {}

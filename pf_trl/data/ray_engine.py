@@ -195,6 +195,33 @@ def _check_plan(out: Path, plan: dict[str, Any]) -> dict[str, Any]:
     return plan
 
 
+def _open_and_plan(source, out: Path, work: Path, config: PretokenizeConfig, tokenizer, rows_per_part: int | None,
+                   source_fingerprint_value: str | None):
+    """The source opened as the single-process engine opens it, its format, checksum, the tokenizer's fingerprint, and
+    the run's plan (an interrupted run's when it matches)."""
+    import datasets
+
+    from pf_trl.data.pretokenize import load_source, resolve_format, source_fingerprint
+    from pf_trl.data.tokenizer import tokenizer_fingerprint
+
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # Ray Data reports the progress
+    try:
+        ds = load_source(source, work)
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+    input_format = resolve_format(ds, config)
+    if input_format == "vision":
+        raise PretokenizeError("--engine ray tokenizes text rows; this source has images: use --engine local")
+    source_sha = source_fingerprint_value or source_fingerprint(source)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    plan = _check_plan(out, {"source_sha256": source_sha, "rows": ds.num_rows, "input_format": input_format,
+                             "tokenizer_sha256": fingerprint.get("sha256"), "options": config.to_dict(),
+                             "rows_per_part": rows_per_part})  # an interrupted run's plan, or this run's
+    return ds, input_format, source_sha, fingerprint, plan
+
+
 def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConfig | None = None, *,
                     tokenizer: Any, overwrite: bool = False, num_workers: int | None = None,
                     rows_per_part: int | None = None, source_fingerprint_value: str | None = None) -> dict[str, Any]:
@@ -218,12 +245,9 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
         CHAT_FORMATS,
         _hub_record,
         describe_source,
-        load_source,
-        resolve_format,
-        source_fingerprint,
     )
     from pf_trl.data.remote import local_path
-    from pf_trl.data.tokenizer import load_tokenizer, tokenizer_fingerprint, with_chat_template
+    from pf_trl.data.tokenizer import load_tokenizer, with_chat_template
     from pf_trl.storage import is_remote
 
     ray = import_ray()
@@ -246,26 +270,17 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
         tokenizer = load_tokenizer(str(tokenizer))
     tokenizer = with_chat_template(tokenizer, config.chat_template)
     started = time.time()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     work = out / WORK_DIR
-    import datasets
-
-    bars_were_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # Ray Data reports the progress
     try:
-        ds = load_source(source, work)
-    finally:
-        if bars_were_on:
-            datasets.enable_progress_bars()
-    input_format = resolve_format(ds, config)
-    if input_format == "vision":
-        raise PretokenizeError("--engine ray tokenizes text rows; this source has images: use --engine local")
-    source_sha = source_fingerprint_value or source_fingerprint(source)
-    fingerprint = tokenizer_fingerprint(tokenizer)
+        ds, input_format, source_sha, fingerprint, plan = _open_and_plan(
+            source, out, work, config, tokenizer, rows_per_part, source_fingerprint_value)
+    except BaseException:
+        if created and not (out / PLAN_FILE).exists():  # refused before any plan: leave nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     rows = ds.num_rows
-    plan = _check_plan(out, {"source_sha256": source_sha, "rows": rows, "input_format": input_format,
-                             "tokenizer_sha256": fingerprint.get("sha256"), "options": config.to_dict(),
-                             "rows_per_part": rows_per_part})  # an interrupted run's plan, or this run's
     _connect(ray, num_workers)
     workers = num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     if plan["rows_per_part"] is None:  # a new run without --rows_per_part: ~4 parts per worker
