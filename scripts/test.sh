@@ -87,7 +87,7 @@ PY
 (( newest )) && job_start newest-venv bash scripts/test_newest.sh --prepare
 (( real )) && job_start real-setup install_real
 # The Ray Data engine's suite (`pytest -m ray`: `pf-trl pretokenize --engine ray` on a local 2-CPU Ray cluster the
-# tests start and stop themselves; 5.5 min measured on 2 cores shared at load average ~15, not yet timed idle): the
+# tests start and stop themselves; 3 min measured on 2 cores shared at load average ~13, not yet timed idle): the
 # `ray` extra (~240 MB) is installed in the background while the main suite runs, the suite runs after it.
 # PF_TRL_SKIP_RAY=1: off.
 ray=0
