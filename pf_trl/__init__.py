@@ -21,7 +21,7 @@ from pf_trl._version import __version__
 from pf_trl.errors import PfTrlError
 
 _EXPORTS = {
-    "pretokenize": "pf_trl.data.pretokenize",
+    "pretokenize": "pf_trl.data.engines",
     "PretokenizeConfig": "pf_trl.data.options",
     "load_shards": "pf_trl.data.shards",
     "ShardsError": "pf_trl.data.shards",

@@ -97,6 +97,23 @@ run_real() {
 # .venv is ready: the suites layered on it start now (each prepares itself, then runs its tests)
 (( newest )) && job_start newest bash scripts/test_newest.sh
 (( real )) && job_start real run_real
+# The Ray Data engine's suite (`pytest -m ray`: `pf-trl pretokenize --engine ray` on a local 2-CPU Ray cluster the
+# tests start and stop themselves): the `ray` extra (~240 MB; ray itself only, its needs are already in .venv) is
+# installed, then the suite runs, beside the main suite. PF_TRL_SKIP_RAY=1: off.
+ray=0
+[[ -z "${PF_TRL_SKIP_RAY:-}" ]] && ray=1
+install_ray() {
+  local reqs
+  reqs=$(.venv/bin/python -c 'import tomllib
+print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"])') || return 1
+  # shellcheck disable=SC2086  # one requirement a word, none with spaces
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt $reqs
+}
+run_ray() {
+  install_ray || return 1
+  .venv/bin/python -m pytest -q -p no:cacheprovider -m ray tests/test_ray_engine.py
+}
+(( ray )) && job_start ray run_ray
 
 status=0
 # Lint first (rules in pyproject.toml's [tool.ruff]; ruff pinned in constraints/cpu.txt, installed by setup.sh with
@@ -104,13 +121,14 @@ status=0
 .venv/bin/python -m ruff check pf_trl pf_trl_dev preprocess_service tests benchmarks scripts || status=$?
 # --dist loadgroup: the modules whose tests share an expensive module fixture (a server, a sweep, a torchrun
 # reference) run whole on one worker (tests/conftest.py); every other test goes to whichever worker is free.
-.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --durations=25 -m "not legacy and not real" "$@" \
+.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --durations=25 -m "not legacy and not real and not ray" "$@" \
   2>&1 | tee "$JOB_DIR/main.log"
 rc=${PIPESTATUS[0]}
 (( rc )) && status=$rc
 
 # The side suites started above: collected here, their output printed whole.
 suites=()
+(( ray )) && suites+=(ray)
 (( real )) && suites+=(real)
 (( legacy )) && suites+=(legacy)
 (( newest )) && suites+=(newest)

@@ -45,7 +45,8 @@ SAMPLE_DATASET_ID = "0123456789abcdef0123456789abcdef"
 CRDS = {"PyTorchJob": ("kubeflow.org_pytorchjobs.yaml", "v1"),
         "TrainJob": ("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1"),
         "ClusterTrainingRuntime": ("trainer.kubeflow.org_clustertrainingruntimes.yaml", "v1alpha1"),
-        "JobSet": ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2")}
+        "JobSet": ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2"),
+        "RayJob": ("ray.io_rayjobs.yaml", "v1")}  # k8s/ray/: tested in tests/test_k8s_rayjob.py
 
 
 # ------------------------------------------------------------------------------------------ loading

@@ -1,9 +1,13 @@
-"""Merge the per-index shards directories of the Indexed pretokenize Job into one shards directory.
+"""Optional compaction: the per-index parts of the Indexed pretokenize Job copied into one single-part directory.
 
     python merge_shards.py PARTS_DIR OUTPUT_DIR [--expect N] [--overwrite]
 
-PARTS_DIR holds ``part-0``, ``part-1``, ... (each written by ``pf-trl pretokenize``). pf-trl's trainer reads
-one shards directory (``--training_data_path``), so the parts are concatenated in index order with
+Not needed to train: the Indexed Job commits PARTS_DIR itself as a dataset of many parts (``pf_trl.data.parts``)
+that ``pf-trl train --training_data_path PARTS_DIR`` reads directly. Compact only to hand the data to a tool that
+reads one ``save_to_disk`` directory, or to turn many small parts into one.
+
+PARTS_DIR holds ``part-0``, ``part-1``, ... (each written by ``pf-trl pretokenize``). The parts are concatenated in
+index order with
 ``datasets.concatenate_datasets`` and written as a new shards directory with a manifest that
 ``pf_trl.load_shards`` accepts: same format version, tokenizer, options and truncation policy in every
 part (refused otherwise), every count of the parts' manifests kept (:func:`merge_counts`: numbers summed,
@@ -24,7 +28,6 @@ written into ``$PF_TRL_CACHE/staging`` and uploaded, its manifest last.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import shutil
@@ -41,23 +44,14 @@ class MergeError(ValueError):
 
 
 def merge_counts(manifests: list[dict]) -> dict:
-    """The ``counts`` of the merged manifest: every key any part has (a part without it counts 0 / false), integers
-    summed, booleans (lower-bound flags: "at least this many were lost") true when any part's is; a key of another
-    type must be equal in every part."""
-    keys = list(dict.fromkeys(k for m in manifests for k in m.get("counts", {})))
-    out: dict = {}
-    for key in keys:
-        values = [m.get("counts", {}).get(key) for m in manifests]
-        present = [v for v in values if v is not None]
-        if all(isinstance(v, bool) for v in present):
-            out[key] = any(present)
-        elif all(isinstance(v, int) and not isinstance(v, bool) for v in present):
-            out[key] = sum(present)
-        elif all(v == present[0] for v in values):
-            out[key] = present[0]
-        else:
-            raise MergeError(f"counts.{key} differs between the parts ({values}) and cannot be summed")
-    return out
+    """The ``counts`` of the merged manifest (:func:`pf_trl.data.parts.merge_counts`, its refusal a MergeError)."""
+    from pf_trl.data.parts import merge_counts as counts_of_parts
+    from pf_trl.data.shards import ShardsError
+
+    try:
+        return counts_of_parts(manifests)
+    except ShardsError as exc:
+        raise MergeError(str(exc)) from None
 
 
 def find_parts(parts_dir: Path, expect: int | None = None) -> list[Path]:
@@ -159,6 +153,7 @@ def merge_local(parts_dir: str | Path, output_dir: str | Path, *, expect: int | 
     import numpy as np
 
     from pf_trl._version import __version__
+    from pf_trl.data.parts import combined_source
     from pf_trl.data.shards import length_stats, load_shards, write_manifest
 
     parts_dir, out = Path(parts_dir), Path(output_dir)
@@ -182,23 +177,11 @@ def merge_local(parts_dir: str | Path, output_dir: str | Path, *, expect: int | 
     merged = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
     lengths = np.asarray(merged.data.column("length")) if len(loaded) == 1 else np.concatenate(
         [np.asarray(ds.data.column("length")) for ds in loaded])
-    formats = sorted({m["source"].get("input_format") for m in manifests})
-    source_digest = hashlib.sha256("".join(m["source"]["sha256"] for m in manifests).encode()).hexdigest()
     manifest = {
         "format_version": first["format_version"],
         "pf_trl_version": __version__,
         "created_unix": round(time.time(), 3),
-        "source": {
-            "path": str(parts_dir.resolve()),
-            "sha256": source_digest,
-            "rows": sum(m["source"].get("rows", 0) for m in manifests),
-            "input_format": formats[0] if len(formats) == 1 else "mixed",
-            # how the loss was masked (the trainer names it in a warning): the union over the parts
-            "chat_mask": first["source"].get("chat_mask"),
-            "mask_columns": sorted({c for m in manifests for c in m["source"].get("mask_columns") or []}),
-            "parts": [{"path": m["source"].get("path"), "sha256": m["source"]["sha256"],
-                       "input_format": m["source"].get("input_format")} for m in manifests],
-        },
+        "source": combined_source(str(parts_dir.resolve()), manifests),
         "tokenizer": first["tokenizer"],
         "options": first["options"],
         "max_seq_len": first["max_seq_len"],

@@ -4,16 +4,21 @@ completion marker.
     python pretokenize_slice.py PARTS_DIR --index I --count N -- SOURCE [pf-trl pretokenize flags]
 
 1. ``PARTS_DIR/slices.json`` is the run's plan (slice count and the pretokenize flags); the first index
-   to get there creates it (``O_EXCL``), every other index checks it: a run with another slice count (or
+   to get there creates it (written whole under a temporary name, then linked into place: never visible
+   half-written), every other index checks it: a run with another slice count (or
    other flags) on the same parts directory is refused, since its parts could not be merged with these.
 2. ``PARTS_DIR/part-I.done.json`` present and matching the part: the slice is already done (a retried
    index, or the whole Job applied again), nothing is redone.
 3. Else ``pf-trl pretokenize SOURCE PARTS_DIR/part-I --overwrite ...``: written to a temporary sibling and
    renamed into place, so a slice killed mid-way leaves no part (or the previous complete one) and its
-   re-run replaces it whole (no duplicated rows); then the marker, written last (temp file + rename).
+   re-run replaces it whole (no duplicated rows); then the marker (temp file + rename).
 
-``merge_shards.py`` merges only when every index 0..N-1 has its marker, and writes the merged manifest
-last. Exit status 2 with a one-line reason on a refused run.
+4. When every index 0..N-1 has its marker, PARTS_DIR itself is committed as a dataset of many parts
+   (:mod:`pf_trl.data.parts`: its ``pf_manifest.json``, written last, lists every part with its rows, lengths
+   and checksums): ``pf-trl train --training_data_path PARTS_DIR`` reads it as is. The last index to finish
+   commits it. ``merge_shards.py`` is only an optional compaction into one part.
+
+Exit status 2 with a one-line reason on a refused run.
 
 PARTS_DIR may be a bucket prefix (``s3://BUCKET/parts/NAME``, ``gs://``, ``az://``; credentials from the cloud's
 standard chain): the plan and the markers are objects there, and each part is a dataset committed by its manifest
@@ -28,6 +33,7 @@ import json
 import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 PLAN = "slices.json"
@@ -61,16 +67,42 @@ def _same_plan(parts_dir, existing: dict, count: int, flags: list[str]) -> dict:
 
 
 def check_plan(parts_dir: Path, count: int, flags: list[str]) -> dict:
-    """Create the plan or check it: the same slice count and pretokenize flags as the run that made it."""
+    """Create the plan or check it: the same slice count and pretokenize flags as the run that made it.
+
+    The plan is written whole to a temporary name, then linked to ``slices.json`` (``os.link`` fails when the name
+    exists): exactly one index creates it and no index ever reads it half-written."""
     plan = {"count": count, "pretokenize_flags": flags}
     path = Path(parts_dir) / PLAN
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return _same_plan(parts_dir, json.loads(path.read_text(encoding="utf-8")), count, flags)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(plan, f, indent=2, sort_keys=True)
-    return plan
+    if not path.exists():
+        tmp = path.with_name(f".{PLAN}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(plan, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # atomic and exclusive: the complete plan appears, or another index's did
+            return plan
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return _same_plan(parts_dir, json.loads(path.read_text(encoding="utf-8")), count, flags)
+
+
+def commit_dataset(parts_dir: Path, count: int) -> dict | None:
+    """When every slice 0..count-1 has its marker, commit PARTS_DIR as one dataset of many parts (its manifest
+    written last, :mod:`pf_trl.data.parts`): the trainer reads it as is, no merge copy. Every index calls it after
+    its own marker, so the last to finish commits (two finishing at once write the same manifest, atomically).
+    Returns the dataset manifest, or None while a slice is still running."""
+    from pf_trl.data.parts import combined_source, write_parts_manifest
+    from pf_trl.data.shards import read_manifest
+
+    names = [f"part-{i}" for i in range(count)]
+    if not all(marker_path(parts_dir, i).exists() for i in range(count)):
+        return None
+    manifests = [read_manifest(parts_dir / n) for n in names]
+    return write_parts_manifest(parts_dir, names, {"source": combined_source(str(parts_dir), manifests),
+                                                   "engine": {"name": "indexed-job", "slices": count}})
 
 
 def read_marker(parts_dir: Path, index: int) -> dict | None:
@@ -144,7 +176,8 @@ def run_slice(parts_dir: str | Path, index: int, count: int, source: str, flags:
     manifest = read_manifest(part)
     marker = {"index": index, "count": count, "source": source, "source_sha256": manifest["source"]["sha256"],
               "examples": manifest["counts"]["examples"], "source_rows": manifest["counts"]["source_rows"]}
-    write_json_atomic(marker_path(parts_dir, index), marker)  # last: the slice counts as done from here
+    write_json_atomic(marker_path(parts_dir, index), marker)  # the slice counts as done from here
+    commit_dataset(parts_dir, count)  # the last slice to finish commits the dataset of all parts
     return marker
 
 

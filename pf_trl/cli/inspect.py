@@ -173,6 +173,11 @@ def main(argv: list[str]) -> int:
               f"max_seq_len {manifest['max_seq_len']}, truncation {manifest['truncation']} "
               f"({(manifest.get('options') or {}).get('truncation_mode', 'keep_start')})")
         print(f"lengths: min {s['min']} mean {s['mean']} p50 {s['p50']} p90 {s['p90']} p99 {s['p99']} max {s['max']}")
+        if manifest.get("parts"):  # a dataset of many parts (pf_trl.data.parts), read without a merge copy
+            parts = manifest["parts"]
+            engine = (manifest.get("engine") or {}).get("name")
+            print(f"{len(parts)} parts ({parts[0]['name']} .. {parts[-1]['name']})"
+                  + (f", written by {engine}" if engine else ""))
         for line in source_lines(manifest, lengths):
             print(line)
         for budget in args.max_tokens:

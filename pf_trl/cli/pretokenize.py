@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run the tokenizer's or processor's own code (its auto_map), as TRL's "
                         "--trust_remote_code True does; without it such a tokenizer is refused")
     parser.add_argument("--num_proc", type=int, default=1)
+    parser.add_argument("--engine", choices=("local", "ray"), default="local",
+                        help="local: this process (and --num_proc forked workers), one shards directory; ray: Ray Data "
+                        "tasks on the cluster of RAY_ADDRESS (else a local one), written as a dataset of many parts "
+                        "with the same rows in source order (needs pf-trl[ray]; docs/data.md)")
+    parser.add_argument("--ray_workers", type=int, default=None,
+                        help="with --engine ray: Ray workers, one CPU each (default: every CPU of the cluster)")
+    parser.add_argument("--rows_per_part", type=int, default=None,
+                        help="with --engine ray: source rows per part (default: about 4 parts per worker)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--no_progress", action="store_true")
     add_config_arguments(parser)
@@ -145,6 +153,10 @@ def main(argv: list[str]) -> int:
             parser.print_help()
             return 0
         args = parser.parse_args(argv)
+        if args.engine == "ray":
+            from pf_trl.data.ray_engine import import_ray
+
+            import_ray()  # not installed: one line naming the extra, before any work
         if (args.source is None) == (args.data_config is None):
             raise PretokenizeCLIError("pass a SOURCE or --data_config FILE (not both) before OUTPUT_DIR")
         data_config = _read_data_config(args.data_config) if args.data_config else None
@@ -159,13 +171,23 @@ def main(argv: list[str]) -> int:
         if args.tokenizer_name_or_path is None:  # a model folder without a tokenizer fails here, cheaply
             default_tokenizer_for(args.model_name_or_path, trust_remote_code=trust)
         tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path, trust_remote_code=trust)
+        if args.engine == "ray":
+            if data_config is not None:
+                raise PretokenizeCLIError("--engine ray tokenizes one source; a data config (or a Hub dataset of "
+                                          "several files) is tokenized with --engine local")
+            if args.num_proc != 1:
+                raise PretokenizeCLIError("--num_proc applies to --engine local; Ray's workers: --ray_workers")
+        elif args.ray_workers is not None or args.rows_per_part is not None:
+            raise PretokenizeCLIError("--ray_workers and --rows_per_part apply to --engine ray only")
         if data_config is not None:
             manifest = _pretokenize_mixture(data_config, args, config, tokenizer)
         else:
-            from pf_trl.data.pretokenize import pretokenize
+            from pf_trl.data.engines import pretokenize
 
-            manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, num_proc=args.num_proc,
-                                   overwrite=args.overwrite, progress=not args.no_progress)
+            engine_options = ({"ray_workers": args.ray_workers, "rows_per_part": args.rows_per_part}
+                              if args.engine == "ray" else {"num_proc": args.num_proc})
+            manifest = pretokenize(args.source, args.output_dir, config, tokenizer=tokenizer, engine=args.engine,
+                                   overwrite=args.overwrite, progress=not args.no_progress, **engine_options)
     # PfTrlError: pf-trl's refusals (flags, options, sources, tokenizer, shards); ValueError: what upstream raises on the
     # data (transformers' tokenizers, e.g. apply_chat_template; datasets) and the truncation policy check
     except (argparse.ArgumentError, PfTrlError, ValueError) as exc:

@@ -356,6 +356,59 @@ class _ChunkJob:
         return start, stop, path, int(np.asarray(mapped.data.column("length")).sum())
 
 
+@dataclass
+class TokenizedRows:
+    """Tokenized rows with their bookkeeping resolved: the rows kept (bookkeeping columns removed, an index mapping
+    over ``full``), their keep mask and lengths, the manifest's ``counts`` and the truncation report."""
+
+    kept: Any
+    keep: np.ndarray
+    lengths: np.ndarray
+    counts: dict[str, Any]
+    report: TruncationReport
+
+
+def summarize_tokenized(full, config: PretokenizeConfig, rows_total: int, index_offset: int = 0) -> TokenizedRows:
+    """Resolve the bookkeeping columns of tokenized rows (``full``: what :class:`_ChunkJob` wrote, in source order):
+    which rows stay, the counts, and the ``refuse`` policy's refusal (naming source row ``index_offset + i``).
+    Both engines call it (the single-process one on all rows, the Ray engine on each part's)."""
+    drop = np.asarray(full.data.column("_drop"))
+    truncated = np.asarray(full.data.column("_truncated"))
+    loss = np.asarray(full.data.column("_loss"))
+    lost = np.asarray(full.data.column("_lost"), dtype=np.int64)
+    prefix_only = np.asarray(full.data.column("_cut"), dtype=bool)
+    keep = drop == KEEP
+    too_long = drop == TOO_LONG
+    report = TruncationReport(
+        examples=rows_total, too_long=int(too_long.sum()) + int(truncated.sum()), truncated=int(truncated.sum()),
+        dropped_too_long=int(too_long.sum()), loss_tokens_lost=int(lost.sum()),
+        dropped_no_loss=int((drop == NO_LOSS).sum()), max_length=config.max_seq_len,
+        mode=config.truncation_mode, policy=config.truncation, lost_at_least=bool(prefix_only.any()))
+    if config.truncation == "refuse" and too_long.any():
+        first = int(np.flatnonzero(too_long)[0])
+        raise PretokenizeError(report.refusal(index_offset + first, int(np.asarray(full.data.column("length"))[first]),
+                                              limit_name="max_seq_len", at_least=bool(prefix_only[first])))
+    # An index mapping, not a rewrite: save_to_disk writes the kept rows once.
+    kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
+    kept = kept.remove_columns(list(BOOKKEEPING_COLUMNS))
+    # `.data` is the table before the filter's index mapping: select the kept rows ourselves.
+    lengths = np.asarray(full.data.column("length"))[keep]
+    counts = {
+        "source_rows": rows_total,
+        "examples": int(kept.num_rows),
+        "tokens": int(lengths.sum()),
+        "loss_tokens": int(loss[keep].sum()),
+        "truncated": int(truncated[keep].sum()),
+        "too_long": report.too_long,  # cut (kept or then dropped without loss) or dropped for their length
+        "loss_tokens_lost": report.loss_tokens_lost,
+        "loss_tokens_lost_at_least": report.lost_at_least,
+        "dropped": int((~keep).sum()),
+        "dropped_too_long": int((drop == TOO_LONG).sum()),
+        "dropped_no_loss": int((drop == NO_LOSS).sum()),
+    }
+    return TokenizedRows(kept=kept, keep=keep, lengths=lengths, counts=counts, report=report)
+
+
 _FORKED_JOB: _ChunkJob | None = None
 
 
@@ -400,7 +453,8 @@ def pretokenize(
     limits: SourceLimits | None = None,
     image_roots: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest.
+    """Tokenize ``source`` into a shards directory at ``output_dir`` and return its manifest (in this process and
+    ``num_proc`` forked workers; :func:`pf_trl.pretokenize` also takes ``engine="ray"``, :mod:`pf_trl.data.engines`).
 
     Args:
         source: JSON / JSONL / Parquet / CSV file, a ``datasets.save_to_disk`` directory, or a ``datasets.Dataset``
@@ -488,32 +542,14 @@ def pretokenize(
         parts = [datasets.Dataset.from_file(arrow_files[start]) for start, _ in bounds]
         full = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
-        drop = np.asarray(full.data.column("_drop"))
-        truncated = np.asarray(full.data.column("_truncated"))
-        loss = np.asarray(full.data.column("_loss"))
-        lost = np.asarray(full.data.column("_lost"), dtype=np.int64)
-        prefix_only = np.asarray(full.data.column("_cut"), dtype=bool)
-        keep = drop == KEEP
-        too_long = drop == TOO_LONG
-        report = TruncationReport(
-            examples=rows_total, too_long=int(too_long.sum()) + int(truncated.sum()), truncated=int(truncated.sum()),
-            dropped_too_long=int(too_long.sum()), loss_tokens_lost=int(lost.sum()),
-            dropped_no_loss=int((drop == NO_LOSS).sum()), max_length=config.max_seq_len,
-            mode=config.truncation_mode, policy=config.truncation, lost_at_least=bool(prefix_only.any()))
-        if config.truncation == "refuse" and too_long.any():
-            first = int(np.flatnonzero(too_long)[0])
-            raise PretokenizeError(report.refusal(first, int(np.asarray(full.data.column("length"))[first]),
-                                                  limit_name="max_seq_len", at_least=bool(prefix_only[first])))
-        # An index mapping, not a rewrite: save_to_disk below writes the kept rows once.
-        kept = full.select(np.flatnonzero(keep)) if not keep.all() else full
-        kept = kept.remove_columns(list(BOOKKEEPING_COLUMNS))
+        tokenized = summarize_tokenized(full, config, rows_total)
+        report, keep, lengths = tokenized.report, tokenized.keep, tokenized.lengths
+        kept = tokenized.kept
         if kept.num_rows == 0:
             raise PretokenizeError(
-                f"no example left after tokenization ({int((drop == TOO_LONG).sum())} too long, "
-                f"{int((drop == NO_LOSS).sum())} without supervised tokens); check max_seq_len and the loss masking options"
+                f"no example left after tokenization ({report.dropped_too_long} too long, "
+                f"{report.dropped_no_loss} without supervised tokens); check max_seq_len and the loss masking options"
             )
-        # `.data` is the table before the filter's index mapping: select the kept rows ourselves.
-        lengths = np.asarray(full.data.column("length"))[keep]
         shards_tmp = work / "shards"
         source_sha = source_fingerprint_value or source_fingerprint(source)
         # the identity travels with the Arrow data (Dataset.info), so shards passed as a Dataset are checked too
@@ -539,19 +575,7 @@ def pretokenize(
             "options": config.to_dict(),
             "max_seq_len": config.max_seq_len,
             "truncation": config.truncation,
-            "counts": {
-                "source_rows": rows_total,
-                "examples": int(kept.num_rows),
-                "tokens": int(lengths.sum()),
-                "loss_tokens": int(loss[keep].sum()),
-                "truncated": int(truncated[keep].sum()),
-                "too_long": report.too_long,  # cut (kept or then dropped without loss) or dropped for their length
-                "loss_tokens_lost": report.loss_tokens_lost,
-                "loss_tokens_lost_at_least": report.lost_at_least,
-                "dropped": int((~keep).sum()),
-                "dropped_too_long": int((drop == TOO_LONG).sum()),
-                "dropped_no_loss": int((drop == NO_LOSS).sum()),
-            },
+            "counts": tokenized.counts,
             "lengths": length_stats(lengths, config.max_seq_len),
             "columns": {"input_ids": "list<int32>", "labels": "list<int32>", "length": "int32"},
         }

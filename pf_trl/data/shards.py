@@ -13,6 +13,9 @@ it was written is refused by name instead of trained on. Columns:
 The same lengths are also kept as ``pf_lengths.npy``, with the manifest's ``row_layout`` naming the rows of each
 Arrow file (:mod:`pf_trl.data.row_layout`): what a trainer reading the directory from a bucket needs before its
 Arrow files have arrived.
+
+A dataset of many parts (:mod:`pf_trl.data.parts`) is a directory of such directories with a manifest of its own,
+written last; :func:`load_shards` opens it as the concatenation of its parts.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pf_trl.errors import PfTrlError
 MANIFEST_FILE = "pf_manifest.json"
 FORMAT_VERSION = 1
 COLUMNS = ("input_ids", "labels", "length")
+PARTS_KEY = "parts"  # the manifest of a dataset of many parts lists them here (pf_trl.data.parts writes it)
 
 
 class ShardsError(PfTrlError, ValueError):
@@ -150,7 +154,7 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
     """Open a shards directory memory-mapped and validate it against its manifest.
 
     Args:
-        path: the directory written by :func:`pf_trl.pretokenize`.
+        path: the directory written by :func:`pf_trl.pretokenize` (one part, or a dataset of many parts).
         expected_tokenizer: a :func:`~pf_trl.data.tokenizer.tokenizer_fingerprint`; when given, shards made
             with another tokenizer are refused (their token ids would mean other tokens).
         verify: check every file against the manifest's checksums first (:func:`verify_shards`: one streaming
@@ -170,7 +174,12 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
     if verify:
         verify_shards(directory, manifest)
     try:
-        dataset = datasets.load_from_disk(str(directory))
+        if is_multipart(manifest):  # a dataset of parts: their concatenation, no merge copy (pf_trl.data.parts)
+            dataset = _load_parts(directory, manifest)
+        else:
+            dataset = datasets.load_from_disk(str(directory))
+    except ShardsError:
+        raise
     except Exception as exc:
         raise ShardsError(f"{directory} has a manifest but its Arrow data cannot be opened ({exc}); re-run pretokenize") from exc
     if isinstance(dataset, datasets.DatasetDict):
@@ -198,6 +207,37 @@ def load_shards(path: str | Path, *, expected_tokenizer: dict[str, Any] | None =
     dataset.pf_manifest = manifest
     return dataset
 
+
+
+def is_multipart(manifest: dict[str, Any]) -> bool:
+    """True for the manifest of a dataset of many parts (:mod:`pf_trl.data.parts`)."""
+    return isinstance(manifest.get(PARTS_KEY), list)
+
+
+def _load_parts(directory: Path, manifest: dict[str, Any]):
+    """The ``datasets.Dataset`` of a dataset of many parts: its parts memory-mapped and concatenated in order.
+
+    Raises:
+        ShardsError: a listed part is missing or is not the part the dataset manifest recorded.
+    """
+    import datasets
+
+    loaded = []
+    for record in manifest[PARTS_KEY]:
+        name = record.get("name") if isinstance(record, dict) else None
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            raise ShardsError(f"{directory}: the manifest lists a malformed part {record!r}; re-run pretokenize")
+        if not (directory / name / MANIFEST_FILE).is_file():
+            raise ShardsError(f"{directory}: part {name} listed by the dataset manifest is missing (or was never "
+                              "committed); restore it or re-run pretokenize into a new directory")
+        part = load_shards(directory / name, verify=False)  # the dataset's checksums cover every part's files
+        if part.num_rows != record.get("examples"):
+            raise ShardsError(f"{directory}: part {name} has {part.num_rows} rows, the dataset manifest records "
+                              f"{record.get('examples')}; the part was replaced: re-run pretokenize")
+        loaded.append(part)
+    if not loaded:
+        raise ShardsError(f"{directory}: the manifest lists no parts; re-run pretokenize")
+    return datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
 
 
 def check_tokenizer(where: str, manifest: dict[str, Any], expected: dict[str, Any]) -> None:
