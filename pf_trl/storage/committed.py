@@ -34,10 +34,34 @@ FORMAT = 1
 __all__ = ["MODEL_MARKER", "commit_prefix", "fetch_committed", "read_commit", "verify_files"]
 
 
-def _checksums(local: Path, files: Iterable[str]) -> dict[str, Any]:
-    from pf_trl.data.integrity import DEFAULT_ALGORITHM, file_digest
+ALGORITHM = "xxh3_128"  # the shards' checksum (pf_trl.data.integrity): corruption, not an attacker, is guarded
+_BLOCK = 4 * 2**20
 
-    return {"algorithm": DEFAULT_ALGORITHM,
+
+def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
+    """Hex digest of a file, read in 4 MiB blocks (constant memory for any size of weights).
+
+    Raises:
+        StorageError: an algorithm other than xxh3_128 / sha256 (a marker written by something else).
+    """
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        hasher = xxhash.xxh3_128()
+    elif algorithm == "sha256":
+        import hashlib
+
+        hasher = hashlib.sha256()
+    else:
+        raise StorageError(f"{path}: unknown checksum algorithm {algorithm!r} in a commit marker")
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _checksums(local: Path, files: Iterable[str]) -> dict[str, Any]:
+    return {"algorithm": ALGORITHM,
             "files": {name: {"bytes": (local / name).stat().st_size, "digest": file_digest(local / name)}
                       for name in sorted(files)}}
 
@@ -129,8 +153,6 @@ def verify_files(folder: Path, files: dict[str, dict[str, Any]], algorithm: str,
     Raises:
         StorageError: one that differs (changed in the bucket after it was committed), named in one line.
     """
-    from pf_trl.data.integrity import file_digest
-
     for name, entry in sorted(files.items()):
         path = folder / name
         size = path.stat().st_size
