@@ -1,9 +1,12 @@
-"""Where a model comes from: an embedded tiny config (random init), a local folder, or a Hugging Face Hub id.
+"""Where a model comes from: an embedded tiny config (random init), a local folder, a Hugging Face Hub id, or a
+committed prefix in a bucket (``s3://``, ``gs://``, ``az://``: the ``output_dir`` of a finished ``pf-trl train``).
 
 ``--model_name_or_path pf-trl/tiny-llama`` (or any name below) builds the model from these configs; a local folder
 loads with ``from_pretrained(folder)``; a Hub id (``ORG/NAME``) is downloaded by huggingface_hub into its cache
 (:mod:`pf_trl.hub`) and its snapshot folder loads as a local folder does. A local path wins over a Hub id of the same
-spelling, as in transformers.
+spelling, as in transformers. A bucket model is read only when committed (its marker, written last, lists every
+file with its size and checksum: :mod:`pf_trl.storage.committed`); its root files (config, weights, tokenizer) are
+downloaded once per node into the node cache, each checked, and load as a local folder does.
 """
 
 from __future__ import annotations
@@ -63,6 +66,33 @@ EMBEDDED_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+# a bucket model's files a tokenizer needs (what AutoTokenizer.from_pretrained reads), with config.json for the
+# vocabulary check: `pf-trl pretokenize --model_name_or_path s3://...` fetches these, never the weights
+TOKENIZER_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                           "*.tiktoken", "chat_template.*", "preprocessor_config.json", "processor_config.json",
+                           "config.json")
+
+
+def fetch_bucket_model(uri: str, *, tokenizer_only: bool = False, flag: str = "--model_name_or_path") -> str:
+    """The node-cache folder of the committed bucket model ``uri``: its root files (``tokenizer_only``: the
+    tokenizer's files and config.json), each checked against the commit marker's size and checksum.
+
+    Raises:
+        pf_trl.storage.StorageError: uncommitted prefix, a file that differs from its marker, the bucket unreachable
+            (one line).
+    """
+    from fnmatch import fnmatch
+
+    from pf_trl.storage.committed import fetch_committed
+
+    def wanted(name: str) -> bool:
+        if "/" in name:  # subfolders (runs/, merged/) are not the model transformers loads from the root
+            return False
+        return not tokenizer_only or any(fnmatch(name, p) for p in TOKENIZER_FILE_PATTERNS)
+
+    return str(fetch_committed(uri, flag=flag, select=wanted))
+
+
 def is_embedded_model(name: str) -> bool:
     return name in EMBEDDED_MODELS
 
@@ -108,14 +138,21 @@ def resolve_model_path(name: str, *, revision: str | None = None, flag: str = "-
     Raises:
         pf_trl.hub.HubError: a Hub failure (not found, gated, offline, unreachable) or a name that is neither.
         pf_trl.remote_code.RemoteCodeError: custom code without ``trust_remote_code``.
+        pf_trl.storage.StorageError: a bucket prefix that is not a committed model (one line).
     """
     from pathlib import Path
 
     from pf_trl.hub import MODEL_CODE_FILES, MODEL_FILES, HubError, looks_like_repo_id, snapshot
     from pf_trl.remote_code import check_remote_code
+    from pf_trl.storage import is_remote
 
     if is_embedded_model(name):
         return name
+    if is_remote(name):
+        local = fetch_bucket_model(name, flag=flag)
+        if trust_remote_code is not None:
+            check_remote_code(Path(local), trust_remote_code=trust_remote_code, name=name, flag=flag)
+        return local
     folder = Path(name).expanduser()
     if folder.is_dir():
         if trust_remote_code is not None:

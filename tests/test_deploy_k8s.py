@@ -519,14 +519,18 @@ def test_secret_is_only_an_example():
 
 # --------------------------------------------------------------------- the PostgreSQL option (component)
 def _json_patch(target: dict, ops: list[dict]) -> dict:
-    """The JSON-patch subset the component uses (replace, add with `-`), as kustomize applies it."""
+    """The JSON-patch subset the components use (test, remove, replace, add with `-`), as kustomize applies it."""
     out = copy.deepcopy(target)
     for op in ops:
         *parents, last = op["path"].strip("/").split("/")
         node = out
         for key in parents:
             node = node[int(key)] if isinstance(node, list) else node[key]
-        if op["op"] == "add" and last == "-":
+        if op["op"] == "test":
+            assert node[int(last) if isinstance(node, list) else last] == op["value"], f"test failed: {op}"
+        elif op["op"] == "remove":
+            del node[int(last) if isinstance(node, list) else last]
+        elif op["op"] == "add" and last == "-":
             node.append(copy.deepcopy(op["value"]))
         elif op["op"] in ("add", "replace"):
             node[int(last) if isinstance(node, list) else last] = copy.deepcopy(op["value"])

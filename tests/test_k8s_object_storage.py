@@ -265,8 +265,50 @@ def test_service_publishes_to_the_bucket(rendered):
     assert publish == f"{bucket}/datasets"
     assert [v for v in pod["volumes"] if "persistentVolumeClaim" in v] == [
         {"name": "cache", "persistentVolumeClaim": {"claimName": "pf-trl-cache"}}]
-    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    assert "replicas" not in deploy["spec"] and deploy["spec"]["strategy"] == {"type": "Recreate"}  # one, by design
     assert pod["serviceAccountName"] == "pf-trl"
+
+
+def test_with_postgres_the_service_keeps_its_database_and_one_replica_on_its_one_disk(tmp_path):
+    """k8s/postgres then k8s/object-storage: the job store in PostgreSQL (--database-url-file kept), one replica
+    (Recreate) on the ReadWriteOnce cache; listed the other way round the render fails instead of putting two
+    replicas on that disk (the negative control: that order is what the component alone would have rendered)."""
+    from pf_trl.cli.serve import build_parser
+
+    docs = {}
+    for order in (("postgres", "object-storage"), ("object-storage", "postgres")):
+        overlay = tmp_path / "-".join(order)
+        overlay.mkdir()
+        rel = Path(os.path.relpath(K8S, overlay))
+        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [str(rel)],
+                                                                    "components": [str(rel / o) for o in order]}))
+        cmd = _kustomize_cmd()
+        if cmd is None:
+            pytest.skip("neither kustomize nor kubectl is installed")
+        proc = subprocess.run([*cmd, str(overlay)], capture_output=True, text=True, timeout=60, check=False)
+        docs[order] = proc
+    bad = docs[("object-storage", "postgres")]
+    assert bad.returncode != 0 and "/spec/template/spec/containers/0/args/7" in bad.stderr
+    good = docs[("postgres", "object-storage")]
+    assert good.returncode == 0, good.stderr
+    rendered = [d for d in yaml.safe_load_all(good.stdout) if d]
+    for d in rendered:
+        if d["kind"] in ("Deployment", "PersistentVolumeClaim", "Service"):
+            validate_core(d)
+    (deploy,) = [d for d in rendered if d["kind"] == "Deployment"]
+    (claim,) = [d for d in rendered if d["kind"] == "PersistentVolumeClaim"]
+    assert claim["metadata"]["name"] == "pf-trl-cache" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "replicas" not in deploy["spec"] and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deploy["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    argv = argv_of(c)
+    parser = build_parser()
+    assert_exact_flags(argv[1:], parser)
+    args = parser.parse_args(argv[1:])
+    assert args.database_url_file == "/etc/pf-trl/database/url" and args.cache_dir == "/cache"
+    assert not args.data_roots and args.public_cache_dir is None
+    assert {v["name"] for v in pod["volumes"]} == {"cache", "tmp", "database"}
+    assert {"name": "PF_SERVICE_REPLICA_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
 
 
 def test_the_bucket_is_named_in_one_place(rendered):

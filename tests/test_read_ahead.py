@@ -126,13 +126,13 @@ def test_a_published_dataset_carries_its_lengths_and_row_layout(s3, published, l
     assert lengths.tolist() == load_shards(local_shards)["length"]
 
 
-def _train(data, output_dir: Path, callbacks=()):
+def _train(data, output_dir: Path, callbacks=(), max_steps: int = 4):
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
-    args = PaddingFreeConfig(output_dir=str(output_dir), report_to=[], logging_steps=1, disable_tqdm=True, max_steps=4,
-                             per_device_train_batch_size=4, use_cpu=True, save_strategy="no", learning_rate=1e-3,
-                             dataloader_num_workers=0, seed=0, max_length=None)
+    args = PaddingFreeConfig(output_dir=str(output_dir), report_to=[], logging_steps=1, disable_tqdm=True,
+                             max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True, save_strategy="no",
+                             learning_rate=1e-3, dataloader_num_workers=0, seed=0, max_length=None)
     model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
     trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=data, processing_class=_tokenizer(),
                                     callbacks=list(callbacks))
@@ -382,3 +382,99 @@ def test_the_training_set_read_as_evaluation_data_too_is_downloaded_once(relay):
     assert whole == _entry(lazy) and (whole / ".complete").is_file() and lazy.is_local()
     gets = [path.rsplit("/", 1)[-1] for method, path in relay.log if method == "GET" and "/w-" in path]
     assert sorted(gets) == sorted(set(gets))  # each file once
+
+
+class CacheWatch:
+    """The node cache's size (every file under it), sampled every few milliseconds from a thread while a run goes."""
+
+    def __init__(self, root: Path):
+        import threading
+
+        self.root, self.sizes, self._stop = root, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        from pf_trl.storage.space import held_bytes
+
+        while not self._stop.is_set():
+            self.sizes.append(held_bytes(self.root) if self.root.is_dir() else 0)
+            self._stop.wait(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _arrow_bytes(s3) -> dict[str, int]:
+    return {n: f["bytes"] for n, f in _manifest(s3)["checksums"]["files"].items() if n.endswith(".arrow")}
+
+
+def test_a_dataset_three_times_the_cache_streams_to_the_local_losses_within_the_limit(relay, s3, local_shards,
+                                                                                       tmp_path, monkeypatch):
+    from pf_trl.data.lazy_shards import is_lazy
+
+    arrow = _arrow_bytes(s3)
+    limit = sum(arrow.values()) // 3
+    assert limit > 3 * max(arrow.values()) + 4096
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(limit))
+    root = tmp_path / "node" / "remote"
+    # what a killed process left: a whole download's .tmp folder and a partial read-ahead entry; both count
+    for leftover in (root / ".0badc0ffee.tmp", root / "0deadbeef" / ".readahead"):
+        leftover.mkdir(parents=True)
+        (leftover / "cut-short.part").write_bytes(b"x" * (limit // 4))
+    relay.gate_control.open()
+    with CacheWatch(root) as watch:
+        trainer, from_bucket = _train(URI, tmp_path / "bucket", max_steps=8)
+    assert is_lazy(trainer.train_dataset) and trainer.train_dataset._ahead.streaming
+    stats = trainer.train_dataset._ahead.stats
+    assert stats["files_evicted"] > 0 and stats["files_downloaded"] > limit // max(arrow.values())
+    assert max(watch.sizes) <= limit, (max(watch.sizes), limit)
+    assert not (root / ".0badc0ffee.tmp").exists() and not (root / "0deadbeef").exists()  # cleaned for room
+    assert not (_entry(trainer.train_dataset) / ".complete").exists()
+    _, from_local = _train(str(local_shards), tmp_path / "local", max_steps=8)
+    assert len(from_bucket) == 8 and from_bucket == from_local  # the same rows: the same losses, to the bit
+
+
+def test_a_streamed_dataset_resumed_mid_epoch_fetches_only_what_is_still_to_be_read(relay, s3, local_shards,
+                                                                                  monkeypatch):
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
+    from pf_trl.data.lazy_shards import admit, open_lazy_shards
+    from pf_trl.data.shards import load_shards
+    from pf_trl.storage import StorageError
+
+    arrow = _arrow_bytes(s3)
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(sum(arrow.values()) // 3))
+    lazy = open_lazy_shards(URI)
+    assert lazy._ahead.streaming
+    sampler = TokenBudgetBatchSampler(lazy.pf_lengths, 256, seed=5)
+    batches = list(sampler)
+    skip = len(batches) // 2
+    rest = [i for b in batches[skip:] for i in b]
+    files = np.asarray(lazy.files)
+    read_later = set(files[np.searchsorted(lazy._offsets, rest, side="right") - 1])
+    skipped_only = set(arrow) - read_later
+    assert skipped_only, "every file is read again after the skipped batches: the test would prove nothing"
+    lazy.follow(sampler.planned_rows(skip_batches=skip))
+    local = load_shards(local_shards)
+    relay.gate_control.open()
+    for batch in batches[skip:]:
+        assert lazy.__getitems__(batch) == [local[i] for i in batch]
+    got = {path.rsplit("/", 1)[-1] for method, path in relay.log if method == "GET" and path.endswith(".arrow")}
+    assert got == read_later and not got & skipped_only
+    # read by DataLoader workers it cannot be: one line, naming the fix
+    import types
+
+    with pytest.raises(StorageError, match="pass --dataloader_num_workers 0"):
+        admit(lazy, args=types.SimpleNamespace(dataloader_num_workers=2), what="training", vocab=32000)
+    lazy._ahead.close()
+    # a limit below three of its largest files cannot stream it: refused at open, in one line
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(2 * max(arrow.values())))
+    from pf_trl.storage import readahead
+
+    readahead.close_all()
+    with pytest.raises(StorageError, match="holds fewer than three of its largest files"):
+        open_lazy_shards(URI)

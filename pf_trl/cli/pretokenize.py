@@ -14,6 +14,7 @@ from pf_trl.data.sources import check_source_path
 from pf_trl.data.tokenizer import default_tokenizer_for, resolve_tokenizer
 from pf_trl.data.truncation import POLICY_HELP
 from pf_trl.errors import PfTrlError
+from pf_trl.storage import is_remote
 
 _HELP = {
     "truncation": POLICY_HELP.replace("the sequence limit", "--max_seq_len"),
@@ -168,9 +169,12 @@ def main(argv: list[str]) -> int:
         if data_config is None:
             check_json_lines(args.source)  # the first bad line, numbered, before the tokenizer loads
         trust = args.trust_remote_code
+        model = args.model_name_or_path
         if args.tokenizer_name_or_path is None:  # a model folder without a tokenizer fails here, cheaply
-            default_tokenizer_for(args.model_name_or_path, trust_remote_code=trust)
-        tokenizer = resolve_tokenizer(args.model_name_or_path, args.tokenizer_name_or_path, trust_remote_code=trust)
+            found = default_tokenizer_for(model, trust_remote_code=trust)
+            if is_remote(model):  # a bucket model: its tokenizer files and config.json, fetched (not its weights)
+                model = found
+        tokenizer = resolve_tokenizer(model, args.tokenizer_name_or_path, trust_remote_code=trust)
         if args.engine == "ray":
             if data_config is not None:
                 raise PretokenizeCLIError("--engine ray tokenizes one source; a data config (or a Hub dataset of "

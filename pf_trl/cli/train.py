@@ -198,10 +198,11 @@ def check_model_name(name: str, revision: str | None = None, *, trust_remote_cod
     from pf_trl.hub import HubError
     from pf_trl.models import pinned_revision, resolve_model_path
     from pf_trl.remote_code import RemoteCodeError
+    from pf_trl.storage import StorageError
 
     try:
         return resolve_model_path(name, revision=pinned_revision(name, revision), trust_remote_code=trust_remote_code)
-    except (HubError, RemoteCodeError) as exc:
+    except (HubError, RemoteCodeError, StorageError) as exc:
         raise TrainCLIError(str(exc)) from None
 
 

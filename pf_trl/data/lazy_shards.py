@@ -99,6 +99,7 @@ class LazyShards:
             table = self._table(f).select(list(self._columns))
             for pos, row in zip(at.tolist(), table.take(idx[at] - self._offsets[f]).to_pylist()):
                 rows[pos] = row
+            del table  # no memory map of this file outlives its hold (a streamed file may be evicted next)
         return rows
 
     def __iter__(self):
@@ -111,20 +112,48 @@ class LazyShards:
         """File ``f``'s Arrow table, memory-mapped once it is local (waited for otherwise)."""
         if os.getpid() != self._pid:  # a forked worker: its own maps (the parent's stay valid, but start clean)
             self._tables, self._pid = {}, os.getpid()
+        if self._ahead.streaming:
+            return self._streamed_table(f)
         table = self._tables.get(f)
         if table is not None:
             self._ahead.check()  # a failed read-ahead stops the reader at once, not at its next missing file
         else:
-            from pf_trl.data.row_layout import open_arrow
-
             name = self._files[f]
-            table = open_arrow(self._ahead.wait(name))
-            rows = int(self._offsets[f + 1] - self._offsets[f])
-            if table.num_rows != rows or not set(COLUMNS) <= set(table.column_names):
-                raise ShardsError(f"{self.uri}: shard file {name} has {table.num_rows} rows and columns "
-                                  f"{table.column_names}, its manifest's row layout says {rows} rows of "
-                                  f"{list(COLUMNS)}; write the dataset again with `pf-trl pretokenize`")
+            table = self._open(f, self._ahead.wait(name))
             self._tables[f] = table
+        return table
+
+    def _streamed_table(self, f: int):
+        """File ``f``'s table when the dataset is streamed through a bounded cache: one file held at a time (the
+        read-ahead evicts a file only once no reader holds it)."""
+        name = self._files[f]
+        table = self._tables.get(f)
+        if table is not None:
+            self._ahead.check()
+            self._ahead.touch(name)
+            return table
+        for held in list(self._tables):
+            del self._tables[held]  # the memory map goes with the last reference, before the file may be evicted
+            self._ahead.release(self._files[held])
+        path = self._ahead.acquire(name)
+        try:
+            table = self._open(f, path)
+        except BaseException:
+            self._ahead.release(name)
+            raise
+        self._tables[f] = table
+        return table
+
+    def _open(self, f: int, path):
+        from pf_trl.data.row_layout import open_arrow
+
+        name = self._files[f]
+        table = open_arrow(path)
+        rows = int(self._offsets[f + 1] - self._offsets[f])
+        if table.num_rows != rows or not set(COLUMNS) <= set(table.column_names):
+            raise ShardsError(f"{self.uri}: shard file {name} has {table.num_rows} rows and columns "
+                              f"{table.column_names}, its manifest's row layout says {rows} rows of "
+                              f"{list(COLUMNS)}; write the dataset again with `pf-trl pretokenize`")
         return table
 
     def is_local(self) -> bool:
@@ -135,9 +164,11 @@ class LazyShards:
         """Download the files of ``rows`` (the sampler's planned rows, in order) first, then the others."""
         rows = np.asarray(rows, dtype=np.int64)
         which = np.searchsorted(self._offsets, rows, side="right") - 1
-        order = [self._files[f] for f in dict.fromkeys(which.tolist())]
+        if which.size:  # one entry per run of rows of a file: a streamed file is fetched again where it is read again
+            which = which[np.concatenate([[True], which[1:] != which[:-1]])]
+        order = [self._files[f] for f in which.tolist()]
         logger.info("pf-trl: read-ahead of %s: %d of its %d files in the order this rank's first epoch reads them",
-                    self.uri, len(order), len(self._files))
+                    self.uri, len(set(order)), len(self._files))
         self._ahead.follow(order)
 
     def materialize(self, reason: str):
@@ -231,6 +262,13 @@ def admit(dataset, *, args, what: str, vocab: int | None):
     materialized (the whole download; the reason logged). Anything else is returned as it is."""
     if not isinstance(dataset, LazyShards):
         return dataset
+    workers = int(getattr(args, "dataloader_num_workers", 0) or 0)
+    if dataset._ahead.streaming and what == "training" and workers > 0:
+        from pf_trl.storage import StorageError
+
+        raise StorageError(f"{dataset.uri} does not fit the node cache and is streamed through it, which the "
+                           f"training process reads itself: pass --dataloader_num_workers 0 (not {workers}), or raise "
+                           "PF_TRL_REMOTE_CACHE_SIZE above the dataset's size")
     reason = why_not(dataset, args, what=what, vocab=vocab)
     return dataset if reason is None else dataset.materialize(reason)
 

@@ -415,8 +415,16 @@ def default_tokenizer_for(model_name_or_path: str | None, *, trust_remote_code: 
     if model_name_or_path is None or is_embedded_model(model_name_or_path):
         return DEFAULT_TOKENIZER
     from pf_trl.hub import HubError, looks_like_repo_id
+    from pf_trl.storage import StorageError, is_remote
 
-    if looks_like_repo_id(model_name_or_path):  # a Hub model: its snapshot folder's tokenizer
+    if is_remote(model_name_or_path):  # a committed bucket model: its tokenizer files (and config), not its weights
+        from pf_trl.models import fetch_bucket_model
+
+        try:
+            model_name_or_path = fetch_bucket_model(model_name_or_path, tokenizer_only=True)
+        except StorageError as exc:
+            raise TokenizerLoadError(str(exc)) from None
+    elif looks_like_repo_id(model_name_or_path):  # a Hub model: its snapshot folder's tokenizer
         from pf_trl.models import resolve_model_path
 
         try:

@@ -6,6 +6,9 @@ One layer that data/, trainer/, the CLI and the service call; none of them parse
 - :mod:`~pf_trl.storage.credentials`: where the cloud's standard chain finds credentials (for messages).
 - :mod:`~pf_trl.storage.filesystem`: one fsspec filesystem per process, bounded retries, one-line errors.
 - :mod:`~pf_trl.storage.cache`: the node-local cache (one download per node, a lock, a size bound) and staging.
+- :mod:`~pf_trl.storage.space`: the node cache's hard size limit (every file counts, downloads reserve first).
+- :mod:`~pf_trl.storage.committed`: a prefix committed in place by a marker written last (the final model), read back
+  only when committed, each file checked.
 - :mod:`~pf_trl.storage.datasets`: a directory committed by its manifest written last; read back through the cache.
 - :mod:`~pf_trl.storage.readahead`: a committed directory's files downloaded into the cache in the background, in the
   order a reader needs them (training starts before the whole dataset is local).

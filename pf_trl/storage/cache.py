@@ -10,9 +10,10 @@ for as long as its process uses the entry: :func:`fetch` then finds a complete e
 holders, waits for an incomplete one to be completed by them rather than downloading it a second time, and eviction
 (which needs the lock exclusively) never removes an entry in use.
 
-Bounded by ``PF_TRL_REMOTE_CACHE_SIZE`` (``40GiB``, ``500MB``, bytes; default 80% of the free space of the cache's
-disk plus what the cache holds): the least recently used complete entries that no process holds are evicted to
-make room; when that is not enough the download is refused with one line (a full disk is refused the same way).
+Bounded by ``PF_TRL_REMOTE_CACHE_SIZE``, a hard limit (:mod:`pf_trl.storage.space`: every file under the cache
+counts, partial entries and ``.tmp`` folders included; default 80% of the cache volume): the least recently used
+entries that no process holds are evicted to make room; when that is not enough a whole download is refused with one
+line (a full disk is refused the same way), and a read-ahead streams (evicting the files it has read).
 Checkpoints are staged beside it, under ``$PF_TRL_CACHE/staging/``.
 """
 
@@ -22,22 +23,21 @@ import contextlib
 import errno
 import fcntl
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pf_trl.storage import space
 from pf_trl.storage.errors import StorageError
 from pf_trl.storage.filesystem import download
 from pf_trl.storage.uri import RemoteURI
 
-SIZE_ENV = "PF_TRL_REMOTE_CACHE_SIZE"
-COMPLETE = ".complete"
+COMPLETE = space.COMPLETE
+SIZE_ENV = space.SIZE_ENV
 _POLL_S = 0.2
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30,
-          "ti": 2**40}
+parse_size = space.parse_size
+cache_limit = space.cache_limit
 
 
 def pf_trl_cache() -> Path:
@@ -52,18 +52,6 @@ def remote_cache_dir() -> Path:
 def staging_dir() -> Path:
     """Where checkpoints and datasets are written before they are uploaded."""
     return pf_trl_cache() / "staging"
-
-
-def parse_size(text: str) -> int:
-    """``"40GiB"`` -> bytes.
-
-    Raises:
-        StorageError: not a size.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise StorageError(f"{SIZE_ENV}={text!r} is not a size; write e.g. 40GiB, 500MB or a number of bytes")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 @contextlib.contextmanager
@@ -83,50 +71,21 @@ def locked(path: Path, *, blocking: bool = True, shared: bool = False) -> Iterat
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _entry_bytes(entry: Path) -> int:
-    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-
-
-def _complete_entries(root: Path, exclude: str) -> list[tuple[float, Path]]:
-    found = []
-    for entry in root.iterdir() if root.is_dir() else []:
-        mark = entry / COMPLETE
-        if entry.name != exclude and entry.is_dir() and mark.is_file():
-            found.append((mark.stat().st_mtime, entry))
-    return sorted(found)
-
-
-def cache_limit(root: Path) -> int:
-    """The cache's bound in bytes: ``PF_TRL_REMOTE_CACHE_SIZE`` or 80% of (free space + what it holds)."""
-    text = os.environ.get(SIZE_ENV)
-    if text:
-        return parse_size(text)
-    held = sum(_entry_bytes(e) for _, e in _complete_entries(root, exclude=""))
-    return int(0.8 * (shutil.disk_usage(root).free + held))
-
-
-def make_room(root: Path, need: int, key: str, what: str) -> None:
-    """Evict least recently used complete entries (other than ``key``) that no process holds until ``need`` more
-    bytes fit the bound.
+def make_room(root: Path, need: int, key: str, what: str) -> space.Reservation:
+    """``need`` bytes reserved in the node cache for the entry ``key`` (:func:`pf_trl.storage.space.reserve`: entries
+    nobody holds evicted, least recently used first); release it once the files are in place.
 
     Raises:
-        StorageError: ``need`` alone exceeds the bound.
+        StorageError: ``need`` does not fit the limit, even with every entry nobody holds evicted.
     """
-    limit = cache_limit(root)
-    if need > limit:
+    reservation = space.reserve(root, need, exclude=key)
+    if reservation is None:
+        limit = cache_limit(root)
         raise StorageError(f"{what}: {need / 2**30:.2f} GiB do not fit the node cache {root} (limit "
-                           f"{limit / 2**30:.2f} GiB: {SIZE_ENV} or 80% of the free space); raise {SIZE_ENV} or give "
-                           "the pod a larger cache volume (emptyDir sizeLimit)")
-    entries = _complete_entries(root, exclude=key)
-    used = sum(_entry_bytes(e) for _, e in entries)
-    for _, entry in entries:  # least recently used first
-        if used + need <= limit:
-            return
-        with locked(root / f"{entry.name}.lock", blocking=False) as mine:
-            if mine:
-                size = _entry_bytes(entry)
-                shutil.rmtree(entry, ignore_errors=True)
-                used -= size
+                           f"{limit / 2**30:.2f} GiB, {space.held_bytes(root) / 2**30:.2f} GiB of it in use: "
+                           f"{SIZE_ENV} or 80% of the cache volume); raise {SIZE_ENV} or give the pod a larger cache "
+                           "volume (emptyDir sizeLimit)")
+    return reservation
 
 
 # entry key -> a function completing that entry, registered by a read-ahead of this process: fetch() of the same entry
@@ -176,10 +135,10 @@ def _download(root: Path, key: str, source: RemoteURI, files: dict[str, int], *,
     if (entry / COMPLETE).is_file():
         os.utime(entry / COMPLETE)
         return entry
-    make_room(root, sum(files.values()), key, what)
     tmp = root / f".{key}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(entry, ignore_errors=True)
+    shutil.rmtree(entry, ignore_errors=True)  # a read-ahead's partial entry nobody holds now: downloaded whole
+    reservation = make_room(root, sum(files.values()), key, what)
     try:
         tmp.mkdir(parents=True)
         for name, size in sorted(files.items()):
@@ -207,4 +166,6 @@ def _download(root: Path, key: str, source: RemoteURI, files: dict[str, int], *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        reservation.release()  # the files count from here (or are gone)
     return entry

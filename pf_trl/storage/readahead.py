@@ -9,9 +9,18 @@ the same key), but file by file:
   under its final name is always complete and verified, whoever put it there. Ranks of a node each run a read-ahead
   in their own order; a file another rank is downloading is skipped, then found in place.
 - **the cache's lock and eviction**: the process holds the entry's lock *shared* from :meth:`ReadAhead.open` until
-  :meth:`ReadAhead.close` (or its exit), so the entry is never evicted while in use, and a whole download of the same
-  entry by another process waits until the read-ahead marks it ``.complete`` (see :mod:`pf_trl.storage.cache`).
-  Room for the whole prefix is made, by the cache's eviction, before anything is downloaded.
+  :meth:`ReadAhead.close` (or its exit), so the entry is never evicted whole while in use, and a whole download of
+  the same entry by another process waits until the read-ahead marks it ``.complete`` (see
+  :mod:`pf_trl.storage.cache`).
+- **the cache's hard limit** (:mod:`pf_trl.storage.space`): when what is still missing fits the limit (entries
+  nobody holds evicted first), it is reserved at :meth:`ReadAhead.open` and every file is downloaded in the end, as
+  a whole download would. Otherwise the read-ahead **streams**: it downloads only the files of the reader's plan
+  (:meth:`follow`: for a resumed run, what is still to be read), each reserved before it is downloaded, and makes
+  room by evicting the entry's files that the plan does not need before the one it fetches (those it will never
+  read again first, then the least recently used), never a file a reader holds (:meth:`acquire` takes a shared
+  ``flock`` on ``<entry>/.readahead/<file>.use`` until :meth:`release`; the evictor needs it exclusively). When
+  nothing can be evicted it waits for the reader to move on. The entry is then never complete, a whole download of
+  it is refused in one line, and the limit must hold three of its largest files.
 - **the order**: :meth:`ReadAhead.follow` gives it (the files of the sampler's planned rows first), :meth:`wait`
   moves a file the reader needs now to the front; every file is downloaded in the end, by
   ``PF_TRL_READ_AHEAD_STREAMS`` threads (default 4), each taking the first file of the order no one is downloading.
@@ -27,15 +36,18 @@ at once), one line naming the file.
 from __future__ import annotations
 
 import atexit
+import bisect
 import errno
+import fcntl
 import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from pf_trl.storage import cache
+from pf_trl.storage import cache, space
 from pf_trl.storage.errors import StorageError
 from pf_trl.storage.filesystem import download
 from pf_trl.storage.uri import RemoteURI
@@ -126,9 +138,20 @@ class ReadAhead:
         self._finished = False
         self._stop = False
         self._lock_file = None  # the entry's lock, held shared while this process uses the entry
+        self._reservation: space.Reservation | None = None  # what is still missing, when it fits the limit
+        self.streaming = False  # True: the prefix does not fit the cache's limit (module docstring)
+        self._seq: list[str] = []  # streaming: the files in the order the reader reads them, repeats included
+        self._occurs: dict[str, list[int]] = {}  # name -> its positions in _seq
+        self._pos = 0  # streaming: where the reader is in _seq
+        self._urgent: list[str] = []  # files a reader waits for now
+        self._downloading: set[str] = set()
+        self._in_use: Counter = Counter()
+        self._use_locks: dict[str, list] = {}
+        self._last_used: dict[str, float] = {}
+        self._keep: set[str] = set(self.extra)  # small files read at open (manifest, lengths): never evicted
         # what this process did: the benchmark and the completion line read it
         self.stats = {"files_downloaded": 0, "bytes_downloaded": 0, "download_s": 0.0, "waits": 0, "waited_s": 0.0,
-                      "started_at": None, "complete_at": None}
+                      "started_at": None, "complete_at": None, "files_evicted": 0}
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -146,7 +169,6 @@ class ReadAhead:
             self._local = set(self.files)
             return self.entry
         try:
-            cache.make_room(self.root, sum(self.files.values()), self.key, self.what)
             self.parts.mkdir(parents=True, exist_ok=True)
             for name, data in self.extra.items():
                 if not (self.entry / name).is_file():
@@ -165,8 +187,27 @@ class ReadAhead:
             self._finished = True
             self._finish()
             return self.entry
+        missing = sum(size for name, size in self.files.items() if name not in self._local)
+        self._reservation = space.reserve(self.root, missing, exclude=self.key)
+        if self._reservation is None:
+            self._start_streaming()
         cache.register_filler(self.key, self.wait_all)
         return self.entry
+
+    def _start_streaming(self) -> None:
+        """The prefix does not fit the cache's limit: stream it (module docstring), or refuse a limit below three of
+        its largest files."""
+        limit = space.cache_limit(self.root)
+        floor = 3 * max(self.files.values()) + sum(len(b) for b in self.extra.values())
+        if limit < floor:
+            self.close()
+            raise StorageError(f"{self.what}: the node cache's limit ({limit / 1e6:.1f} MB, {cache.SIZE_ENV} or 80% of "
+                               f"the cache volume) holds fewer than three of its largest files ({floor / 1e6:.1f} MB "
+                               f"needed to stream it); raise {cache.SIZE_ENV} or give the pod a larger cache volume")
+        self.streaming = True
+        logger.info("pf-trl: %s (%.1f MB) does not fit the node cache (limit %.1f MB): streaming it, each file "
+                    "downloaded before the reader needs it and evicted once read", self.what,
+                    sum(self.files.values()) / 1e6, limit / 1e6)
 
     def complete(self) -> bool:
         """Whether every file is in the entry (marked ``.complete``)."""
@@ -187,6 +228,13 @@ class ReadAhead:
 
     def _release(self) -> None:
         cache.register_filler(self.key, None)
+        if self._reservation is not None:
+            self._reservation.release()
+            self._reservation = None
+        for locks in self._use_locks.values():
+            for f in locks:
+                f.close()
+        self._use_locks.clear()
         if self._lock_file is not None:
             self._lock_file.close()  # closing the only descriptor releases the flock
             self._lock_file = None
@@ -195,7 +243,18 @@ class ReadAhead:
 
     def follow(self, order: Iterable[str]) -> None:
         """Download ``order``'s files first, in that order, then the others; starts the threads."""
-        first = [n for n in dict.fromkeys(order) if n in self.files]
+        order = [n for n in order if n in self.files]
+        if self.streaming:  # only the plan's files, each again where the plan reads it again
+            seq = [n for i, n in enumerate(order) if i == 0 or order[i - 1] != n]
+            occurs: dict[str, list[int]] = {}
+            for i, n in enumerate(seq):
+                occurs.setdefault(n, []).append(i)
+            with self._cond:
+                self._seq, self._occurs, self._pos = seq, occurs, 0
+                self._cond.notify_all()
+            self.start()
+            return
+        first = list(dict.fromkeys(order))
         chosen = set(first)
         rest = [n for n in sorted(self.files) if n not in chosen]
         with self._cond:
@@ -250,9 +309,13 @@ class ReadAhead:
         with self._cond:
             if self._error is not None:
                 raise self._error
-            if name in self._order:
-                self._order.remove(name)
-            self._order.insert(0, name)
+            if self.streaming:
+                if name not in self._urgent:
+                    self._urgent.append(name)
+            else:
+                if name in self._order:
+                    self._order.remove(name)
+                self._order.insert(0, name)
             self._cond.notify_all()
         self.start()
         counted = False
@@ -270,13 +333,69 @@ class ReadAhead:
                     self.stats["waits"] += 1
                     counted = True
                 self._cond.wait(min(left, 0.1))  # also notices a file another process put in place
+            if name in self._urgent:
+                self._urgent.remove(name)
         if counted:
             self.stats["waited_s"] += time.monotonic() - started
         return self.entry / name
 
+    def acquire(self, name: str) -> Path:
+        """:meth:`wait` for ``name``, then hold it (a shared ``flock`` on its ``.use`` file: never evicted until
+        :meth:`release`); where the reader is in the plan moves to it."""
+        while True:
+            path = self.wait(name)
+            use = open(self.parts / f"{_part_name(name)}.use", "a+")
+            fcntl.flock(use, fcntl.LOCK_SH)  # an evictor holds it exclusively for a moment only
+            if path.is_file():
+                break
+            use.close()  # evicted (by another process) between the wait and the lock: fetch it again
+            with self._cond:
+                self._local.discard(name)
+        with self._cond:
+            self._in_use[name] += 1
+            self._use_locks.setdefault(name, []).append(use)
+            self._advance(name)
+        return path
+
+    def release(self, name: str) -> None:
+        """Let go of ``name`` (taken by :meth:`acquire`): it may be evicted from now on."""
+        with self._cond:
+            locks = self._use_locks.get(name)
+            if locks:
+                locks.pop().close()
+                self._in_use[name] -= 1
+            self._last_used[name] = time.monotonic()
+            self._cond.notify_all()
+
+    def touch(self, name: str) -> None:
+        """The reader reads ``name`` again (held already): where it is in the plan moves to it."""
+        with self._cond:
+            self._advance(name)
+
+    def _advance(self, name: str) -> None:
+        occurs = self._occurs.get(name)
+        if occurs:
+            k = bisect.bisect_left(occurs, self._pos)
+            if k < len(occurs):
+                self._pos = occurs[k]
+                self._cond.notify_all()
+
+    def _next_use(self, name: str) -> float:
+        occurs = self._occurs.get(name) or []
+        k = bisect.bisect_left(occurs, self._pos)
+        return occurs[k] if k < len(occurs) else float("inf")
+
     def wait_all(self, timeout: float | None = None) -> Path:
         """The entry, once every file is in it (each waited for at most ``timeout`` seconds, default
-        :func:`wait_limit`)."""
+:func:`wait_limit`).
+
+        Raises:
+            StorageError: the prefix is streamed (it does not fit the node cache's limit).
+        """
+        if self.streaming:
+            raise StorageError(f"{self.what}: {sum(self.files.values()) / 1e6:.1f} MB do not fit the node cache's "
+                               f"limit ({space.cache_limit(self.root) / 1e6:.1f} MB), so it is streamed and cannot be "
+                               f"read whole; raise {cache.SIZE_ENV} or give the pod a larger cache volume")
         for name in list(self._order):
             self.wait(name, timeout)
         return self.entry
@@ -284,6 +403,7 @@ class ReadAhead:
     def fetch_now(self, name: str) -> Path:
         """Download ``name`` in the calling thread unless it is in the entry already (a small file needed before
         anything else: the lengths); waits for another process of the node downloading it."""
+        self._keep.add(name)
         if not self.is_local(name):
             self._fill(name, blocking=True)
         self._local.add(name)
@@ -309,6 +429,8 @@ class ReadAhead:
     # ------------------------------------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        if self.streaming:
+            return self._run_streaming()
         try:
             while True:
                 with self._cond:
@@ -325,6 +447,8 @@ class ReadAhead:
                     if self._fill(name, blocking=False):
                         with self._cond:
                             self._local.add(name)
+                            if self._reservation is not None:  # the file counts itself now
+                                self._reservation.shrink(self.files[name])
                             self._cond.notify_all()
                         progressed = True
                         break  # the order may have changed meanwhile: read it again
@@ -332,6 +456,84 @@ class ReadAhead:
                     time.sleep(_POLL_S)  # every pending file is being downloaded by another thread or process
         except BaseException as exc:  # the reader gets it: the thread must not die silently
             self._fail(exc)
+
+    def _run_streaming(self) -> None:
+        """A streaming thread: the next file of the plan (a file a reader waits for first), reserved, making room by
+        evicting files the plan reads later than it (or never again); waits while there is no room."""
+        try:
+            while True:
+                with self._cond:
+                    if self._stop or self._error is not None:
+                        return
+                    pick = self._next_target()
+                    if pick is None:
+                        self._cond.wait(0.1)
+                        continue
+                    name, at = pick
+                    self._downloading.add(name)
+                try:
+                    reservation = space.reserve(self.root, self.files[name], exclude=self.key,
+                                                evict=lambda want, at=at: self._evict(want, at))
+                    if reservation is None:  # every file in the cache is read before this one: the reader moves on
+                        with self._cond:
+                            self._cond.wait(0.05)
+                        continue
+                    try:
+                        done = self._fill(name, blocking=False)
+                    finally:
+                        reservation.release()
+                    if done:
+                        with self._cond:
+                            self._local.add(name)
+                            self._cond.notify_all()
+                    else:
+                        time.sleep(_POLL_S)  # another process of the node is downloading it
+                finally:
+                    with self._cond:
+                        self._downloading.discard(name)
+        except BaseException as exc:  # the reader gets it: the thread must not die silently
+            self._fail(exc)
+
+    def _next_target(self) -> tuple[str, float] | None:
+        """(file, its position in the plan) to download next, or None; called under ``_cond``."""
+        for name in self._urgent:
+            if name not in self._local and name not in self._downloading:
+                return name, -1
+        for i in range(self._pos, len(self._seq)):
+            name = self._seq[i]
+            if name not in self._local and name not in self._downloading:
+                return name, i
+        return None
+
+    def _evict(self, want: int, before: float) -> int:
+        """Remove this entry's files that no reader holds and that the plan reads after position ``before`` (or never
+        again: those first, then the least recently used), until ``want`` bytes are freed; returns the bytes freed.
+        Called by :func:`pf_trl.storage.space.reserve` under the node's space lock."""
+        with self._cond:
+            candidates = []
+            for name in self._local | {n for n in self.files if n not in self._local and (self.entry / n).is_file()}:
+                if name in self._keep or self._in_use[name] or name in self._downloading:
+                    continue
+                after = self._next_use(name)
+                if after > before:
+                    candidates.append((-after, self._last_used.get(name, 0.0), name))
+            freed = 0
+            for _, _, name in sorted(candidates):
+                if freed >= want:
+                    break
+                use = self.parts / f"{_part_name(name)}.use"
+                try:
+                    with open(use, "a+") as f:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no reader of the node holds it
+                        target = self.entry / name
+                        size = target.stat().st_size if target.is_file() else 0
+                        target.unlink(missing_ok=True)
+                except BlockingIOError:
+                    continue
+                self._local.discard(name)
+                freed += size
+                self.stats["files_evicted"] += 1
+            return freed
 
     def _fill(self, name: str, *, blocking: bool) -> bool:
         """Put ``name`` in the entry (downloaded, checked, renamed). False: another process is downloading it."""
@@ -371,6 +573,9 @@ class ReadAhead:
 
     def _finish(self) -> None:
         """Every file is in: mark the entry complete (as a whole download would) and say what it took."""
+        if self._reservation is not None:
+            self._reservation.release()
+            self._reservation = None
         mark = self.parts / f"complete.{os.getpid()}"
         mark.write_text(str(self.source))
         os.replace(mark, self.entry / cache.COMPLETE)
@@ -405,7 +610,7 @@ class ReadAhead:
     def __getstate__(self) -> dict:
         """A copy for another process (a spawned DataLoader worker): what waiting needs, never the thread, its lock
         or its filesystem."""
-        keep = ("key", "source", "files", "what", "root", "entry", "parts", "_pid")
+        keep = ("key", "source", "files", "what", "root", "entry", "parts", "_pid", "streaming")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict) -> None:
@@ -413,6 +618,9 @@ class ReadAhead:
         self.extra, self.verify, self._order, self._local = {}, None, sorted(self.files), set()
         self._error, self._cond, self._threads, self._lock_file = None, threading.Condition(), [], None
         self._finished = False
+        self._reservation, self._seq, self._occurs, self._pos, self._urgent = None, [], {}, 0, []
+        self._downloading, self._in_use, self._use_locks, self._last_used = set(), Counter(), {}, {}
+        self._keep = set()
         self._stop = True  # a copy never starts a thread
         self.stats = {}
 

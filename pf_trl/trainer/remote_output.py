@@ -14,7 +14,8 @@ staging, committed by the completion marker, found again by ``resume_from_checkp
   node's staging keeps only the newest checkpoint (and the best). Uploads run inside the save: the next step starts
   once the checkpoint is committed.
 - **The final model** (``save_model()`` into ``output_dir``): the staged root (every file but the checkpoints)
-  uploaded by rank 0.
+  uploaded by rank 0 and committed by its own marker, written last (:mod:`pf_trl.storage.committed`); what an
+  earlier final model left in the prefix is removed, so ``--model_name_or_path s3://...`` reads one whole model.
 - **Resume** (``auto`` / ``True`` / a checkpoint URI): rank 0 picks the latest complete checkpoint in the bucket
   (marker there, names its step, every listed object present with that size) and tells every rank; the first rank
   of each node downloads it into the (emptied) staging folder; Trainer resumes from the local copy, exactly.
@@ -237,13 +238,25 @@ def _local_world(args) -> int:
 
 
 def upload_final(trainer, remote: RemoteOutput) -> None:
-    """The staged root (final model, tokenizer, results; not the checkpoints) uploaded by rank 0."""
-    from pf_trl.storage.filesystem import upload
+    """The staged root (final model, tokenizer, results; not the checkpoints) uploaded by rank 0 and committed by
+    :data:`~pf_trl.storage.committed.MODEL_MARKER`, written last (:func:`~pf_trl.storage.committed.commit_prefix`):
+    files of an earlier final model in the prefix that this one does not hold are removed; the checkpoints and the
+    logs (``runs/``) of earlier attempts stay."""
+    from pf_trl.storage.committed import commit_prefix
 
     if not trainer.args.should_save:
         return
     root = remote.staging
+    files = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
         if path.is_file() and not CHECKPOINT.match(rel.parts[0]) and not rel.parts[0].startswith("."):
-            upload(path, remote.uri.join(rel.as_posix()))
+            files.append(rel.as_posix())
+    commit_prefix(root, remote.uri, files, keep=_not_the_model)
+
+
+def _not_the_model(name: str) -> bool:
+    """Objects of a bucket ``output_dir`` that a new final model leaves in place: checkpoints (``save_total_limit``
+    and resume manage them) and training logs."""
+    top = name.partition("/")[0]
+    return bool(CHECKPOINT.match(top)) or top == "runs"
