@@ -14,7 +14,12 @@ pretokenize cache key and the manifest carry it. Failures are one line naming th
 
 from __future__ import annotations
 
+import glob
+import json
 import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +29,8 @@ from pf_trl.errors import PfTrlError
 # ``org/name`` (or a bare ``name``, for the Hub's few un-namespaced repositories), as huggingface_hub validates ids
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--(.+?)/snapshots/([0-9a-f]{40})(?:/|$)")
-# what a model's snapshot needs (config, weights, tokenizer, templates); not every format a repository may also hold
-MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
-MODEL_BIN_FILES = ["*.bin", "*.bin.index.json"]  # only when the repository has no safetensors
-# a repository's own Python code (its config's auto_map): downloaded only for --trust_remote_code True
-MODEL_CODE_FILES = ["*.py"]
+# a tokenizer's or processor's files at a repository's root: configs, vocabularies, chat templates
+_TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
 
 class HubError(PfTrlError, ValueError):
@@ -53,8 +55,10 @@ class HubSnapshot:
         return out
 
 
-_RESOLVED: dict[tuple[str, str, str | None, tuple[str, ...] | None], HubSnapshot] = {}
+# the revision each snapshot folder was asked for (a folder is one commit: what was asked is all it adds)
 _BY_FOLDER: dict[str, HubSnapshot] = {}
+# commits resolved within the current one_commit_per_repository() block (None outside one)
+_PINNED: ContextVar[dict[tuple[str, str, str | None], Resolved] | None] = ContextVar("pf_trl_hub_pins", default=None)
 
 
 def looks_like_repo_id(name: Any) -> bool:
@@ -121,38 +125,170 @@ def _cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str,
-             allow_patterns: list[str] | None = None) -> HubSnapshot:
-    """Download (or find in the Hub cache) ``repo_id`` at ``revision`` and return its snapshot; memoized per
-    process, so the checks before a run and the run itself resolve one commit. ``allow_patterns``: only these files
-    (default for a model: :data:`MODEL_FILES`, its ``.bin`` weights when it has no safetensors).
+def _pins() -> dict | None:
+    return _PINNED.get()
 
-    Raises:
-        HubError: in one line, naming ``flag``, the repository and the fix.
-    """
-    key = (repo_type, repo_id, revision, None if allow_patterns is None else tuple(allow_patterns))
-    hit = _RESOLVED.get(key)
-    if hit is not None:
-        return hit
-    from huggingface_hub import snapshot_download
+
+@contextmanager
+def one_commit_per_repository() -> Iterator[None]:
+    """Within this block each (repository, revision) resolves to a commit once: the checks before a run, its model
+    and its tokenizer all read that commit even if the branch moves meanwhile. ``pf-trl`` runs each command in one;
+    outside such a block (a long-lived service) every call resolves the revision again."""
+    token = _PINNED.set({})
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
+def _repo_info(repo_id: str, repo_type: str, revision: str | None, flag: str):
+    """huggingface_hub's ``repo_info`` of ``repo_id`` at ``revision`` (its commit and file list); HubError."""
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import HFValidationError
 
-    patterns = MODEL_FILES if repo_type == "model" and allow_patterns is None else allow_patterns
-    # the weights in .bin only where a model's weights were asked for (MODEL_FILES or more) and none are safetensors
-    weights = repo_type == "model" and patterns is not None and set(MODEL_FILES) <= set(patterns)
     try:
-        folder = Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=patterns))
-        if weights and not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision,
-                                            allow_patterns=patterns + MODEL_BIN_FILES))
+        return HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision)
     except HFValidationError as exc:
         raise HubError(f"{flag} {repo_id}: not a local path, nor a valid Hub id ({str(exc).splitlines()[0]})") from None
     except Exception as exc:  # huggingface_hub's own errors, mapped to one line
         raise HubError(_message(exc, flag, repo_id, repo_type, revision)) from None
-    match = _SNAPSHOT.search(folder.as_posix())
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A revision resolved to its commit; ``files``: the repository's files at that commit (None offline: the
+    listing is not cached, the snapshot folder holds what earlier runs downloaded)."""
+
+    commit: str
+    files: tuple[str, ...] | None
+
+
+def resolve(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str) -> Resolved:
+    """The commit ``revision`` (a branch, tag or commit; None: main) of ``repo_id`` names now (once per
+    :func:`one_commit_per_repository` block). Offline, the commit the Hub cache recorded for it.
+
+    Raises:
+        HubError: in one line, naming ``flag``, the repository and the fix.
+    """
+    pins = _pins()
+    key = (repo_type, repo_id, revision)
+    if pins is not None and key in pins:
+        return pins[key]
+    if _offline():
+        folder = _download(repo_id, repo_type=repo_type, revision=revision, flag=flag, allow_patterns=[])
+        match = _SNAPSHOT.search(folder.as_posix())
+        found = Resolved(commit=match.group(3) if match else "", files=None)
+    else:
+        info = _repo_info(repo_id, repo_type, revision, flag)
+        found = Resolved(commit=info.sha, files=tuple(s.rfilename for s in info.siblings or ()))
+    if pins is not None:
+        pins[key] = found
+    return found
+
+
+def _download(repo_id: str, *, repo_type: str, revision: str | None, flag: str,
+              allow_patterns: list[str] | None, shown_revision: str | None = None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns))
+    except HFValidationError as exc:
+        raise HubError(f"{flag} {repo_id}: not a local path, nor a valid Hub id ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # huggingface_hub's own errors, mapped to one line
+        raise HubError(_message(exc, flag, repo_id, repo_type, shown_revision or revision)) from None
+
+
+def _exact(names: Iterable[str]) -> list[str]:
+    """File names as huggingface_hub patterns that match those files only (fnmatch's ``*`` crosses ``/``)."""
+    return [glob.escape(n) for n in names]
+
+
+def tokenizer_files(files: Iterable[str], *, code: bool = False) -> list[str]:
+    """The files ``AutoTokenizer`` / ``AutoProcessor.from_pretrained`` read of a repository's file list: the root's
+    configs and vocabularies (``.json``, ``.model``, ``.txt``, ``.tiktoken``, ``.jinja``), transformers' extra chat
+    templates folder, and (``code``) the root's Python files; never a weight or a subfolder's file."""
+    from transformers.utils import CHAT_TEMPLATE_DIR
+
+    keep = []
+    for name in files:
+        if "/" not in name:
+            if name.endswith(_TOKENIZER_SUFFIXES) or (code and name.endswith(".py")):
+                keep.append(name)
+        elif name.startswith(CHAT_TEMPLATE_DIR + "/") and name.count("/") == 1 and name.endswith(".jinja"):
+            keep.append(name)
+    return keep
+
+
+def _weight_index(repo_id: str, commit: str, index_name: str, flag: str) -> list[str]:
+    """The shard files an index (``model.safetensors.index.json``) names, as transformers loads them."""
+    folder = _download(repo_id, repo_type="model", revision=commit, flag=flag, allow_patterns=_exact([index_name]))
+    try:
+        weight_map = json.loads((folder / index_name).read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise HubError(f"{flag} {repo_id}: {index_name} at {commit[:12]} is not a weight index (no weight_map); "
+                       "fix the repository or pin a revision whose index is whole") from None
+    return sorted(set(weight_map.values()))
+
+
+def model_files(repo_id: str, commit: str, files: Iterable[str], *, code: bool, flag: str) -> list[str]:
+    """What ``AutoModelForCausalLM.from_pretrained`` (and the tokenizer beside it) reads of a repository at
+    ``commit``: the config, the generation config, the safetensors weights (the index and the shards it names)
+    or, where there are none, the ``.bin`` ones; the tokenizer's files; the root's code only with ``code``. Never
+    another format's weights (``consolidated.safetensors``) nor a subfolder (``checkpoint-*/``)."""
+    from transformers.utils import (
+        CONFIG_NAME,
+        GENERATION_CONFIG_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    present = set(files)
+    keep = [n for n in (CONFIG_NAME, GENERATION_CONFIG_NAME) if n in present]
+    for index, single in ((SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME), (WEIGHTS_INDEX_NAME, WEIGHTS_NAME)):
+        if index in present:
+            keep += [index, *_weight_index(repo_id, commit, index, flag)]
+            break
+        if single in present:
+            keep.append(single)
+            break
+    return sorted(set(keep) | set(tokenizer_files(present, code=code)))
+
+
+def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str,
+             what: str = "all", code: bool = False, files: Iterable[str] = ()) -> HubSnapshot:
+    """``repo_id`` at the commit ``revision`` names now (:func:`resolve`), with the files ``what`` needs downloaded
+    (or found in the Hub cache): ``"model"`` (:func:`model_files`), ``"tokenizer"`` (:func:`tokenizer_files`),
+    ``"config"`` (config.json alone), ``"files"`` (``files``, repository paths) or ``"all"`` (every file: a dataset
+    saved whole); ``code``: the root's Python files too. Offline, the cached snapshot of that commit as it is.
+
+    Raises:
+        HubError: in one line, naming ``flag``, the repository and the fix.
+    """
+    found = resolve(repo_id, repo_type=repo_type, revision=revision, flag=flag)
+    patterns: list[str] | None = None
+    if found.files is not None and what != "all":
+        if what == "model":
+            names = model_files(repo_id, found.commit, found.files, code=code, flag=flag)
+        elif what == "tokenizer":
+            names = tokenizer_files(found.files, code=code)
+        elif what == "files":
+            names = list(files)
+        else:
+            names = [n for n in found.files if n == "config.json"]
+        patterns = _exact(names)
+    folder = _download(repo_id, repo_type=repo_type, revision=found.commit or revision, flag=flag,
+                       allow_patterns=patterns, shown_revision=revision)
+    return register(repo_id, repo_type, revision, folder)
+
+
+def register(repo_id: str, repo_type: str, revision: str | None, folder: Path) -> HubSnapshot:
+    """Record which repository and revision asked for the snapshot folder ``folder`` (see :func:`origin_of`)."""
+    match = _SNAPSHOT.search(Path(folder).as_posix())
     commit = match.group(3) if match else ""
     found = HubSnapshot(repo_id=repo_id, repo_type=repo_type, revision=revision, commit=commit, folder=str(folder))
-    _RESOLVED[key] = found
     _BY_FOLDER[str(folder)] = found
     return found
 
