@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -156,11 +157,12 @@ def _repo_info(repo_id: str, repo_type: str, revision: str | None, flag: str):
 
 @dataclass(frozen=True)
 class Resolved:
-    """A revision resolved to its commit; ``files``: the repository's files at that commit (None offline: the
-    listing is not cached, the snapshot folder holds what earlier runs downloaded)."""
+    """A revision resolved to its commit; ``files``: the repository's files at that commit (offline: those of its
+    snapshot folder, what earlier runs downloaded)."""
 
     commit: str
-    files: tuple[str, ...] | None
+    files: tuple[str, ...]
+    online: bool = True
 
 
 def resolve(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str) -> Resolved:
@@ -174,10 +176,11 @@ def resolve(repo_id: str, *, repo_type: str = "model", revision: str | None = No
     key = (repo_type, repo_id, revision)
     if pins is not None and key in pins:
         return pins[key]
-    if _offline():
+    if _offline():  # the commit the cache recorded for the revision; the files an earlier run downloaded
         folder = _download(repo_id, repo_type=repo_type, revision=revision, flag=flag, allow_patterns=[])
         match = _SNAPSHOT.search(folder.as_posix())
-        found = Resolved(commit=match.group(3) if match else "", files=None)
+        cached = tuple(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
+        found = Resolved(commit=match.group(3) if match else "", files=cached, online=False)
     else:
         info = _repo_info(repo_id, repo_type, revision, flag)
         found = Resolved(commit=info.sha, files=tuple(s.rfilename for s in info.siblings or ()))
@@ -269,9 +272,13 @@ def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = N
     """
     found = resolve(repo_id, repo_type=repo_type, revision=revision, flag=flag)
     patterns: list[str] | None = None
-    if found.files is not None and what != "all":
+    if what == "all" and not found.online:  # offline: what the cache holds (huggingface_hub checks every file)
+        patterns = _exact(found.files)
+    elif what != "all":
         if what == "model":
             names = model_files(repo_id, found.commit, found.files, code=code, flag=flag)
+            if not found.online and not any(n.endswith((".safetensors", ".bin")) for n in names):
+                raise HubError(_message(FileNotFoundError("weights"), flag, repo_id, repo_type, revision))
         elif what == "tokenizer":
             names = tokenizer_files(found.files, code=code)
         elif what == "files":
@@ -281,7 +288,27 @@ def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = N
         patterns = _exact(names)
     folder = _download(repo_id, repo_type=repo_type, revision=found.commit or revision, flag=flag,
                        allow_patterns=patterns, shown_revision=revision)
+    if found.online:
+        _remember_ref(folder, revision or "main", found.commit)
     return register(repo_id, repo_type, revision, folder)
+
+
+def _remember_ref(folder: Path, revision: str, commit: str) -> None:
+    """Record in the Hub cache that ``revision`` named ``commit`` (``refs/REVISION``, huggingface_hub's cache layout),
+    as a download by revision name does: an offline run of the same revision finds this commit. Downloads here name
+    the commit itself, which records no ref."""
+    if not commit or revision == commit:
+        return
+    ref = folder.parent.parent / "refs" / revision
+    try:
+        if ref.is_file() and ref.read_text(encoding="utf-8") == commit:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(commit, encoding="utf-8")
+        os.replace(tmp, ref)
+    except OSError:  # a read-only shared cache: the run goes on, an offline run of this name will not find it
+        pass
 
 
 def register(repo_id: str, repo_type: str, revision: str | None, folder: Path) -> HubSnapshot:

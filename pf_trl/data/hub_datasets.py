@@ -59,9 +59,11 @@ def _patterns(value: Any) -> Iterable[str]:
             yield from _patterns(item)
 
 
-def check_card(readme: Path | None, repo_id: str, flag: str, *, data_dir: Any = None, data_files: Any = None) -> None:
-    """Refuse (HubDatasetError) a data file of the dataset card ``readme`` (every configuration's ``data_files`` and
-    ``data_dir``), or of the caller's own ``data_dir`` / ``data_files``, that is not a path inside ``repo_id``."""
+def check_card(readme: Path | None, repo_id: str, flag: str, *, config: str | None = None, data_dir: Any = None,
+               data_files: Any = None) -> None:
+    """Refuse (HubDatasetError) a data file of the dataset card ``readme`` (the ``data_files`` and ``data_dir`` of
+    configuration ``config``; None: of the one ``datasets`` takes by default, every one when it cannot tell), or of
+    the caller's own ``data_dir`` / ``data_files``, that is not a path inside ``repo_id``."""
     entries: list[tuple[str, Any]] = [("data_dir", data_dir), ("data_files", data_files)]
     if readme is not None and readme.is_file():
         from datasets.utils.metadata import MetadataConfigs
@@ -72,7 +74,12 @@ def check_card(readme: Path | None, repo_id: str, flag: str, *, data_dir: Any = 
         except Exception as exc:  # datasets' own refusal of a malformed `configs:` section
             first = " ".join(str(exc).split())[:300] or type(exc).__name__
             raise HubDatasetError(f"{flag} {repo_id}: its README `configs:` cannot be read: {first}") from None
+        chosen = [config] if config is not None else (
+            [n for n, params in configs.items() if params.get("default")] or
+            [n for n in configs if n == "default"] or list(configs))  # one config, or datasets asks for a name
         for name, params in configs.items():
+            if name not in chosen:
+                continue
             entries += [(f"configuration {name!r}", params.get("data_files")),
                         (f"configuration {name!r}", params.get("data_dir"))]
     for where, value in entries:
@@ -121,15 +128,15 @@ def hub_splits(repo_id: str, *, config: str | None, data_dir: str | None, data_f
     from pf_trl import hub
 
     found = hub.resolve(repo_id, repo_type="dataset", revision=revision, flag=flag)
-    if found.files is None or any(name in found.files for name in WHOLE_DATASET_FILES):
+    if not found.online or any(name in found.files for name in WHOLE_DATASET_FILES):
         folder = Path(hub.snapshot(repo_id, repo_type="dataset", revision=revision, flag=flag).folder)
-        check_card(folder / "README.md", repo_id, flag, data_dir=data_dir, data_files=data_files)
+        check_card(folder / "README.md", repo_id, flag, config=config, data_dir=data_dir, data_files=data_files)
         return folder
     readme = None
     if "README.md" in found.files:
         readme = Path(hub.snapshot(repo_id, repo_type="dataset", revision=revision, flag=flag,
                                    what="files", files=["README.md"]).folder) / "README.md"
-    check_card(readme, repo_id, flag, data_dir=data_dir, data_files=data_files)
+    check_card(readme, repo_id, flag, config=config, data_dir=data_dir, data_files=data_files)
     remote = _builder_files(repo_id, found.commit, config=config, data_dir=data_dir, data_files=data_files, flag=flag)
     prefix = f"hf://datasets/{repo_id}@{found.commit}/"
     wanted = set(remote) if splits is None else set(splits) & set(remote)
