@@ -1,19 +1,30 @@
-"""Models, tokenizers and datasets named by Hugging Face Hub id (``ORG/NAME``), resolved to a local snapshot folder.
+"""Models, tokenizers and datasets named by Hugging Face Hub id (``ORG/NAME``), resolved to a commit and to the
+files a run reads, in huggingface_hub's cache.
 
-``huggingface_hub.snapshot_download`` does the downloading, with the Hub's own environment as it is: ``HF_TOKEN`` /
-``hf auth login`` for private and gated repositories, ``HF_ENDPOINT`` for a mirror, ``HF_HOME`` / ``HF_HUB_CACHE``
-for the cache (nothing is downloaded twice), ``HF_HUB_OFFLINE=1`` to run from the cache, and its retries of 429 /
-5xx answers. The snapshot folder of a commit is then read exactly as a local folder is (``from_pretrained(folder)``,
-a folder of data files with a README ``configs:``), so one code path serves both; a local path of the same spelling
-wins, as transformers does.
+A revision is resolved to its commit once (:func:`resolve`: ``HfApi.repo_info``, which also lists the files), and
+everything is downloaded at that commit, so a model and its tokenizer can never come from two commits. Within a
+``pf-trl`` command (:func:`one_commit_per_repository`) each repository resolves once; a long-lived service resolves
+every request again (a moved ``main`` is followed; the same commit is a cache hit, the files being there).
+
+Only what is read is downloaded (:func:`snapshot`'s ``what``): a tokenizer its files (:func:`tokenizer_files`), a
+model what transformers loads (:func:`model_files`: the config, the generation config, the weight index and the
+shards it names, the tokenizer; its code only with ``trust_remote_code``), a dataset the files ``datasets`` resolves
+for a configuration's splits (:mod:`pf_trl.data.hub_datasets`).
+
+huggingface_hub does the downloading with the Hub's own environment: ``HF_TOKEN`` / ``hf auth login``,
+``HF_ENDPOINT`` for a mirror, ``HF_HOME`` / ``HF_HUB_CACHE`` for the cache, ``HF_HUB_OFFLINE=1`` to run from the
+cache (the commit the cache recorded for the revision, the files earlier runs downloaded), and its retries of 429 /
+5xx answers. A snapshot folder is then read exactly as a local folder is; a local path of the same spelling wins, as
+transformers does.
 
 What a snapshot is (repository, revision asked for, commit) is recorded for the folder (:func:`origin_of`): the
 pretokenize cache key and the manifest carry it. Failures are one line naming the flag, the repository and the fix
-(:class:`HubError`).
+(:class:`HubError`), a disk error under the cache told apart from a file that is not cached.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -29,6 +40,9 @@ from pf_trl.errors import PfTrlError
 
 # ``org/name`` (or a bare ``name``, for the Hub's few un-namespaced repositories), as huggingface_hub validates ids
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# errors of the disk under the Hub cache (full, read-only, no permission, not a directory), told apart from "not cached"
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                          errno.EIO})
 _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--(.+?)/snapshots/([0-9a-f]{40})(?:/|$)")
 # a tokenizer's or processor's files at a repository's root: configs, vocabularies, chat templates
 _TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
@@ -95,6 +109,10 @@ def _message(exc: BaseException, flag: str, repo_id: str, repo_type: str, revisi
     kind = "dataset" if repo_type == "dataset" else "model"
     where = f"{flag} {repo_id}" + (f" (revision {revision})" if revision else "")
     at = _endpoint()
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:  # the machine's disk, not the Hub nor the network
+        target = getattr(exc, "filename", None) or _cache_dir()
+        return (f"{where}: the Hub cache cannot be written or read at {target} ({os.strerror(exc.errno)}); free "
+                "space or fix the permissions of HF_HOME / HF_HUB_CACHE, or point them at a writable volume")
     if isinstance(exc, GatedRepoError):
         status = getattr(getattr(exc, "response", None), "status_code", None)
         return (f"{where}: the {kind} repository is gated at {at} and this request is not allowed (HTTP {status}); "
@@ -109,7 +127,13 @@ def _message(exc: BaseException, flag: str, repo_id: str, repo_type: str, revisi
     if isinstance(exc, RevisionNotFoundError):
         return (f"{where}: the {kind} repository has no revision {revision!r} at {at}; pass a branch, tag or commit "
                 "it has, or no revision for main")
-    if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)) or _offline():
+    missing = isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)) or (
+        _offline() and isinstance(exc, FileNotFoundError))
+    if _offline() and not missing:  # offline, and something else than a missing file went wrong
+        first = " ".join(str(exc).split())[:240] or type(exc).__name__
+        return (f"{where}: HF_HUB_OFFLINE is set and reading the {kind} from the Hub cache ({_cache_dir()}) "
+                f"failed: {first}")
+    if missing or _offline():
         if _offline():
             return (f"{where}: HF_HUB_OFFLINE is set and the {kind} is not in the Hub cache ({_cache_dir()}); run "
                     "once online to cache it, or unset HF_HUB_OFFLINE")

@@ -699,3 +699,20 @@ def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service
     finally:
         service.stop()
     assert _files_holding(tmp_path, SECRET.encode()) == []
+
+
+def test_a_hub_cache_that_cannot_be_written_is_named_not_taken_for_a_missing_file(hub, tmp_path):
+    """HF_HUB_CACHE on a filesystem that refuses writes (/sys, even for root): one line naming the cache and the
+    disk's error, not "not in the Hub cache" nor the Hub's answer. Control: offline with the same unreadable cache, the
+    model is truly not cached, and that is what the line says."""
+    unwritable = "/sys/pf-trl-hub-cache"
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"), HF_HUB_CACHE=unwritable)
+    argv = [PF_TRL, "pretokenize", "org/chat", str(tmp_path / "s"), "--model_name_or_path", "org/tiny", "--no_progress"]
+    for offline, words in ((False, ["source org/chat", "the Hub cache cannot be written or read", unwritable,
+                                    "Operation not permitted", "HF_HOME"]),
+                           (True, ["source org/chat", "HF_HUB_OFFLINE is set", "not in the Hub cache"])):
+        proc = run(argv, {**env, "HF_HUB_OFFLINE": "1"} if offline else env, timeout=120)
+        lines = _one_line(proc.stderr)
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        for word in words:
+            assert word in lines[0], lines[0]
