@@ -167,16 +167,29 @@ def one_commit_per_repository() -> Iterator[None]:
 
 
 def _repo_info(repo_id: str, repo_type: str, revision: str | None, flag: str):
-    """huggingface_hub's ``repo_info`` of ``repo_id`` at ``revision`` (its commit and file list); HubError."""
+    """huggingface_hub's ``repo_info`` of ``repo_id`` at ``revision`` (its commit and file list); None when the Hub
+    cannot be reached (then the cache answers, as huggingface_hub's own downloads fall back to it); HubError."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HFValidationError
 
     try:
         return HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision)
+    except _unreachable_errors():
+        return None
     except HFValidationError as exc:
         raise HubError(f"{flag} {repo_id}: not a local path, nor a valid Hub id ({str(exc).splitlines()[0]})") from None
     except Exception as exc:  # huggingface_hub's own errors, mapped to one line
         raise HubError(_message(exc, flag, repo_id, repo_type, revision)) from None
+
+
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's errors for a Hub that cannot be reached (the ones huggingface_hub falls back to its cache
+    on): no connection, a timeout."""
+    try:
+        import httpx2 as http  # huggingface_hub >= 1.x's client
+    except ImportError:  # pragma: no cover - older huggingface_hub
+        import httpx as http
+    return (http.ConnectError, http.TimeoutException)
 
 
 @dataclass(frozen=True)
@@ -200,13 +213,13 @@ def resolve(repo_id: str, *, repo_type: str = "model", revision: str | None = No
     key = (repo_type, repo_id, revision)
     if pins is not None and key in pins:
         return pins[key]
-    if _offline():  # the commit the cache recorded for the revision; the files an earlier run downloaded
+    info = None if _offline() else _repo_info(repo_id, repo_type, revision, flag)
+    if info is None:  # offline or unreachable: the commit the cache recorded for the revision, the files it holds
         folder = _download(repo_id, repo_type=repo_type, revision=revision, flag=flag, allow_patterns=[])
         match = _SNAPSHOT.search(folder.as_posix())
         cached = tuple(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
         found = Resolved(commit=match.group(3) if match else "", files=cached, online=False)
     else:
-        info = _repo_info(repo_id, repo_type, revision, flag)
         found = Resolved(commit=info.sha, files=tuple(s.rfilename for s in info.siblings or ()))
     if pins is not None:
         pins[key] = found

@@ -115,11 +115,12 @@ def check_inside(files: dict[str, list[str]], folder: Path, repo_id: str, flag: 
 
 
 def hub_splits(repo_id: str, *, config: str | None, data_dir: str | None, data_files: Any, revision: str | None,
-               splits: Iterable[str] | None, flag: str) -> dict[str, list[str]] | Path:
+               splits: Iterable[str] | None, flag: str) -> dict[str, list[str]] | tuple[Path, bool]:
     """``{split: [local files]}`` of the Hub dataset ``repo_id`` (configuration ``config``) at the commit
     ``revision`` names now, the files of ``splits`` (None: every split) downloaded and the others listed by their
-    ``hf://`` URL; or, for a dataset saved whole (a pf-trl shards folder, a ``save_to_disk`` folder) or offline, the
-    snapshot folder, to be read as a local folder (then check the files with :func:`check_inside`).
+    ``hf://`` URL; or, for a dataset saved whole (a pf-trl shards folder, a ``save_to_disk`` folder) or offline (the
+    Hub not read), ``(snapshot folder, offline)``: to be read as a local folder, its files checked with
+    :func:`check_inside`.
 
     Raises:
         pf_trl.hub.HubError: the Hub refused or could not be reached (one line).
@@ -131,7 +132,7 @@ def hub_splits(repo_id: str, *, config: str | None, data_dir: str | None, data_f
     if not found.online or any(name in found.files for name in WHOLE_DATASET_FILES):
         folder = Path(hub.snapshot(repo_id, repo_type="dataset", revision=revision, flag=flag).folder)
         check_card(folder / "README.md", repo_id, flag, config=config, data_dir=data_dir, data_files=data_files)
-        return folder
+        return folder, not found.online
     readme = None
     if "README.md" in found.files:
         readme = Path(hub.snapshot(repo_id, repo_type="dataset", revision=revision, flag=flag,

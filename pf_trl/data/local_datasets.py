@@ -71,10 +71,19 @@ def dataset_splits(name: str, *, config: str | None = None, data_dir: str | None
             raise LocalDatasetError(str(exc)) from None
         if isinstance(found, dict):
             return _checked_suffixes(found, name, flag)
-        hub_folder = path = found  # saved whole, or offline: its snapshot folder, read as a local folder
+        hub_folder, cached_only = found  # saved whole, or offline: its snapshot folder, read as a local folder
+        path = hub_folder
     elif not path.exists():
         raise LocalDatasetError(f"{flag} {name}: no such file or folder")
-    out = _path_splits(path, name, config=config, data_dir=data_dir, data_files=data_files, flag=flag)
+    try:
+        out = _path_splits(path, name, config=config, data_dir=data_dir, data_files=data_files, flag=flag)
+    except LocalDatasetError as exc:
+        if hub_folder is None or not cached_only:
+            raise
+        raise LocalDatasetError(  # a configuration or split no earlier online run read at this commit
+            f"{flag} {name}: the Hub is not read (HF_HUB_OFFLINE, or unreachable) and the Hub cache does not hold "
+            f"this configuration's files at commit {hub_folder.name[:12]}; run once online with the same "
+            f"configuration and split, or unset HF_HUB_OFFLINE ({exc})") from None
     if hub_folder is not None:
         from pf_trl.data.hub_datasets import HubDatasetError, check_inside
 
