@@ -226,8 +226,11 @@ def resolve(repo_id: str, *, repo_type: str = "model", revision: str | None = No
     return found
 
 
+_AS_ASKED = object()  # _download's shown_revision default: the revision it downloads
+
+
 def _download(repo_id: str, *, repo_type: str, revision: str | None, flag: str,
-              allow_patterns: list[str] | None, shown_revision: str | None = None) -> Path:
+              allow_patterns: list[str] | None, shown_revision: Any = _AS_ASKED) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
@@ -236,7 +239,8 @@ def _download(repo_id: str, *, repo_type: str, revision: str | None, flag: str,
     except HFValidationError as exc:
         raise HubError(f"{flag} {repo_id}: not a local path, nor a valid Hub id ({str(exc).splitlines()[0]})") from None
     except Exception as exc:  # huggingface_hub's own errors, mapped to one line
-        raise HubError(_message(exc, flag, repo_id, repo_type, shown_revision or revision)) from None
+        shown = revision if shown_revision is _AS_ASKED else shown_revision  # the revision the user gave
+        raise HubError(_message(exc, flag, repo_id, repo_type, shown)) from None
 
 
 def _exact(names: Iterable[str]) -> list[str]:
