@@ -1,20 +1,37 @@
-"""Models, tokenizers and datasets named by Hugging Face Hub id (``ORG/NAME``), resolved to a local snapshot folder.
+"""Models, tokenizers and datasets named by Hugging Face Hub id (``ORG/NAME``), resolved to a commit and to the
+files a run reads, in huggingface_hub's cache.
 
-``huggingface_hub.snapshot_download`` does the downloading, with the Hub's own environment as it is: ``HF_TOKEN`` /
-``hf auth login`` for private and gated repositories, ``HF_ENDPOINT`` for a mirror, ``HF_HOME`` / ``HF_HUB_CACHE``
-for the cache (nothing is downloaded twice), ``HF_HUB_OFFLINE=1`` to run from the cache, and its retries of 429 /
-5xx answers. The snapshot folder of a commit is then read exactly as a local folder is (``from_pretrained(folder)``,
-a folder of data files with a README ``configs:``), so one code path serves both; a local path of the same spelling
-wins, as transformers does.
+A revision is resolved to its commit once (:func:`resolve`: ``HfApi.repo_info``, which also lists the files), and
+everything is downloaded at that commit, so a model and its tokenizer can never come from two commits. Within a
+``pf-trl`` command (:func:`one_commit_per_repository`) each repository resolves once; a long-lived service resolves
+every request again (a moved ``main`` is followed; the same commit is a cache hit, the files being there).
+
+Only what is read is downloaded (:func:`snapshot`'s ``what``): a tokenizer its files (:func:`tokenizer_files`), a
+model what transformers loads (:func:`model_files`: the config, the generation config, the weight index and the
+shards it names, the tokenizer; its code only with ``trust_remote_code``), a dataset the files ``datasets`` resolves
+for a configuration's splits (:mod:`pf_trl.data.hub_datasets`).
+
+huggingface_hub does the downloading with the Hub's own environment: ``HF_TOKEN`` / ``hf auth login``,
+``HF_ENDPOINT`` for a mirror, ``HF_HOME`` / ``HF_HUB_CACHE`` for the cache, ``HF_HUB_OFFLINE=1`` to run from the
+cache (the commit the cache recorded for the revision, the files earlier runs downloaded), and its retries of 429 /
+5xx answers. A snapshot folder is then read exactly as a local folder is; a local path of the same spelling wins, as
+transformers does.
 
 What a snapshot is (repository, revision asked for, commit) is recorded for the folder (:func:`origin_of`): the
 pretokenize cache key and the manifest carry it. Failures are one line naming the flag, the repository and the fix
-(:class:`HubError`).
+(:class:`HubError`), a disk error under the cache told apart from a file that is not cached.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
+import json
+import os
 import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +40,12 @@ from pf_trl.errors import PfTrlError
 
 # ``org/name`` (or a bare ``name``, for the Hub's few un-namespaced repositories), as huggingface_hub validates ids
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# errors of the disk under the Hub cache (full, read-only, no permission, not a directory), told apart from "not cached"
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                          errno.EIO})
 _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--(.+?)/snapshots/([0-9a-f]{40})(?:/|$)")
-# what a model's snapshot needs (config, weights, tokenizer, templates); not every format a repository may also hold
-MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
-MODEL_BIN_FILES = ["*.bin", "*.bin.index.json"]  # only when the repository has no safetensors
-# a repository's own Python code (its config's auto_map): downloaded only for --trust_remote_code True
-MODEL_CODE_FILES = ["*.py"]
+# a tokenizer's or processor's files at a repository's root: configs, vocabularies, chat templates
+_TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
 
 class HubError(PfTrlError, ValueError):
@@ -53,8 +70,10 @@ class HubSnapshot:
         return out
 
 
-_RESOLVED: dict[tuple[str, str, str | None, tuple[str, ...] | None], HubSnapshot] = {}
+# the revision each snapshot folder was asked for (a folder is one commit: what was asked is all it adds)
 _BY_FOLDER: dict[str, HubSnapshot] = {}
+# commits resolved within the current one_commit_per_repository() block (None outside one)
+_PINNED: ContextVar[dict[tuple[str, str, str | None], Resolved] | None] = ContextVar("pf_trl_hub_pins", default=None)
 
 
 def looks_like_repo_id(name: Any) -> bool:
@@ -90,6 +109,10 @@ def _message(exc: BaseException, flag: str, repo_id: str, repo_type: str, revisi
     kind = "dataset" if repo_type == "dataset" else "model"
     where = f"{flag} {repo_id}" + (f" (revision {revision})" if revision else "")
     at = _endpoint()
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:  # the machine's disk, not the Hub nor the network
+        target = getattr(exc, "filename", None) or _cache_dir()
+        return (f"{where}: the Hub cache cannot be written or read at {target} ({os.strerror(exc.errno)}); free "
+                "space or fix the permissions of HF_HOME / HF_HUB_CACHE, or point them at a writable volume")
     if isinstance(exc, GatedRepoError):
         status = getattr(getattr(exc, "response", None), "status_code", None)
         return (f"{where}: the {kind} repository is gated at {at} and this request is not allowed (HTTP {status}); "
@@ -104,7 +127,13 @@ def _message(exc: BaseException, flag: str, repo_id: str, repo_type: str, revisi
     if isinstance(exc, RevisionNotFoundError):
         return (f"{where}: the {kind} repository has no revision {revision!r} at {at}; pass a branch, tag or commit "
                 "it has, or no revision for main")
-    if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)) or _offline():
+    missing = isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)) or (
+        _offline() and isinstance(exc, FileNotFoundError))
+    if _offline() and not missing:  # offline, and something else than a missing file went wrong
+        first = " ".join(str(exc).split())[:240] or type(exc).__name__
+        return (f"{where}: HF_HUB_OFFLINE is set and reading the {kind} from the Hub cache ({_cache_dir()}) "
+                f"failed: {first}")
+    if missing or _offline():
         if _offline():
             return (f"{where}: HF_HUB_OFFLINE is set and the {kind} is not in the Hub cache ({_cache_dir()}); run "
                     "once online to cache it, or unset HF_HUB_OFFLINE")
@@ -121,38 +150,213 @@ def _cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str,
-             allow_patterns: list[str] | None = None) -> HubSnapshot:
-    """Download (or find in the Hub cache) ``repo_id`` at ``revision`` and return its snapshot; memoized per
-    process, so the checks before a run and the run itself resolve one commit. ``allow_patterns``: only these files
-    (default for a model: :data:`MODEL_FILES`, its ``.bin`` weights when it has no safetensors).
+def _pins() -> dict | None:
+    return _PINNED.get()
 
-    Raises:
-        HubError: in one line, naming ``flag``, the repository and the fix.
-    """
-    key = (repo_type, repo_id, revision, None if allow_patterns is None else tuple(allow_patterns))
-    hit = _RESOLVED.get(key)
-    if hit is not None:
-        return hit
-    from huggingface_hub import snapshot_download
+
+@contextmanager
+def one_commit_per_repository() -> Iterator[None]:
+    """Within this block each (repository, revision) resolves to a commit once: the checks before a run, its model
+    and its tokenizer all read that commit even if the branch moves meanwhile. ``pf-trl`` runs each command in one;
+    outside such a block (a long-lived service) every call resolves the revision again."""
+    token = _PINNED.set({})
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
+def _repo_info(repo_id: str, repo_type: str, revision: str | None, flag: str):
+    """huggingface_hub's ``repo_info`` of ``repo_id`` at ``revision`` (its commit and file list); None when the Hub
+    cannot be reached (then the cache answers, as huggingface_hub's own downloads fall back to it); HubError."""
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import HFValidationError
 
-    patterns = MODEL_FILES if repo_type == "model" and allow_patterns is None else allow_patterns
-    # the weights in .bin only where a model's weights were asked for (MODEL_FILES or more) and none are safetensors
-    weights = repo_type == "model" and patterns is not None and set(MODEL_FILES) <= set(patterns)
     try:
-        folder = Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=patterns))
-        if weights and not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision,
-                                            allow_patterns=patterns + MODEL_BIN_FILES))
+        return HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision)
+    except _unreachable_errors():
+        return None
     except HFValidationError as exc:
         raise HubError(f"{flag} {repo_id}: not a local path, nor a valid Hub id ({str(exc).splitlines()[0]})") from None
     except Exception as exc:  # huggingface_hub's own errors, mapped to one line
         raise HubError(_message(exc, flag, repo_id, repo_type, revision)) from None
-    match = _SNAPSHOT.search(folder.as_posix())
+
+
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's errors for a Hub that cannot be reached (the ones huggingface_hub falls back to its cache
+    on): no connection, a timeout."""
+    try:
+        import httpx2 as http  # huggingface_hub >= 1.x's client
+    except ImportError:  # pragma: no cover - older huggingface_hub
+        import httpx as http
+    return (http.ConnectError, http.TimeoutException)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A revision resolved to its commit; ``files``: the repository's files at that commit (offline: those of its
+    snapshot folder, what earlier runs downloaded)."""
+
+    commit: str
+    files: tuple[str, ...]
+    online: bool = True
+
+
+def resolve(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str) -> Resolved:
+    """The commit ``revision`` (a branch, tag or commit; None: main) of ``repo_id`` names now (once per
+    :func:`one_commit_per_repository` block). Offline, the commit the Hub cache recorded for it.
+
+    Raises:
+        HubError: in one line, naming ``flag``, the repository and the fix.
+    """
+    pins = _pins()
+    key = (repo_type, repo_id, revision)
+    if pins is not None and key in pins:
+        return pins[key]
+    info = None if _offline() else _repo_info(repo_id, repo_type, revision, flag)
+    if info is None:  # offline or unreachable: the commit the cache recorded for the revision, the files it holds
+        folder = _download(repo_id, repo_type=repo_type, revision=revision, flag=flag, allow_patterns=[])
+        match = _SNAPSHOT.search(folder.as_posix())
+        cached = tuple(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
+        found = Resolved(commit=match.group(3) if match else "", files=cached, online=False)
+    else:
+        found = Resolved(commit=info.sha, files=tuple(s.rfilename for s in info.siblings or ()))
+    if pins is not None:
+        pins[key] = found
+    return found
+
+
+_AS_ASKED = object()  # _download's shown_revision default: the revision it downloads
+
+
+def _download(repo_id: str, *, repo_type: str, revision: str | None, flag: str,
+              allow_patterns: list[str] | None, shown_revision: Any = _AS_ASKED) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns))
+    except HFValidationError as exc:
+        raise HubError(f"{flag} {repo_id}: not a local path, nor a valid Hub id ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # huggingface_hub's own errors, mapped to one line
+        shown = revision if shown_revision is _AS_ASKED else shown_revision  # the revision the user gave
+        raise HubError(_message(exc, flag, repo_id, repo_type, shown)) from None
+
+
+def _exact(names: Iterable[str]) -> list[str]:
+    """File names as huggingface_hub patterns that match those files only (fnmatch's ``*`` crosses ``/``)."""
+    return [glob.escape(n) for n in names]
+
+
+def tokenizer_files(files: Iterable[str], *, code: bool = False) -> list[str]:
+    """The files ``AutoTokenizer`` / ``AutoProcessor.from_pretrained`` read of a repository's file list: the root's
+    configs and vocabularies (``.json``, ``.model``, ``.txt``, ``.tiktoken``, ``.jinja``), transformers' extra chat
+    templates folder, and (``code``) the root's Python files; never a weight or a subfolder's file."""
+    from transformers.utils import CHAT_TEMPLATE_DIR
+
+    keep = []
+    for name in files:
+        if "/" not in name:
+            if name.endswith(_TOKENIZER_SUFFIXES) or (code and name.endswith(".py")):
+                keep.append(name)
+        elif name.startswith(CHAT_TEMPLATE_DIR + "/") and name.count("/") == 1 and name.endswith(".jinja"):
+            keep.append(name)
+    return keep
+
+
+def _weight_index(repo_id: str, commit: str, index_name: str, flag: str) -> list[str]:
+    """The shard files an index (``model.safetensors.index.json``) names, as transformers loads them."""
+    folder = _download(repo_id, repo_type="model", revision=commit, flag=flag, allow_patterns=_exact([index_name]))
+    try:
+        weight_map = json.loads((folder / index_name).read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise HubError(f"{flag} {repo_id}: {index_name} at {commit[:12]} is not a weight index (no weight_map); "
+                       "fix the repository or pin a revision whose index is whole") from None
+    return sorted(set(weight_map.values()))
+
+
+def model_files(repo_id: str, commit: str, files: Iterable[str], *, code: bool, flag: str) -> list[str]:
+    """What ``AutoModelForCausalLM.from_pretrained`` (and the tokenizer beside it) reads of a repository at
+    ``commit``: the config, the generation config, the safetensors weights (the index and the shards it names)
+    or, where there are none, the ``.bin`` ones; the tokenizer's files; the root's code only with ``code``. Never
+    another format's weights (``consolidated.safetensors``) nor a subfolder (``checkpoint-*/``)."""
+    from transformers.utils import (
+        CONFIG_NAME,
+        GENERATION_CONFIG_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    present = set(files)
+    keep = [n for n in (CONFIG_NAME, GENERATION_CONFIG_NAME) if n in present]
+    for index, single in ((SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME), (WEIGHTS_INDEX_NAME, WEIGHTS_NAME)):
+        if index in present:
+            keep += [index, *_weight_index(repo_id, commit, index, flag)]
+            break
+        if single in present:
+            keep.append(single)
+            break
+    return sorted(set(keep) | set(tokenizer_files(present, code=code)))
+
+
+def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = None, flag: str,
+             what: str = "all", code: bool = False, files: Iterable[str] = ()) -> HubSnapshot:
+    """``repo_id`` at the commit ``revision`` names now (:func:`resolve`), with the files ``what`` needs downloaded
+    (or found in the Hub cache): ``"model"`` (:func:`model_files`), ``"tokenizer"`` (:func:`tokenizer_files`),
+    ``"config"`` (config.json alone), ``"files"`` (``files``, repository paths) or ``"all"`` (every file: a dataset
+    saved whole); ``code``: the root's Python files too. Offline, the cached snapshot of that commit as it is.
+
+    Raises:
+        HubError: in one line, naming ``flag``, the repository and the fix.
+    """
+    found = resolve(repo_id, repo_type=repo_type, revision=revision, flag=flag)
+    patterns: list[str] | None = None
+    if what == "all" and not found.online:  # offline: what the cache holds (huggingface_hub checks every file)
+        patterns = _exact(found.files)
+    elif what != "all":
+        if what == "model":
+            names = model_files(repo_id, found.commit, found.files, code=code, flag=flag)
+            if not found.online and not any(n.endswith((".safetensors", ".bin")) for n in names):
+                raise HubError(_message(FileNotFoundError("weights"), flag, repo_id, repo_type, revision))
+        elif what == "tokenizer":
+            names = tokenizer_files(found.files, code=code)
+        elif what == "files":
+            names = list(files)
+        else:
+            names = [n for n in found.files if n == "config.json"]
+        patterns = _exact(names)
+    folder = _download(repo_id, repo_type=repo_type, revision=found.commit or revision, flag=flag,
+                       allow_patterns=patterns, shown_revision=revision)
+    if found.online:
+        _remember_ref(folder, revision or "main", found.commit)
+    return register(repo_id, repo_type, revision, folder)
+
+
+def _remember_ref(folder: Path, revision: str, commit: str) -> None:
+    """Record in the Hub cache that ``revision`` named ``commit`` (``refs/REVISION``, huggingface_hub's cache layout),
+    as a download by revision name does: an offline run of the same revision finds this commit. Downloads here name
+    the commit itself, which records no ref."""
+    if not commit or revision == commit:
+        return
+    ref = folder.parent.parent / "refs" / revision
+    try:
+        if ref.is_file() and ref.read_text(encoding="utf-8") == commit:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(commit, encoding="utf-8")
+        os.replace(tmp, ref)
+    except OSError:  # a read-only shared cache: the run goes on, an offline run of this name will not find it
+        pass
+
+
+def register(repo_id: str, repo_type: str, revision: str | None, folder: Path) -> HubSnapshot:
+    """Record which repository and revision asked for the snapshot folder ``folder`` (see :func:`origin_of`)."""
+    match = _SNAPSHOT.search(Path(folder).as_posix())
     commit = match.group(3) if match else ""
     found = HubSnapshot(repo_id=repo_id, repo_type=repo_type, revision=revision, commit=commit, folder=str(folder))
-    _RESOLVED[key] = found
     _BY_FOLDER[str(folder)] = found
     return found
 

@@ -142,7 +142,7 @@ def resolve_model_path(name: str, *, revision: str | None = None, flag: str = "-
     """
     from pathlib import Path
 
-    from pf_trl.hub import MODEL_CODE_FILES, MODEL_FILES, HubError, looks_like_repo_id, snapshot
+    from pf_trl.hub import HubError, looks_like_repo_id, snapshot
     from pf_trl.remote_code import check_remote_code
     from pf_trl.storage import is_remote
 
@@ -162,13 +162,13 @@ def resolve_model_path(name: str, *, revision: str | None = None, flag: str = "-
         raise HubError(f"{flag} {name!r} is neither an embedded model (pf-trl/tiny-llama, pf-trl/tiny-mistral, ...), "
                        "a local model folder, nor a Hub id (ORG/NAME)")
     if trust_remote_code is None:
-        return snapshot(name, repo_type="model", revision=revision, flag=flag).folder
+        return snapshot(name, repo_type="model", revision=revision, flag=flag, what="model").folder
     # the config alone first: custom code is refused before any weights (or code) are downloaded
-    config = snapshot(name, repo_type="model", revision=revision, flag=flag, allow_patterns=["config.json"])
+    config = snapshot(name, repo_type="model", revision=revision, flag=flag, what="config")
     check_remote_code(config.folder, trust_remote_code=trust_remote_code, name=name, flag=flag)
-    patterns = MODEL_FILES + MODEL_CODE_FILES if trust_remote_code else None
-    found = snapshot(name, repo_type="model", revision=revision, flag=flag, allow_patterns=patterns).folder
-    check_remote_code(found, trust_remote_code=trust_remote_code, name=name, flag=flag)  # main may have moved
+    found = snapshot(name, repo_type="model", revision=revision, flag=flag, what="model",
+                     code=bool(trust_remote_code)).folder
+    check_remote_code(found, trust_remote_code=trust_remote_code, name=name, flag=flag)  # the same commit, whole
     return found
 
 

@@ -95,7 +95,7 @@ class _Sandbox:
         repo_id, split = req["repo_id"], req["split"]
         try:
             splits = dataset_splits(repo_id, config=req.get("config"), revision=req.get("revision"),
-                                    flag="source.hub")
+                                    flag="source.hub", splits=[split])
         except LocalDatasetError as exc:
             raise _unprocessable("source.hub", str(exc), "invalid-source") from exc
         files = splits.get(split)

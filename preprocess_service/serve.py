@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hub-allow", dest="hub_allow", action="append", metavar="ORG[/NAME]",
         help="a Hugging Face Hub organisation or dataset requests may name as source.hub (repeat for several) "
         "[PF_SERVICE_HUB_ALLOW, comma-separated] (default none: no Hub source, offline)")
+    add("--hub-revisions", dest="hub_revisions", action="append", choices=("names", "pull-requests", "commits"),
+        help="a kind of source.hub.revision requests may name (repeat for several): names (branches and tags), "
+        "pull-requests (refs/pr/N), commits [PF_SERVICE_HUB_REVISIONS, comma-separated] (default: names)")
     add("--token-file", help="file holding the bearer token (else PF_SERVICE_TOKEN; neither: auth off)")
     add("--database-url", metavar="postgresql://USER@HOST/DB",
         help="keep jobs in PostgreSQL so several replicas can share them and one cache volume "

@@ -32,6 +32,26 @@ def parse_size(value: str | int, name: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+HUB_REVISION_KINDS = ("names", "pull-requests", "commits")
+_PR_REF = re.compile(r"^refs/pr/\d+$")
+_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+
+
+def hub_revision_kind(revision: str | None, commit: str | None = None) -> str:
+    """``names`` (a branch or tag; None is main), ``pull-requests`` (``refs/pr/N``), ``commits`` (a hash, or a name
+    the resolved ``commit`` starts with) or ``other`` (another ``refs/...``, e.g. the Hub's ``refs/convert/*``)."""
+    if revision is None:
+        return "names"
+    text = revision.replace("%2F", "/").replace("%2f", "/")
+    if _PR_REF.match(text):
+        return "pull-requests"
+    if text.startswith("refs/"):
+        return "other"
+    if _COMMIT.match(text) or (commit and commit.startswith(text)):
+        return "commits"
+    return "names"
+
+
 @dataclass
 class Settings:
     """Everything the service reads at start-up (see docs/service.md for the matching flags/env vars).
@@ -73,6 +93,9 @@ class Settings:
         hub_allow: Hugging Face Hub datasets requests may name as a source: organisations (``org``) or repositories
             (``org/name``); empty (the default): none, and the service runs offline. Downloads use the Hub's own
             environment (``HF_ENDPOINT``, ``HF_TOKEN`` from the service's Secret); a caller never gives a URL.
+        hub_revisions: the kinds of ``source.hub.revision`` requests may name: ``names`` (a branch or a tag; no
+            revision is ``main``), ``pull-requests`` (``refs/pr/N``: anyone may open one on a public repository) and
+            ``commits`` (a commit hash, possibly one of a pull request). Default: ``names`` only.
         debug_progress_delay_s: TEST-ONLY: sleep this long in every progress callback (slows jobs for
             crash tests; 0 in production).
         debug_crash_at: TEST-ONLY: a worker kills itself (SIGKILL) at this step of a job: ``claimed``,
@@ -110,6 +133,7 @@ class Settings:
     allow_hardlinks: bool = False
     publish_uri: str | None = None
     hub_allow: list[str] = field(default_factory=list)
+    hub_revisions: list[str] = field(default_factory=lambda: ["names"])
     debug_progress_delay_s: float = 0.0
     debug_crash_at: str = ""
 
@@ -157,6 +181,10 @@ class Settings:
             if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", entry):
                 raise SettingsError(f"hub_allow entry {entry!r} is neither an organisation (org) nor a repository "
                                     "(org/name)")
+        unknown = sorted(set(self.hub_revisions) - set(HUB_REVISION_KINDS))
+        if unknown:
+            raise SettingsError(f"hub_revisions {', '.join(unknown)}: not a kind of revision; use any of "
+                                f"{', '.join(HUB_REVISION_KINDS)}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
         for root in self.data_roots:
@@ -213,6 +241,18 @@ class Settings:
         for d in (self.cache_dir, self.datasets_dir, self.uploads_dir, self.tmp_dir, self.scratch_dir):
             d.mkdir(parents=True, exist_ok=True)
 
+    def hub_revision_refusal(self, revision: str | None, commit: str | None = None) -> str | None:
+        """Why ``source.hub.revision`` is not a kind ``hub_revisions`` allows (None: allowed). ``commit``, once
+        resolved, tells a short commit hash spelled as a name."""
+        kind = hub_revision_kind(revision, commit)
+        if kind in self.hub_revisions:
+            return None
+        what = {"pull-requests": "a pull request's ref", "commits": "a commit hash", "names": "a branch or tag",
+                "other": "a ref other than a branch, tag or pull request"}[kind]
+        return (f"source.hub.revision {revision}: {what}, which this service does not read (hub_revisions: "
+                f"{', '.join(self.hub_revisions) or 'none'}); name a branch or tag, or ask its operator to allow "
+                f"{kind if kind != 'other' else 'it'} (--hub-revisions)")
+
     def hub_allows(self, repo_id: str) -> bool:
         """True when ``hub_allow`` names the repository or its organisation."""
         org = repo_id.split("/", 1)[0] if "/" in repo_id else None
@@ -251,7 +291,8 @@ class Settings:
                 "public_cache_dir": str(self.public_cache_dir), "publish_uri": self.publish_uri,
                 "auth": "on" if self.token else "off",
                 "workers": self.workers, "num_proc": self.num_proc, "database": describe_database(self),
-                "replica": self.replica_id, "host": self.host, "port": self.port, "hub_allow": self.hub_allow}
+                "replica": self.replica_id, "host": self.host, "port": self.port, "hub_allow": self.hub_allow,
+                "hub_revisions": self.hub_revisions}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Settings:
@@ -276,7 +317,7 @@ def _convert(name: str, raw: str, *, env_name: str) -> Any:
     try:
         if name == "data_roots":
             return [p for p in raw.split(os.pathsep) if p]
-        if name == "hub_allow":
+        if name in ("hub_allow", "hub_revisions"):
             return [p for p in re.split(r"[,\s]+", raw) if p]
         if name in ("max_upload_bytes", "max_body_bytes", "min_free_bytes", "preflight_memory_bytes", "max_row_bytes",
                     "max_field_bytes", "max_row_group_bytes", "max_uploads_bytes"):

@@ -100,14 +100,21 @@ class Submitter:
             raise ServiceError(403, "Forbidden", f"source.hub.repo_id: {hub.repo_id} is not a Hub dataset this service "
                                f"may read (hub_allow: {allowed}); ask its operator to add the repository or its "
                                "organisation to --hub-allow", kind="hub-forbidden", field="source.hub.repo_id")
+        self._check_hub_revision(hub.revision, None)  # by its spelling, before anything is fetched
         answer = self._sandbox({"op": "hub", **hub.model_dump()}, what=f"Hub dataset {hub.repo_id}")
         origin = answer.get("hub") or {}
+        self._check_hub_revision(hub.revision, origin.get("commit"))  # a short commit hash spelled as a name
         path = Path(answer["path"])
         where = path.name
         if origin.get("commit") and f"/snapshots/{origin['commit']}/" in path.as_posix():
             where = path.as_posix().split(f"/snapshots/{origin['commit']}/", 1)[1]
         shown = {"path": f"hf://datasets/{hub.repo_id}@{origin.get('commit') or hub.revision or 'main'}/{where}"}
         return path, {**shown, "hub": origin}
+
+    def _check_hub_revision(self, revision: str | None, commit: str | None) -> None:
+        refusal = self.settings.hub_revision_refusal(revision, commit)
+        if refusal:
+            raise ServiceError(403, "Forbidden", refusal, kind="hub-forbidden", field="source.hub.revision")
 
     def _refuse_hardlinks(self, path: Path, field: str) -> None:
         """403 for a file (or a file in a folder) with several hard links: one can carry a file from outside the

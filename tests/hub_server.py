@@ -98,6 +98,10 @@ class HubServer:
             _git(path, "tag", tag)
         return _git(path, "rev-parse", "HEAD")
 
+    def repo_head(self, repo_type: str, repo_id: str, revision: str = "HEAD") -> str:
+        """The commit ``revision`` names in the repository ``repo_id``."""
+        return _git(self.repo(repo_type, repo_id), "rev-parse", revision)
+
     def set_rules(self, **rules) -> None:
         """The launcher's access rules (``gated={"ORG/NAME": token}``, ``busy=N``), read on each request."""
         self.rules.write_text(json.dumps(rules), encoding="utf-8")

@@ -411,7 +411,7 @@ def test_kustomize_renders_and_the_output_validates(where):
     kinds = sorted(d["kind"] for d in rendered)
     if where == "":
         assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "PersistentVolumeClaim",
-                         "PersistentVolumeClaim", "PersistentVolumeClaim", "Service"], kinds
+                         "PersistentVolumeClaim", "PersistentVolumeClaim", "PersistentVolumeClaim", "Service"], kinds
         assert not any(d["kind"] == "Secret" for d in rendered), "no Secret (and no token) in the kustomization"
         for d in rendered:
             validate_core(d)
@@ -505,7 +505,9 @@ def test_references_resolve():
 
 def test_secret_is_only_an_example():
     secrets = {d["metadata"]["name"]: (path, d) for path, d in docs_of("Secret")}
-    assert sorted(secrets) == ["pf-trl-service-database", "pf-trl-service-token"]
+    assert sorted(secrets) == ["pf-trl-hf-token", "pf-trl-service-database", "pf-trl-service-token"]
+    path, secret = secrets["pf-trl-hf-token"]
+    assert path.name == "hf-token.example.yaml" and secret["stringData"]["token"] == "REPLACE_WITH_YOUR_HF_TOKEN"
     path, secret = secrets["pf-trl-service-token"]
     assert path.name == "secret.example.yaml"
     assert secret["stringData"]["token"] == "REPLACE_WITH_A_RANDOM_TOKEN"
@@ -551,6 +553,49 @@ def _database_configured(container: dict) -> bool:
     argv = argv_of(container)
     return "--database-url-file" in argv or "--database-url" in argv or any(
         e["name"] == "PF_SERVICE_DATABASE_URL" for e in container.get("env", []))
+
+
+# the templates whose pods take a Hub id (a model, tokenizer or dataset by ORG/NAME)
+HUB_TEMPLATES = ("train-job.yaml", "pytorchjob.yaml", "jobset.yaml", "runtime.yaml", "pretokenize-indexed-job.yaml",
+                 "preprocess-service.yaml")
+
+
+def test_pods_that_take_a_hub_id_have_an_optional_token_and_the_hub_cache_volume():
+    """HF_TOKEN from the optional Secret pf-trl-hf-token and HF_HOME on the shared Hub cache claim (not /tmp), in every
+    pod of a template that takes a Hub id; no "never downloads" left in k8s/ or the docs."""
+    def pods(node):  # every pod spec, however deep a custom resource nests it (ClusterTrainingRuntime)
+        if isinstance(node, dict):
+            if "containers" in node and "volumes" in node:
+                yield node
+            for value in node.values():
+                yield from pods(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from pods(value)
+
+    seen = set()
+    for path, d in ALL_DOCS:
+        for pod in pods(d):
+            for c in pod["containers"]:
+                if path.name not in HUB_TEMPLATES:  # (merge-shards reads no Hub id: its HF_HOME stays in /tmp)
+                    continue
+                env = {e["name"]: e for e in c.get("env", [])}
+                seen.add(path.name)
+                assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "pf-trl-hf-token", "key": "token",
+                                                                         "optional": True}}, path
+                if path.name == "preprocess-service.yaml":  # its Hub cache is --cache-dir/hf, on the cache claim
+                    assert "HF_HOME" not in env and "/cache" in argv_of(c), path
+                    continue
+                assert not env["HF_HOME"]["value"].startswith("/tmp"), f"{path}: HF_HOME in /tmp"
+                (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == env["HF_HOME"]["value"]]
+                assert not mount.get("readOnly"), path
+                (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+                assert volume["persistentVolumeClaim"] == {"claimName": "pf-trl-hf-cache"}, path
+    assert seen == set(HUB_TEMPLATES)
+    claim = doc("PersistentVolumeClaim", "pf-trl-hf-cache")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    texts = [p for p in [*K8S.rglob("*"), *(ROOT / "docs").rglob("*.md")] if p.is_file()]
+    assert not [str(p) for p in texts if "never download" in p.read_text(encoding="utf-8", errors="replace")]
 
 
 def test_more_than_one_replica_only_with_postgres():
@@ -656,7 +701,7 @@ def test_service_deployment(tmp_path):
     for e in c["env"]:
         if e["name"].startswith(ENV_PREFIX):
             assert e["name"][len(ENV_PREFIX):].lower() in Settings.__dataclass_fields__, e["name"]
-    assert {e["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})} == {"PF_SERVICE_TOKEN"}
+    assert {e["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})} == {"PF_SERVICE_TOKEN", "HF_TOKEN"}
     port = next(p for p in c["ports"] if p["name"] == "http")["containerPort"]
     assert port == args.port
     routes = set(create_app(Settings(cache_dir=tmp_path / "cache")).openapi()["paths"])  # routers: not flat in .routes

@@ -50,6 +50,25 @@ configs:
 # chat
 """
 
+SECRET = "PF-SECRET-OUTSIDE-7c1e"  # the rows of a file outside org/evil: they must land in no cache and no shard
+EVIL_README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: {leak}
+- config_name: up
+  data_files:
+  - split: train
+    path: ../../../../../../../../../..{leak}
+- config_name: url
+  data_files:
+  - split: train
+    path: http://127.0.0.1:{port}/leak.jsonl
+---
+# evil
+"""
+
 
 # a model repository with its own code (config.json auto_map), as Hub repositories of new architectures ship it:
 # its classes subclass transformers' Llama, and its tokenizer is a class of its own too
@@ -143,9 +162,25 @@ def hub(tmp_path_factory):
     server.commit("datasets", "org/pairs", {"README.md": "# pairs\n", "data/train.jsonl": _pairs(8)}, "pairs")
     local_pairs = root / "pairs-local"
     shutil.copytree(server.repo("datasets", "org/pairs"), local_pairs, ignore=shutil.ignore_patterns(".git"))
+    # org/big: the tiny model's weights in shards (an index), with what transformers never reads beside them
+    big = root / "big"
+    build_model("pf-trl/tiny-llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(big, max_shard_size="1MB")
+    load_tokenizer().save_pretrained(big)
+    strays = {"consolidated.safetensors": model / "model.safetensors",
+              "checkpoint-1/model.safetensors": model / "model.safetensors",
+              "checkpoint-1/config.json": model / "config.json", "awq/config.json": model / "config.json"}
+    server.commit("models", "org/big", {**{f.name: f for f in big.iterdir()}, **strays}, "sharded, with strays")
+    # org/evil: a dataset card whose configurations name files outside the repository
+    leak = root / "outside" / "leak.jsonl"
+    leak.parent.mkdir()
+    leak.write_text(_chat(4, SECRET))
+    server.commit("datasets", "org/evil", {"README.md": EVIL_README.format(leak=leak, port=closed_port()),
+                                           "data/train.jsonl": _chat(4, "e")}, "a card pointing outside")
+    server.commit("datasets", "org/fresh", {"README.md": "# fresh\n", "data/train.jsonl": _chat(6, "f")}, "fresh")
     server.set_rules(gated={"org/gated": "good"})
     yield {"server": server, "root": root, "model": model, "data": local_data, "v1": v1, "chat_v1": chat_v1,
-           "custom": custom, "pairs": local_pairs}
+           "custom": custom, "pairs": local_pairs, "big": big, "leak": leak}
     server.stop()
 
 
@@ -180,7 +215,6 @@ def test_hub_ids_train_to_the_local_copies_losses_with_a_pinned_revision_and_a_c
 
 IDENTITY = r"""
 import json, os, subprocess, sys
-from pf_trl import hub
 from pf_trl.data.local_datasets import dataset_splits
 from pf_trl.data.pretokenize import PretokenizeConfig
 from pf_trl.data.sources import cached_shards
@@ -192,7 +226,13 @@ def shards(config=None):
     path = dataset_splits("org/moving", config=config)["train"][0]
     target = cached_shards(path, tok, PretokenizeConfig(), progress=False, say=said.append)
     return [os.path.basename(target), said[-1].split(":")[1].strip().split(" ")[0]]
-out = [shards(), shards("short")]
+offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+out = [shards(), shards("short")] if not offline else [shards()]
+if offline:  # the short config was read at an older commit only: not in the cache at main's commit
+    try:
+        shards("short")
+    except Exception as exc:
+        out.append(str(exc))
 if len(sys.argv) > 1:  # a new commit on main, then the same id again
     repo = sys.argv[1]
     with open(os.path.join(repo, "data", "train.jsonl"), "a") as fh:
@@ -200,7 +240,6 @@ if len(sys.argv) > 1:  # a new commit on main, then the same id again
         fh.write(json.dumps(row) + "\n")
     git = ["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "commit", "-qam", "more"], check=True)
-    hub._RESOLVED.clear()
     out.append(shards())
 print("RESULT " + json.dumps(out))
 """
@@ -222,6 +261,8 @@ def test_cache_identity_follows_the_commit_and_runs_offline_from_the_cache(hub, 
     assert again[2][1] == "tokenizing" and again[2][0] != first[0][0]  # a new commit on main: new shards
     offline = _identity({**env, "HF_HUB_OFFLINE": "1"})
     assert offline[0] == [again[2][0], "cache"]  # offline: the cached commit of main, from the cache
+    # only what was read is cached: the short config was never read at main's new commit
+    assert "HF_HUB_OFFLINE" in offline[1] and "does not hold this configuration's files" in offline[1], offline[1]
 
 
 ERRORS = r"""
@@ -546,3 +587,150 @@ def test_a_shipped_model_type_with_an_auto_map_loads_as_transformers_loads_it(tm
     assert custom_code(custom) == "modeling_custom.CustomLlamaForCausalLM"
     with pytest.raises(RemoteCodeError, match="--trust_remote_code True"):
         build_model(str(custom))
+
+
+# Each pf-trl command in one process, in order; after each, the files of every repository's snapshot in the Hub cache.
+FETCHED = r"""
+import contextlib, io, json, logging, os, sys
+from pathlib import Path
+from pf_trl.cli.main import main
+cache = Path(os.environ["HF_HOME"]) / "hub"
+
+def fetched():
+    out = {}
+    for snap in cache.glob("*--*/snapshots/*"):
+        out.setdefault(snap.parent.parent.name, []).extend(
+            p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
+    return {k: sorted(v) for k, v in out.items()}
+
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    logging.getLogger().handlers.clear()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
+    out.append([rc, err.getvalue(), fetched()])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _fetched(env, steps: list[list[str]]) -> list:
+    proc = run([sys.executable, "-c", FETCHED, json.dumps(steps)], env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def test_only_what_a_run_reads_is_fetched(hub, tmp_path):
+    """A tokenizer-only pretokenize fetches no weight file; training fetches the index and the shards it names, the
+    config and generation config, the tokenizer, and nothing else of the repository (no consolidated.safetensors, no
+    checkpoint-1/ or awq/ folder); a dataset's configuration brings its own split's files only."""
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    train = ["train", "--model_name_or_path", "org/big", "--dataset_name", "org/chat", "--dataset_config", "short",
+             "--max_steps", "1", "--max_tokens_per_batch", "64", "--report_to", "none", "--save_strategy", "no",
+             "--output_dir", str(tmp_path / "out")]
+    results = _fetched(env, [["pretokenize", "org/chat", str(tmp_path / "shards"), "--model_name_or_path", "org/big",
+                              "--no_progress"], train])
+    for rc, err, _ in results:
+        assert rc == 0, err[-3000:]
+    repo = {p.relative_to(hub["server"].repo("models", "org/big")).as_posix()
+            for p in hub["server"].repo("models", "org/big").rglob("*") if p.is_file() and ".git" not in p.parts}
+    index = json.loads((hub["big"] / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    # negative control: the repository does hold the strays, and the weights are in several shards
+    assert {"consolidated.safetensors", "checkpoint-1/model.safetensors", "awq/config.json"} <= repo
+    assert len(shards) >= 2
+    tokenizer_only = set(results[0][2]["models--org--big"])
+    assert not any(name.endswith(".safetensors") for name in tokenizer_only), tokenizer_only
+    assert {"tokenizer_config.json", "tokenizer.json"} <= tokenizer_only and not any("/" in n for n in tokenizer_only)
+    assert results[0][2]["datasets--org--chat"] == ["README.md", "data/train.jsonl"]  # not test.jsonl, not short/
+    trained = set(results[1][2]["models--org--big"])
+    assert trained == tokenizer_only | shards | {"model.safetensors.index.json", "config.json",
+                                                 "generation_config.json"}, trained ^ repo
+    assert results[1][2]["datasets--org--chat"] == ["README.md", "data/train.jsonl", "short/train.jsonl"]
+
+
+def _files_holding(root: Path, marker: bytes) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and not p.is_symlink() and marker in p.read_bytes()]
+
+
+def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service_follows_main(hub, tmp_path):
+    """org/evil's card names an absolute path, a `..` path and a URL to another host: the CLI and the service refuse
+    each in one line naming the file, and nothing of the outside file lands in any cache or shard. The service reads
+    branches and tags only (refs/pr/N and commits refused by default), and a long-lived service follows `main`: a new
+    commit is tokenized anew, the same commit is a cache hit."""
+    from pf_trl.data.local_datasets import dataset_splits
+
+    from test_service_support import Server, wait_state
+
+    server, leak = hub["server"], str(hub["leak"])
+    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+    # negative control: read as a local folder (the user's own data, as datasets resolves a card), the card does
+    # resolve to the outside file
+    local = tmp_path / "evil-local"
+    shutil.copytree(server.repo("datasets", "org/evil"), local, ignore=shutil.ignore_patterns(".git"))
+    assert dataset_splits(str(local))["train"] == [leak]
+    tiny = ["--model_name_or_path", "org/tiny"]
+    cases = [
+        (["pretokenize", "org/evil", str(tmp_path / "s1"), *tiny], [leak, "an absolute path"]),
+        (["train", *tiny, "--dataset_name", "org/evil", "--dataset_config", "up", "--output_dir", str(tmp_path / "o")],
+         ["../../", "climbs out", "configuration 'up'"]),
+        (["train", *tiny, "--dataset_name", "org/evil", "--dataset_config", "url", "--output_dir", str(tmp_path / "o")],
+         ["http://127.0.0.1:", "a URL"]),
+    ]
+    results = _errors(env, [(None, argv) for argv, _ in cases], tmp_path)
+    for (argv, words), (rc, err, _) in zip(cases, results):
+        lines = _one_line(err)
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (argv, err[-2000:])
+        for word in ["org/evil", "outside the repository", *words]:
+            assert word in lines[0], (argv, lines[0])
+    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    service = Server(tmp_path / "cache", [], env={"HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "service-hf"),
+                                                  "PF_SERVICE_HUB_ALLOW": "org/evil,org/fresh",
+                                                  "HF_HUB_DISABLE_TELEMETRY": "1", **online}).start()
+    try:
+        with service.client() as client:
+            for config, word in ((None, leak), ("up", "../../"), ("url", "http://127.0.0.1:")):
+                body = {"source": {"hub": {"repo_id": "org/evil", "revision": "main",
+                                           **({"config": config} if config else {})}}}
+                r = client.post("/v1/datasets", json=body)
+                assert r.status_code == 422 and word in r.text and "outside the repository" in r.text, r.text
+            fresh = {"source": {"hub": {"repo_id": "org/fresh"}}}
+            for revision in ("refs/pr/1", "a" * 40):  # a pull request, a commit: not what the settings allow
+                body = {"source": {"hub": {"repo_id": "org/fresh", "revision": revision}}}
+                r = client.post("/v1/datasets", json=body)
+                assert r.status_code == 403 and "hub_revisions: names" in r.text, r.text
+            first = client.post("/v1/datasets", json=fresh)
+            assert first.status_code == 202, first.text
+            done = wait_state(client, first.json()["id"], timeout=180)
+            assert done["state"] == "succeeded", done
+            server.commit("datasets", "org/fresh", {"data/train.jsonl": _chat(8, "f")}, "two rows more")
+            second = client.post("/v1/datasets", json=fresh)  # the same process, main has moved
+            assert second.status_code == 202 and second.json()["id"] != first.json()["id"], second.text
+            moved = wait_state(client, second.json()["id"], timeout=180)
+            assert moved["state"] == "succeeded", moved
+            commits = [s["manifest"]["source"]["hub"]["commit"] for s in (done, moved)]
+            assert commits[0] != commits[1] and commits[1] == server.repo_head("datasets", "org/fresh")
+            again = client.post("/v1/datasets", json=fresh)  # the same commit: the same dataset, no new job
+            assert again.status_code == 200 and again.json()["id"] == second.json()["id"], again.text
+    finally:
+        service.stop()
+    assert _files_holding(tmp_path, SECRET.encode()) == []
+
+
+def test_a_hub_cache_that_cannot_be_written_is_named_not_taken_for_a_missing_file(hub, tmp_path):
+    """HF_HUB_CACHE on a filesystem that refuses writes (/sys, even for root): one line naming the cache and the
+    disk's error, not "not in the Hub cache" nor the Hub's answer. Control: offline with the same unreadable cache, the
+    model is truly not cached, and that is what the line says."""
+    unwritable = "/sys/pf-trl-hub-cache"
+    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"), HF_HUB_CACHE=unwritable)
+    argv = [PF_TRL, "pretokenize", "org/chat", str(tmp_path / "s"), "--model_name_or_path", "org/tiny", "--no_progress"]
+    for offline, words in ((False, ["source org/chat", "the Hub cache cannot be written or read", unwritable,
+                                    "Operation not permitted", "HF_HOME"]),  # (no revision was given)
+                           (True, ["source org/chat", "HF_HUB_OFFLINE is set", "not in the Hub cache"])):
+        proc = run(argv, {**env, "HF_HUB_OFFLINE": "1"} if offline else env, timeout=120)
+        # (huggingface_hub's own warning that it could not keep its file listing, before the refusal)
+        lines = [ln for ln in _one_line(proc.stderr) if not ln.startswith("Ignored error while writing tree cache")]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        for word in words:
+            assert word in lines[0], lines[0]
+        assert "(revision" not in lines[0], lines[0]  # none was given: the resolved commit is not shown as one

@@ -355,5 +355,6 @@ def test_read_write_many_stays_the_default():
     assert "components" not in base
     docs = _render(K8S)
     claims = {d["metadata"]["name"]: d["spec"]["accessModes"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    assert claims == {name: ["ReadWriteMany"] for name in ("pf-trl-cache", "pf-trl-data", "pf-trl-outputs")}
+    shared = ("pf-trl-cache", "pf-trl-data", "pf-trl-outputs", "pf-trl-hf-cache")
+    assert claims == {name: ["ReadWriteMany"] for name in shared}
     assert kv is not None and with_args_file is not None

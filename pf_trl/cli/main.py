@@ -33,6 +33,9 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+LONG_LIVED_COMMANDS = frozenset({"serve"})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -54,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pf-trl {name}: error: {one_line(exc)}", file=sys.stderr)
             return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    if name in LONG_LIVED_COMMANDS:  # a service resolves each request's Hub revision anew
+        return int(module.main(rest) or 0)
+    from pf_trl.hub import one_commit_per_repository
+
+    with one_commit_per_repository():  # a run reads every Hub repository at the one commit it resolved first
+        return int(module.main(rest) or 0)
 
 
 def run() -> int:

@@ -3,8 +3,9 @@
 
 ``trl sft`` calls ``datasets.load_dataset(dataset_name, name=dataset_config)`` and trains on
 ``dataset[dataset_train_split]`` (evaluating on ``dataset[dataset_test_split]`` when evaluation is on). ``dataset_name``
-is a Hub dataset id (``ORG/NAME``: huggingface_hub downloads its snapshot, :mod:`pf_trl.hub`, which is then read as
-the folder it is) or a local path, of any kind pf-trl reads (a local path wins over a Hub id of the same spelling):
+is a Hub dataset id (``ORG/NAME``: its configuration's files of the splits a run reads, resolved by ``datasets`` at
+one commit and confined to the repository, :mod:`pf_trl.data.hub_datasets`) or a local path, of any kind pf-trl reads
+(a local path wins over a Hub id of the same spelling):
 
 - a data file (JSON / JSONL / Parquet / CSV): one split, ``train``;
 - a folder of such files: its splits and configurations exactly as ``datasets`` reads a folder (file names such as
@@ -27,6 +28,7 @@ from typing import Any
 from pf_trl.data.data_config import DataConfig, DataConfigError, MixtureSource
 from pf_trl.data.pretokenize import SOURCE_SUFFIXES
 from pf_trl.errors import PfTrlError
+from pf_trl.hub import looks_like_repo_id
 
 # Splits a DatasetDict given as evaluation data is read from, in this order (datasets' usual names).
 EVAL_SPLITS = ("test", "validation", "valid", "dev")
@@ -46,32 +48,53 @@ class ResolvedData:
     eval_split: str | None = None
 
 
-def local_or_hub(name: str, *, revision: str | None = None, flag: str = "--dataset_name") -> Path:
-    """The folder or file ``name`` names: a local path as it is, else the snapshot of the Hub dataset ``name``
-    (downloaded by huggingface_hub, or found in its cache). Raises LocalDatasetError in one line."""
-    from pf_trl.hub import HubError, looks_like_repo_id, snapshot
-
-    path = Path(name).expanduser()
-    if path.exists():
-        return path
-    if not looks_like_repo_id(name):
-        raise LocalDatasetError(f"{flag} {name}: no such file or folder")
-    try:
-        return Path(snapshot(name, repo_type="dataset", revision=revision, flag=flag).folder)
-    except HubError as exc:
-        raise LocalDatasetError(str(exc)) from None
-
-
 def _is_shards(path: Path) -> bool:
     return (path / "pf_manifest.json").is_file()
 
 
 def dataset_splits(name: str, *, config: str | None = None, data_dir: str | None = None,
                    data_files: Any = None, flag: str = "--dataset_name",
-                   revision: str | None = None) -> dict[str, list[str]]:
-    """``{split: [paths]}`` of a local dataset or a Hub dataset's snapshot (see the module docstring). Raises
+                   revision: str | None = None, splits: Any = None) -> dict[str, list[str]]:
+    """``{split: [paths]}`` of a local dataset or a Hub dataset (see the module docstring). Of a Hub dataset only
+    the files of ``splits`` (None: every split) are downloaded; another split lists its ``hf://`` URLs. Raises
     LocalDatasetError."""
-    path = local_or_hub(name, revision=revision, flag=flag)
+    path = Path(name).expanduser()
+    hub_folder = None
+    if not path.exists() and looks_like_repo_id(name):
+        from pf_trl.data.hub_datasets import HubDatasetError, hub_splits
+        from pf_trl.hub import HubError
+
+        try:
+            found = hub_splits(name, config=config, data_dir=data_dir, data_files=data_files, revision=revision,
+                               splits=splits, flag=flag)
+        except (HubError, HubDatasetError) as exc:
+            raise LocalDatasetError(str(exc)) from None
+        if isinstance(found, dict):
+            return _checked_suffixes(found, name, flag)
+        hub_folder, cached_only = found  # saved whole, or offline: its snapshot folder, read as a local folder
+        path = hub_folder
+    elif not path.exists():
+        raise LocalDatasetError(f"{flag} {name}: no such file or folder")
+    try:
+        out = _path_splits(path, name, config=config, data_dir=data_dir, data_files=data_files, flag=flag)
+    except LocalDatasetError as exc:
+        if hub_folder is None or not cached_only:
+            raise
+        raise LocalDatasetError(  # a configuration or split no earlier online run read at this commit
+            f"{flag} {name}: the Hub is not read (HF_HUB_OFFLINE, or unreachable) and the Hub cache does not hold "
+            f"this configuration's files at commit {hub_folder.name[:12]}; run once online with the same "
+            f"configuration and split, or unset HF_HUB_OFFLINE ({exc})") from None
+    if hub_folder is not None:
+        from pf_trl.data.hub_datasets import HubDatasetError, check_inside
+
+        try:
+            check_inside(out, hub_folder, name, flag)
+        except HubDatasetError as exc:
+            raise LocalDatasetError(str(exc)) from None
+    return out
+
+
+def _path_splits(path: Path, name: str, *, config, data_dir, data_files, flag: str) -> dict[str, list[str]]:
     single = path.is_file() or _is_shards(path) or (path / "state.json").is_file() or \
         (path / "dataset_dict.json").is_file()
     if single and (config or data_dir or data_files):
@@ -116,12 +139,15 @@ def _folder_splits(path: Path, *, config, data_dir, data_files, flag: str) -> di
         what = f" (configuration {config!r})" if config else ""
         raise LocalDatasetError(f"{flag} {path}{what}: datasets cannot read it as a dataset folder: {first}") from None
     files = builder.config.data_files or {}
-    out = {str(split): [str(f) for f in paths] for split, paths in files.items()}
+    return _checked_suffixes({str(split): [str(f) for f in paths] for split, paths in files.items()}, str(path), flag)
+
+
+def _checked_suffixes(out: dict[str, list[str]], name: str, flag: str) -> dict[str, list[str]]:
     if not out:
-        raise LocalDatasetError(f"{flag} {path}: the folder holds no data files ({', '.join(sorted(SOURCE_SUFFIXES))})")
+        raise LocalDatasetError(f"{flag} {name}: the folder holds no data files ({', '.join(sorted(SOURCE_SUFFIXES))})")
     bad = [f for fs in out.values() for f in fs if Path(f).suffix.lower() not in SOURCE_SUFFIXES]
     if bad:
-        raise LocalDatasetError(f"{flag} {path}: {Path(bad[0]).name} is not read by pf-trl; use "
+        raise LocalDatasetError(f"{flag} {name}: {Path(bad[0]).name} is not read by pf-trl; use "
                                 f"{', '.join(sorted(SOURCE_SUFFIXES))} files")
     return out
 
@@ -143,7 +169,8 @@ def _pick(splits: dict[str, list[str]], split: str, flag: str, name: str, what: 
 def resolve_dataset_name(name: str, *, config: str | None, train_split: str, test_split: str,
                          evaluate: bool, flag: str = "--dataset_name") -> ResolvedData:
     """The train source (and the test split's, when ``evaluate``) of ``--dataset_name``, as ``trl sft`` picks them."""
-    splits = dataset_splits(name, config=config, flag=flag)
+    splits = dataset_splits(name, config=config, flag=flag,
+                            splits=[train_split, test_split] if evaluate else [train_split])
     train = _pick(splits, train_split, "--dataset_train_split", name, "train on")
     evalset = _pick(splits, test_split, "--dataset_test_split", name, "evaluate on") if evaluate else None
     return ResolvedData(train=as_source(train, f"{Path(name).name}-{train_split}"),
@@ -206,7 +233,8 @@ def resolve_mixture(entries: list[Any]) -> DataConfig:
         entry = mixture_entry(raw, i)
         where = f"datasets[{i}] path"
         splits = dataset_splits(entry["path"], config=entry.get("name"), data_dir=entry.get("data_dir"),
-                                data_files=entry.get("data_files"), flag=where)
+                                data_files=entry.get("data_files"), flag=where,
+                                splits=[entry.get("split") or "train"])
         split = entry.get("split") or "train"
         if split not in splits:
             raise LocalDatasetError(f"datasets[{i}] ({entry['path']}): no {split!r} split (its splits: "

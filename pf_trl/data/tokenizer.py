@@ -137,12 +137,9 @@ def resolve_tokenizer_path(name_or_path: str, *, revision: str | None = None,
             raise TokenizerLoadError(
                 f"tokenizer {name_or_path!r} is neither a local folder, an embedded name ({DEFAULT_TOKENIZER!r}) nor "
                 "a Hub id (ORG/NAME); pass a folder that holds tokenizer.json / tokenizer.model, or a Hub id")
-        from pf_trl.hub import MODEL_CODE_FILES, MODEL_FILES
-
-        patterns = MODEL_FILES + MODEL_CODE_FILES if code else None
-        try:
-            path = Path(snapshot(name_or_path, repo_type="model", revision=revision, flag=flag,
-                                 allow_patterns=patterns).folder)
+        try:  # the tokenizer's and processor's files only, never the weights beside them
+            path = Path(snapshot(name_or_path, repo_type="model", revision=revision, flag=flag, what="tokenizer",
+                                 code=code).folder)
         except HubError as exc:
             raise TokenizerLoadError(str(exc)) from None
     if path.is_file():
@@ -424,12 +421,12 @@ def default_tokenizer_for(model_name_or_path: str | None, *, trust_remote_code: 
             model_name_or_path = fetch_bucket_model(model_name_or_path, tokenizer_only=True)
         except StorageError as exc:
             raise TokenizerLoadError(str(exc)) from None
-    elif looks_like_repo_id(model_name_or_path):  # a Hub model: its snapshot folder's tokenizer
-        from pf_trl.models import resolve_model_path
+    elif looks_like_repo_id(model_name_or_path):  # a Hub model: the tokenizer files of its snapshot, no weights
+        from pf_trl.hub import snapshot
 
         try:
-            # trusted: the snapshot with the repository's code (checked as the model's); else the folder only
-            model_name_or_path = resolve_model_path(model_name_or_path, trust_remote_code=trust_remote_code or None)
+            model_name_or_path = snapshot(model_name_or_path, repo_type="model", flag="--model_name_or_path",
+                                          what="tokenizer", code=trust_remote_code).folder
         except HubError as exc:
             raise TokenizerLoadError(str(exc)) from None
     if folder_has_tokenizer(model_name_or_path):

@@ -33,7 +33,7 @@ def load_preference_split(name: str, *, config: str | None, split: str, flag: st
 
     from pf_trl.data.local_datasets import dataset_splits
 
-    splits = dataset_splits(name, config=config)
+    splits = dataset_splits(name, config=config, splits=[split])
     if split not in splits:
         raise ConfigError(f"{flag} {split}: {name} has no {split!r} split (its splits: {', '.join(splits)})")
     paths = splits[split]

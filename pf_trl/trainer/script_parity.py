@@ -72,7 +72,7 @@ FIELDS: dict[str, ScriptField] = {
         MAPPED, "The --dataset_name split trained on goes through pf-trl's streaming path (as a data config with "
         "`dataprocessor.streaming: true`): read as a datasets stream, tokenized while training, packed to the token "
         "budget from a look-ahead buffer, nothing written to the tokenized cache. Needs --max_steps (a stream has no "
-        "length; refused in one line without it); a Hub dataset's files are downloaded first (its snapshot), then "
+        "length; refused in one line without it); a Hub dataset's split files are downloaded first (those alone), then "
         "streamed; the evaluation split is read whole (eval_max_examples rows); padded training "
         "(--padding_free false) reads the split whole. Given without --dataset_name, refused."),
     "ignore_bias_buffers": ScriptField(
