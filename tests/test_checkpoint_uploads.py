@@ -180,3 +180,20 @@ def test_a_failed_upload_stops_the_run_at_the_next_save(relay, s3, shards, monke
     assert not s3.filesystem().exists(f"pfup/runs/e/checkpoint-2/{MARKER}")
     staged = next((Path(os.environ["PF_TRL_CACHE"]) / "staging").glob("output-*"))
     assert (staged / "checkpoint-2" / "model.safetensors").is_file()  # the local copy stays: nothing committed it
+
+
+def test_a_node_fetches_the_shared_files_and_only_its_own_ranks_files():
+    from pf_trl.trainer.checkpoint_fetch import files_for_ranks, rank_of
+
+    names = ["model.safetensors", "optimizer.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth",
+             "rng_state_2.pth", "pf_trl_stream_state_rank2.json", "pf_trl_stream_buffer_rank3.npz",
+             "global_step8/zero_pp_rank_3_mp_rank_00_optim_states.pt", "global_step8/mp_rank_00_model_states.pt",
+             "pytorch_model_fsdp_0/__2_0.distcp", "pytorch_model_fsdp_0/.metadata", "rng_state.pth"]
+    assert rank_of("rng_state.pth") is None and rank_of("global_step8/mp_rank_00_model_states.pt") is None
+    node_b = files_for_ranks(names, {2, 3})
+    assert set(node_b) == set(names) - {"rng_state_0.pth", "rng_state_1.pth"}
+    assert set(files_for_ranks(names, {0, 1})) == {"model.safetensors", "optimizer.pt", "trainer_state.json",
+                                                   "rng_state_0.pth", "rng_state_1.pth",
+                                                   "global_step8/mp_rank_00_model_states.pt",
+                                                   "pytorch_model_fsdp_0/.metadata", "rng_state.pth"}
+    assert files_for_ranks(names, None) == sorted(names)
