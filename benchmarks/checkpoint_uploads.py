@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "no_saves_s": base,
         "saves_s": statistics.median(r["wall_s"] for r in saved),
-        "uploads_sum_s": statistics.median(sum(r["upload_s"]) for r in saved),
+        "uploads_sum_s": round(statistics.median(sum(r["upload_s"]) for r in saved), 2),
         "last_upload_s": statistics.median(r["upload_s"][-1] for r in saved),
     }
     summary["ratio_saves_vs_none"] = round(summary["saves_s"] / base, 3)
