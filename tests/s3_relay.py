@@ -10,6 +10,8 @@ the relay's address) still verifies at the server. What the tests of read-ahead 
 - ``upload_bytes_per_s``: request bodies (uploads) read at that rate, all of them sharing it (one uplink);
 - ``throttle``: the share of requests answered ``503 SlowDown`` with S3's XML error body instead of being forwarded
   (drawn from a seeded generator; settable while the relay runs); ``throttled`` counts them;
+- ``throttle_first``: every distinct request (method and path) answered ``503 SlowDown`` that many times before it is
+  forwarded (a burst longer than the SDK's own retries);
 - ``log``: every (method, path) forwarded, in order.
 
 Point a process at it with ``AWS_ENDPOINT_URL=relay.endpoint``.
@@ -34,9 +36,10 @@ class S3Relay:
 
     def __init__(self, upstream_port: int, *, gate: Callable[[str, str], None] | None = None,
                  bytes_per_s: float | None = None, upload_bytes_per_s: float | None = None,
-                 throttle: float = 0.0, seed: int = 0) -> None:
+                 throttle: float = 0.0, seed: int = 0, throttle_first: int = 0) -> None:
         self.upstream_port, self.gate, self.bytes_per_s = upstream_port, gate, bytes_per_s
-        self.upload_bytes_per_s, self.throttle = upload_bytes_per_s, throttle
+        self.upload_bytes_per_s, self.throttle, self.throttle_first = upload_bytes_per_s, throttle, throttle_first
+        self._seen: dict[tuple[str, str], int] = {}
         self.log: list[tuple[str, str]] = []
         self.throttled = 0
         self._pace = threading.Lock()
@@ -55,7 +58,7 @@ class S3Relay:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = relay._receive(self.rfile, length) if length else None
                 path = self.path.split("?", 1)[0]
-                if relay._should_throttle():
+                if relay._should_throttle(self.command, path):
                     self.send_response_only(503, "Slow Down")
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(SLOW_DOWN)))
@@ -101,8 +104,13 @@ class S3Relay:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _should_throttle(self) -> bool:
+    def _should_throttle(self, method: str, path: str) -> bool:
         with self._draw_lock:
+            if self.throttle_first:
+                seen = self._seen[(method, path)] = self._seen.get((method, path), 0) + 1
+                if seen <= self.throttle_first:
+                    self.throttled += 1
+                    return True
             if self.throttle and self._draw.random() < self.throttle:
                 self.throttled += 1
                 return True

@@ -131,6 +131,23 @@ def test_a_run_with_30_percent_of_requests_throttled_gives_the_fault_free_result
 
 
 @pytest.mark.slow
+def test_a_burst_longer_than_botocore_s_retries_is_retried_by_pf_trl(s3, tmp_path):
+    """Each request throttled 3 times in a row: botocore's 3 attempts all get 503 SlowDown and s3fs raises a plain
+    OSError("Please reduce your request rate."); pf-trl recognises it (its ClientError cause) and tries again."""
+    relay = S3Relay(s3.port, throttle_first=3)
+    try:
+        node = Node(tmp_path / "n", s3, relay.endpoint)
+        done = node.run("pretokenize", SOURCE, "s3://pfthr/datasets/burst", "--max_seq_len", "128", "--no_progress")
+    finally:
+        relay.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    retried = [line for line in done.stderr.splitlines() if "; retry 1 of 3 in " in line]
+    assert retried and all(line.startswith("pf-trl: s3://pfthr/") for line in retried), done.stderr[-3000:]
+    assert any("Please reduce your request rate." in line for line in retried)  # a GET's or PUT's XML message
+    assert s3.filesystem().exists("pfthr/datasets/burst/pf_manifest.json")
+
+
+@pytest.mark.slow
 def test_retries_exhausted_end_in_one_line(s3, tmp_path):
     relay = S3Relay(s3.port, throttle=1.0)
     try:
