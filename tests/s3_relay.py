@@ -1,4 +1,5 @@
-"""An HTTP relay in front of the test S3 server: holds requests back (a gate) or slows them (a bandwidth limit).
+"""An HTTP relay in front of the test S3 server: holds requests back (a gate), slows them (a bandwidth limit) or
+throttles them (answers a share with S3's ``503 SlowDown``).
 
 The relay forwards each request as it came, the ``Host`` header included, so the client's SigV4 signature (made for
 the relay's address) still verifies at the server. What the tests of read-ahead need from it:
@@ -6,6 +7,11 @@ the relay's address) still verifies at the server. What the tests of read-ahead 
 - ``gate``: a function called with the method and the object path before a request is forwarded; it may block
   (a file held back until the test lets it through: deterministic "not local yet");
 - ``bytes_per_s``: responses paced to that rate (a bucket across a network, for the benchmark);
+- ``upload_bytes_per_s``: request bodies (uploads) read at that rate, all of them sharing it (one uplink);
+- ``throttle``: the share of requests answered ``503 SlowDown`` with S3's XML error body instead of being forwarded
+  (drawn from a seeded generator; settable while the relay runs); ``throttled`` counts them;
+- ``throttle_first``: every distinct request (method and path) answered ``503 SlowDown`` that many times before it is
+  forwarded (a burst longer than the SDK's own retries);
 - ``log``: every (method, path) forwarded, in order.
 
 Point a process at it with ``AWS_ENDPOINT_URL=relay.endpoint``.
@@ -14,22 +20,32 @@ Point a process at it with ``AWS_ENDPOINT_URL=relay.endpoint``.
 from __future__ import annotations
 
 import http.client
+import random
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your '
+             b'request rate.</Message><RequestId>pf-trl-relay</RequestId></Error>')
 
 
 class S3Relay:
     """A relay on a free port of 127.0.0.1 to ``upstream`` (``host:port``); :meth:`stop` ends it."""
 
     def __init__(self, upstream_port: int, *, gate: Callable[[str, str], None] | None = None,
-                 bytes_per_s: float | None = None) -> None:
+                 bytes_per_s: float | None = None, upload_bytes_per_s: float | None = None,
+                 throttle: float = 0.0, seed: int = 0, throttle_first: int = 0) -> None:
         self.upstream_port, self.gate, self.bytes_per_s = upstream_port, gate, bytes_per_s
+        self.upload_bytes_per_s, self.throttle, self.throttle_first = upload_bytes_per_s, throttle, throttle_first
+        self._seen: dict[tuple[str, str], int] = {}
         self.log: list[tuple[str, str]] = []
+        self.throttled = 0
         self._pace = threading.Lock()
+        self._uplink = threading.Lock()
+        self._draw = random.Random(seed)
+        self._draw_lock = threading.Lock()
         relay = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -40,8 +56,16 @@ class S3Relay:
 
             def _forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
+                body = relay._receive(self.rfile, length) if length else None
                 path = self.path.split("?", 1)[0]
+                if relay._should_throttle(self.command, path):
+                    self.send_response_only(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(SLOW_DOWN)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(SLOW_DOWN)
+                    return
                 relay.log.append((self.command, path))
                 if relay.gate is not None:
                     relay.gate(self.command, path)
@@ -79,6 +103,35 @@ class S3Relay:
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def _should_throttle(self, method: str, path: str) -> bool:
+        with self._draw_lock:
+            if self.throttle_first:
+                seen = self._seen[(method, path)] = self._seen.get((method, path), 0) + 1
+                if seen <= self.throttle_first:
+                    self.throttled += 1
+                    return True
+            if self.throttle and self._draw.random() < self.throttle:
+                self.throttled += 1
+                return True
+        return False
+
+    def _receive(self, rfile, length: int) -> bytes:
+        if not self.upload_bytes_per_s:
+            return rfile.read(length)
+        chunk, parts = 256 * 1024, []
+        with self._uplink:  # one uplink: concurrent uploads share its rate
+            while length > 0:
+                started = time.monotonic()
+                part = rfile.read(min(chunk, length))
+                if not part:
+                    break
+                parts.append(part)
+                length -= len(part)
+                left = len(part) / self.upload_bytes_per_s - (time.monotonic() - started)
+                if left > 0:
+                    time.sleep(left)
+        return b"".join(parts)
 
     def _send(self, out, data: bytes) -> None:
         if not self.bytes_per_s:

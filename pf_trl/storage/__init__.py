@@ -5,6 +5,7 @@ One layer that data/, trainer/, the CLI and the service call; none of them parse
 - :mod:`~pf_trl.storage.uri`: which strings are bucket URIs, and their parts.
 - :mod:`~pf_trl.storage.credentials`: where the cloud's standard chain finds credentials (for messages).
 - :mod:`~pf_trl.storage.filesystem`: one fsspec filesystem per process, bounded retries, one-line errors.
+- :mod:`~pf_trl.storage.retries`: which errors are worth another try on each backend; botocore's retries logged.
 - :mod:`~pf_trl.storage.cache`: the node-local cache (one download per node, a lock, a size bound) and staging.
 - :mod:`~pf_trl.storage.space`: the node cache's hard size limit (every file counts, downloads reserve first).
 - :mod:`~pf_trl.storage.committed`: a prefix committed in place by a marker written last (the final model), read back

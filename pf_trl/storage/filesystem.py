@@ -4,9 +4,14 @@
 - **Fork safety**: a filesystem is created in the process that uses it (keyed by pid, never fsspec's shared instance
   cache): the async loop behind an fsspec handle does not survive a fork, so a DataLoader worker or a service
   worker that forked from a parent holding one makes its own.
-- **Bounded time**: connect timeout 5 s, read timeout 60 s, two attempts inside botocore, then :func:`call` retries
-  transient errors (connection refused or reset, timeouts, throttling, 5xx) :data:`ATTEMPTS` times with backoff
-  1, 2, 4 s: an unreachable endpoint fails in about 20-30 s, a missing bucket or wrong credentials at once.
+- **Retries in two layers, both bounded, with full-jitter exponential backoff** (:mod:`pf_trl.storage.retries`):
+  each S3 request is retried by botocore's own retry mode (``standard`` by default, ``adaptive`` with
+  ``AWS_RETRY_MODE=adaptive``; ``AWS_MAX_ATTEMPTS`` attempts, 3 by default): throttling (503 ``SlowDown``, 429), 5xx
+  and dropped connections, one part of a multipart upload at a time; gcsfs and adlfs retry the same answers
+  themselves. What still reaches Python (s3fs turns a ``ClientError`` into a plain ``OSError`` carrying the server's
+  text, with the ``ClientError`` as its cause) is classified by :func:`~pf_trl.storage.retries.is_transient` and
+  :func:`call` tries the whole operation :data:`ATTEMPTS` times. Every retry is one warning line. Connect timeout 5 s,
+  read timeout 60 s: an unreachable endpoint fails in about 20 s, a missing bucket or wrong credentials at once.
 - **One-line errors** (:class:`StorageError`) naming the URI, what failed and where credentials came from.
 """
 
@@ -14,18 +19,21 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pf_trl.storage.credentials import credential_source
 from pf_trl.storage.errors import RemoteNotFound, StorageError
+from pf_trl.storage.retries import botocore_retries, error_status, is_throttled, is_transient, s3_session
 from pf_trl.storage.uri import PACKAGES, RemoteURI, parse_uri
 
 logger = logging.getLogger("pf_trl.storage")
 
 ATTEMPTS = 4
-BACKOFF_S = (1.0, 2.0, 4.0)
+BACKOFF_BASE_S = 1.0
+BACKOFF_CAP_S = 8.0
 CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 60
 
@@ -36,7 +44,8 @@ T = TypeVar("T")
 def _options(protocol: str) -> dict[str, Any]:
     if protocol == "s3":
         return {"config_kwargs": {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
-                                  "retries": {"max_attempts": 2, "mode": "standard"}}}
+                                  "retries": botocore_retries()},
+                "session": s3_session()}
     if protocol == "gcs":
         return {"requests_timeout": READ_TIMEOUT_S}
     # adlfs: the account and credentials from AZURE_STORAGE_* / workload identity
@@ -61,31 +70,15 @@ def filesystem(uri: str | RemoteURI):
             raise StorageError(f"{uri}: reading {protocol}:// needs the {PACKAGES[protocol]} package "
                                "(pip install 'pf-trl[cloud]')") from exc
         if protocol == "s3":
-            fs.retries = 1  # s3fs's own loop: pf-trl's call() retries, with a bound on the whole
+            fs.retries = 1  # s3fs's own loop off: botocore retries each request, call() the whole operation
         for stale in [k for k in _FILESYSTEMS if k[0] != key[0]]:
             del _FILESYSTEMS[stale]  # a parent's handles: never used in this process
         _FILESYSTEMS[key] = fs
     return fs
 
 
-def _status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return getattr(exc, "code", None) if isinstance(getattr(exc, "code", None), int) else None
-
-
-def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    names = {c.__name__ for c in type(exc).__mro__}
-    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-                "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError", "ServiceUnavailableError",
-                "TransportError"}:
-        return True
-    status = _status(exc)
-    text = str(exc)
-    return (status is not None and (status >= 500 or status == 429)) or "SlowDown" in text or "Throttl" in text
+_status = error_status
+_is_transient = is_transient
 
 
 def _is_unreachable(exc: BaseException) -> bool:
@@ -120,24 +113,36 @@ def translate(uri: str | RemoteURI, what: str, exc: BaseException) -> StorageErr
             or "SignatureDoesNotMatch" in text or "InvalidAccessKeyId" in text:
         return StorageError(f"{uri}: access denied ({text}) while {what}, with {where}; fix the credentials (a "
                             "Secret's keys, or the ServiceAccount's IRSA / Workload Identity annotation)")
+    if is_throttled(exc):
+        return StorageError(f"{uri}: the storage server kept refusing with throttling or server errors after "
+                            f"{ATTEMPTS} tries ({text}) while {what}; {where}: lower the request rate (fewer ranks "
+                            "or dataloader workers reading at once) or raise AWS_MAX_ATTEMPTS")
     if _is_unreachable(exc) or _is_transient(exc):
         return StorageError(f"{uri}: the storage endpoint is unreachable after {ATTEMPTS} tries ({text}) while "
                             f"{what}; {where}: check AWS_ENDPOINT_URL / the network")
     return StorageError(f"{uri}: {what} failed ({type(exc).__name__}: {text}); {where}")
 
 
+def backoff_s(attempt: int) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): full jitter, uniform in ``[0, min(cap, base * 2**n)]``
+    (clients throttled together do not come back together)."""
+    return random.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt))
+
+
 def call(uri: str | RemoteURI, what: str, fn: Callable[[], T]) -> T:
-    """``fn()``, retried on transient errors (bounded: :data:`ATTEMPTS` tries, backoff :data:`BACKOFF_S`); any
-    failure raised as a one-line :class:`StorageError` (:class:`RemoteNotFound` for a missing object)."""
+    """``fn()``, retried on transient errors (throttling, 5xx, dropped or refused connections; bounded:
+    :data:`ATTEMPTS` tries, :func:`backoff_s`), one warning line per retry; any failure raised as a one-line
+    :class:`StorageError` (:class:`RemoteNotFound` for a missing object)."""
     for attempt in range(ATTEMPTS):
         try:
             return fn()
         except Exception as exc:
             if isinstance(exc, StorageError):
                 raise
-            if _is_transient(exc) and attempt + 1 < ATTEMPTS:
-                delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
-                logger.warning("pf-trl: %s: %s (%s); retrying in %.0f s", uri, what, _one_line(exc), delay)
+            if is_transient(exc) and attempt + 1 < ATTEMPTS:
+                delay = backoff_s(attempt)
+                logger.warning("pf-trl: %s: %s: %s; retry %d of %d in %.1f s", uri, what, _one_line(exc),
+                               attempt + 1, ATTEMPTS - 1, delay)
                 time.sleep(delay)
                 continue
             raise translate(uri, what, exc) from exc

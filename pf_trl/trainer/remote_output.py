@@ -9,24 +9,28 @@ staging, committed by the completion marker, found again by ``resume_from_checkp
   node wrote (the model, optimizer and trainer state on rank 0's node; every rank's ``rng_state_<rank>.pth``,
   stream positions, ZeRO / FSDP shards on theirs); every rank reports its result to all; only when all confirmed does
   rank 0 write :data:`~pf_trl.trainer.checkpoints.COMPLETE_MARKER` into the bucket, listing every object of the
-  checkpoint with its size, last. A pod killed during an upload leaves no marker: ``auto`` never takes it.
+  checkpoint with its size and xxh3-128 checksum and the attempt that wrote it, last. A pod killed during an
+  upload leaves no marker: ``auto`` never takes it.
   ``save_total_limit`` is then applied in the bucket (oldest first, each marker deleted before its files), and the
-  node's staging keeps only the newest checkpoint (and the best). Uploads run inside the save: the next step starts
-  once the checkpoint is committed.
+  node's staging keeps only the newest checkpoint (and the best). Uploads run in the background while training goes
+  on (:mod:`pf_trl.trainer.checkpoint_uploads`): the next save waits for the previous upload, the end of training
+  for the last; a failed upload stops the run at the next save or at its end.
 - **The final model** (``save_model()`` into ``output_dir``): the staged root (every file but the checkpoints)
   uploaded by rank 0 and committed by its own marker, written last (:mod:`pf_trl.storage.committed`); what an
   earlier final model left in the prefix is removed, so ``--model_name_or_path s3://...`` reads one whole model.
 - **Resume** (``auto`` / ``True`` / a checkpoint URI): rank 0 picks the latest complete checkpoint in the bucket
   (marker there, names its step, every listed object present with that size) and tells every rank; the first rank
-  of each node downloads it into the (emptied) staging folder; Trainer resumes from the local copy, exactly.
+  of each node downloads what its node's ranks read (:mod:`pf_trl.trainer.checkpoint_fetch`: the shared files and
+  its own ranks' shards, concurrently, each checked against the marker's checksum) into the (emptied) staging
+  folder; Trainer resumes from the local copy, exactly.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +97,17 @@ def _all_ok(outcome: str | None) -> list[str]:
     return [f"rank {r}: {o}" for r, o in enumerate(outcomes) if o]
 
 
+def _ranks_of_this_node(rank: int) -> set[int]:
+    """The global ranks on this node (torchrun's GROUP_RANK names the node; else the host name)."""
+    node = os.environ.get("GROUP_RANK") or socket.gethostname()
+    dist = _dist()
+    if dist is None:
+        return {rank}
+    placed: list = [None] * dist.get_world_size()
+    dist.all_gather_object(placed, (node, rank))
+    return {r for n, r in placed if n == node}
+
+
 def _barrier() -> None:
     dist = _dist()
     if dist is not None:
@@ -107,7 +122,7 @@ def prepare_resume(trainer, remote: RemoteOutput, resume_from_checkpoint):
         ResumeError: ``True`` (or a checkpoint URI) and no complete checkpoint there.
         StorageError: the bucket cannot be read (one line).
     """
-    from pf_trl.storage.filesystem import download, list_files
+    from pf_trl.storage.filesystem import list_files
 
     args = trainer.args
     rank = args.process_index
@@ -145,14 +160,14 @@ def prepare_resume(trainer, remote: RemoteOutput, resume_from_checkpoint):
     folder = parse_uri(choice[1])
     local = remote.staging / folder.name
     outcome = None
+    ranks = _ranks_of_this_node(rank)
     if args.local_process_index == 0:
-        try:
-            files = list_files(folder)
-            for name in sorted(files):
-                (local / name).parent.mkdir(parents=True, exist_ok=True)
-                download(folder.join(name), local / name)
+        from pf_trl.trainer.checkpoint_fetch import fetch_checkpoint
+
+        try:  # this node's ranks' files and the shared ones, concurrently, checked against the marker
+            fetch_checkpoint(folder, local, ranks, max(1, int(args.world_size)))
         except Exception as exc:  # every rank hears of it, none waits forever
-            outcome = str(exc)
+            outcome = " ".join(str(exc).split())
     failed = _all_ok(outcome)
     if failed:
         raise ResumeError(f"cannot download {folder}: {'; '.join(failed)}")
@@ -166,45 +181,56 @@ def _node_files(folder: Path) -> list[str]:
 
 
 class RemoteCheckpointCallback(TrainerCallback):
-    """Uploads each checkpoint from staging to the bucket and commits it (see the module docstring). Added after
+    """Uploads each checkpoint from staging to the bucket in the background and commits it
+    (:class:`~pf_trl.trainer.checkpoint_uploads.CheckpointUploader`). Added after
     :class:`~pf_trl.trainer.resume.CheckpointCompleteCallback`: every rank's files are in when it runs."""
 
     def __init__(self, trainer, remote: RemoteOutput) -> None:
         self.trainer, self.remote = trainer, remote
+        self.uploader = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from pf_trl.trainer.checkpoint_uploads import CheckpointUploader, new_attempt_id
+
+        dist = _dist()
+        # the upload thread's collectives run on a gloo group of their own, never on training's communicator
+        group = dist.new_group(backend="gloo") if dist is not None else None
+        attempt = _broadcast(new_attempt_id() if args.process_index == 0 else None, args.process_index)
+        self.uploader = CheckpointUploader(self.remote.uri, attempt, group)
+
+    def _wait_if_saving(self, control) -> None:
+        if control.should_save and self.uploader is not None:
+            self.uploader.wait()  # before Trainer writes (and rotates) the next checkpoint
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._wait_if_saving(control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._wait_if_saving(control)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best" and self.uploader is not None:
+            self.uploader.wait()  # a save may follow this evaluation
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.uploader is not None:
+            self.uploader.wait()  # the last checkpoint is committed before the run ends
 
     def on_save(self, args, state, control, **kwargs):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        from pf_trl.storage.filesystem import list_files, upload, write_bytes
-
         if state.is_hyper_param_search:
             return
-        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        local, target = Path(args.output_dir) / name, self.remote.uri.join(name)
-        rank = args.process_index
-        if rank == 0:  # what an earlier save of this step left (a pod killed mid-upload): never mixed in
-            remove_remote_checkpoints([target])
-        _barrier()
-        outcome = None
-        try:
-            mine = _node_files(local)[args.local_process_index::max(1, _local_world(args))]
-            for file in mine:
-                upload(local / file, target.join(file))
-        except Exception as exc:  # reported to every rank: no rank waits for a marker that will not come
-            outcome = str(exc)
-        failed = _all_ok(outcome)
-        if failed:
-            raise ResumeError(f"checkpoint {target} was not uploaded (no marker written, `auto` will not take it): "
-                              f"{'; '.join(failed)}")
-        if rank == 0:
-            files = list_files(target)
-            files.pop(COMPLETE_MARKER, None)
-            body = {"global_step": int(state.global_step), "world_size": int(args.world_size), "files": files}
-            write_bytes(target.join(COMPLETE_MARKER), json.dumps(body, indent=1).encode())  # the commit, last
-            self._rotate(args, state.global_step)
-        if args.local_process_index == 0:
-            self._trim_staging(local)
-        _barrier()
+        if self.uploader is None:
+            self.on_train_begin(args, state, control)
+        from pf_trl.trainer.checkpoint_uploads import trim_staging
+
+        local = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        mine = _node_files(local)[args.local_process_index::max(1, _local_world(args))]
+        self.uploader.start(step=int(state.global_step), local=local, files=mine, rank=args.process_index,
+                            local_rank=args.local_process_index, world_size=max(1, int(args.world_size)),
+                            rotate=lambda step: self._rotate(args, step),
+                            trim=lambda current: trim_staging(current, self.trainer.state.best_model_checkpoint))
 
     def _rotate(self, args, step: int) -> None:
         """``save_total_limit`` in the bucket, over the checkpoints up to this step: a newer leftover of a killed
@@ -218,14 +244,6 @@ class RemoteCheckpointCallback(TrainerCallback):
         if best:
             keep.add(self.remote.uri.join(Path(best).name))
         remove_remote_checkpoints([u for u in found if u not in keep])
-
-    def _trim_staging(self, current: Path) -> None:
-        """Once a checkpoint is committed the bucket holds it: the node keeps only the newest (and the best) in
-        staging, so the node's disk holds one checkpoint whatever ``save_total_limit`` is."""
-        best = self.trainer.state.best_model_checkpoint
-        for folder in current.parent.iterdir():
-            if CHECKPOINT.match(folder.name) and folder != current and (not best or folder.name != Path(best).name):
-                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _local_world(args) -> int:

@@ -1,0 +1,165 @@
+"""Which storage errors are worth another try, for each backend, and botocore's own retries made visible.
+
+Object stores throttle under load (S3 and its clones answer ``503 SlowDown`` or ``429``, GCS ``429`` /
+``rateLimitExceeded``, Azure ``503 ServerBusy``) and fail now and then with ``500`` / ``502`` / ``504``; all of these
+succeed when tried again a little later. They reach pf-trl in several shapes:
+
+- **botocore** (s3fs): retried per request by its retry mode, configured here (:func:`botocore_retries`) from the
+  standard ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` variables; a :func:`s3_session` logs each of those retries as
+  one warning line. After its last attempt s3fs turns the ``ClientError`` into a plain ``OSError`` carrying only the
+  server's message ("Please reduce your request rate."), with the ``ClientError`` (code and HTTP status) as its
+  ``__cause__``: :func:`is_transient` follows that chain.
+- **gcsfs**: ``gcsfs.retry.HttpError`` with an integer ``code`` (gcsfs has already retried it itself).
+- **adlfs** / azure-core: ``HttpResponseError`` with ``status_code``; ``ServiceRequestError`` /
+  ``ServiceResponseError`` for a connection that failed (azure-core's retry policy has already retried them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger("pf_trl.storage")
+
+__all__ = ["DEFAULT_MAX_ATTEMPTS", "botocore_retries", "error_status", "is_throttled", "is_transient", "s3_session"]
+
+DEFAULT_MAX_ATTEMPTS = 3
+RETRY_MODES = ("standard", "adaptive", "legacy")
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# the error codes (S3, GCS, Azure) and message fragments of throttling and of server errors
+THROTTLING = ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+              "TooManyRequestsException", "RequestThrottled", "rateLimitExceeded", "userRateLimitExceeded",
+              "ServerBusy", "reduce your request rate", "Throttl")
+SERVER_ERRORS = ("InternalError", "ServiceUnavailable", "RequestTimeout", "backendError", "OperationTimedOut",
+                 "InternalServerError", "BadGateway", "GatewayTimeout")
+CONNECTION_ERRORS = frozenset({
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError", "ServiceUnavailableError",
+    "TransportError", "IncompleteRead", "ResponseStreamingError", "ServiceRequestError", "ServiceResponseError",
+    "FSTimeoutError"})
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _own_status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    for name in ("status_code", "code", "status"):  # azure-core, gcsfs, aiohttp
+        value = getattr(exc, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    return None
+
+
+def _own_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code") or "")
+    return str(getattr(exc, "error_code", "") or "")
+
+
+def error_status(exc: BaseException) -> int | None:
+    """The HTTP status behind ``exc`` (looked for along its cause chain), or None."""
+    for e in _chain(exc):
+        status = _own_status(e)
+        if status is not None:
+            return status
+    return None
+
+
+def is_throttled(exc: BaseException) -> bool:
+    """True when the server throttled or failed on its side (429, 5xx, a throttling or server error code)."""
+    for e in _chain(exc):
+        status = _own_status(e)
+        if status is not None and status in TRANSIENT_STATUS:
+            return True
+        text = f"{_own_code(e)} {e}"
+        if any(word in text for word in THROTTLING + SERVER_ERRORS):
+            return True
+    return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when trying again later can succeed: throttling, a server error, a refused, dropped or timed-out
+    connection. False for what another try cannot change (missing object or bucket, access denied, a bad request)."""
+    if is_throttled(exc):
+        return True
+    for e in _chain(exc):
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if {c.__name__ for c in type(e).__mro__} & CONNECTION_ERRORS:
+            return True
+    return False
+
+
+def botocore_retries() -> dict[str, Any]:
+    """botocore's ``retries`` config: ``AWS_RETRY_MODE`` (``standard`` by default: exponential backoff with full
+    jitter, a retry quota; ``adaptive`` adds client-side rate limiting) and ``AWS_MAX_ATTEMPTS`` (3 by default)."""
+    mode = (os.environ.get("AWS_RETRY_MODE") or "standard").strip().lower()
+    if mode not in RETRY_MODES:
+        from pf_trl.storage.errors import StorageError
+
+        raise StorageError(f"AWS_RETRY_MODE={mode!r} is not a botocore retry mode; use one of {', '.join(RETRY_MODES)}")
+    raw = os.environ.get("AWS_MAX_ATTEMPTS") or str(DEFAULT_MAX_ATTEMPTS)
+    try:
+        attempts = int(raw)
+    except ValueError:
+        attempts = 0
+    if attempts < 1:
+        from pf_trl.storage.errors import StorageError
+
+        raise StorageError(f"AWS_MAX_ATTEMPTS={raw!r} is not a positive number of attempts")
+    # total_max_attempts counts the first request too (botocore's ``max_attempts`` key counts only the retries)
+    return {"mode": mode, "total_max_attempts": attempts}
+
+
+def _remember_failure(attempts: int = 0, response=None, caught_exception=None, request_dict=None, **_) -> None:
+    """``needs-retry``: keep what this attempt failed with, for the warning when botocore sends the request again."""
+    if request_dict is None:
+        return
+    if caught_exception is not None:
+        what = f"{type(caught_exception).__name__}: {caught_exception}"
+    elif response is not None:
+        http, parsed = response
+        if http.status_code < 400:
+            return
+        error = (parsed or {}).get("Error", {}) if isinstance(parsed, dict) else {}
+        code = str(error.get("Code") or "")
+        what = f"{http.status_code} {code if code != str(http.status_code) else ''}".strip()
+    else:
+        return
+    request_dict.setdefault("context", {})["pf_trl_failure"] = " ".join(what.split())[:200]
+
+
+def _warn_retry(request=None, operation_name: str = "", **_) -> None:
+    """``request-created``: botocore builds a request again for each retry; one warning line names it."""
+    context = getattr(request, "context", None) or {}
+    attempt = (context.get("retries") or {}).get("attempt", 1)
+    if attempt > 1:
+        url = getattr(request, "url", "") or ""
+        path = url.split("://", 1)[-1].partition("/")[2].split("?", 1)[0]
+        logger.warning("pf-trl: s3: %s /%s answered %s; botocore retry %d of %d", operation_name, path,
+                       context.get("pf_trl_failure", "an error"), attempt - 1,
+                       botocore_retries()["total_max_attempts"] - 1)
+
+
+def s3_session():
+    """An aiobotocore session (the standard credential chain) whose clients log each botocore retry (one line)."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register("needs-retry.s3", _remember_failure)
+    session.register("request-created.s3", _warn_retry)
+    return session
