@@ -37,6 +37,7 @@ from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.dpo_config import check_pf_fields
 from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
 from pf_trl.trainer.gather import gather_uneven_first_dim
 
 __all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
@@ -77,6 +78,8 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_packer = None
         self._pf_resume_dir: str | None = None
+        if self.pf_token_budget is not None:  # compute_loss weights each micro-batch by its share of the step's pairs
+            declare_loss_scaled_for_ga(self)  # before Trainer.__init__: TRL's bridge for transformers < 5.19 reads it
         super().__init__(model, ref_model=ref_model, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                          **kwargs)
@@ -91,10 +94,8 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
 
         self.add_callback(SamplerStateCallback(self))
         self.add_callback(CheckpointCompleteCallback(self))
-        if self.pf_token_budget is not None:
-            self.loss_is_scaled_for_ga = True  # compute_loss weights each micro-batch by its share of the step's pairs
-            if self.accelerator.num_processes > 1:
-                gather_uneven_first_dim(self.accelerator)
+        if self.pf_token_budget is not None and self.accelerator.num_processes > 1:
+            gather_uneven_first_dim(self.accelerator)
 
     def _pf_policy_fields(self) -> tuple[str, ...]:
         # the per-token outputs TRL's __init__ asks the policy's fused head for (the reference's: log_probs only)
