@@ -274,6 +274,31 @@ def test_refusals_name_the_problem(tmp_path):
         PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(image=True))
     with pytest.raises(ConfigError, match="data_collator"):
         PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), data_collator=lambda x: x)
+    budgeted = PaddingFreeDPOConfig(**S.fields(tmp_path), max_tokens_per_batch=40)
+    with pytest.raises(ConfigError, match="IterableDataset does not have"):
+        PaddingFreeDPOTrainer(S.model(), args=budgeted, train_dataset=_dataset().to_iterable_dataset())
+
+
+def test_over_budget_pairs_are_refused_after_tokenization_before_the_reference_precompute(tmp_path, monkeypatch):
+    from trl import DPOTrainer
+
+    from pf_trl.data.tokenizer import load_tokenizer
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    def precompute(*args, **kwargs):
+        raise AssertionError("the reference log-probs were precomputed before the refusal")
+
+    monkeypatch.setattr(DPOTrainer, "_precompute_ref_logps", precompute)
+    args = PaddingFreeDPOConfig(**S.fields(tmp_path), max_tokens_per_batch=30, precompute_ref_log_probs=True)
+    with pytest.raises(ConfigError, match=r"pair\(s\) of the train dataset .* set max_length <= 15 "):
+        PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), processing_class=load_tokenizer())
+    # control: max_length <= budget / 2 (TRL's truncation) makes every pair fit: the refusal is gone
+    args = PaddingFreeDPOConfig(**S.fields(tmp_path), max_tokens_per_batch=30, max_length=15,
+                                precompute_ref_log_probs=True)
+    with pytest.raises(AssertionError, match="precomputed"):
+        PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), processing_class=load_tokenizer())
 
 
 def _dataset(image: bool = False):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
 from trl import DPOTrainer
@@ -45,9 +46,13 @@ __all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
 logger = logging.getLogger("pf_trl.trainer")
 
 
-def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> None:
+def _refuse_unsupported(model, data_collator, train_dataset, peft_config, budget: int | None) -> None:
     if data_collator is not None:
         raise ConfigError("PaddingFreeDPOTrainer builds its own packed collator from TRL's; pass no data_collator")
+    if budget is not None and isinstance(train_dataset, datasets.IterableDataset):
+        raise ConfigError(f"max_tokens_per_batch={budget} plans micro-batches from the length of every pair, which an "
+                          "IterableDataset does not have; pass a map-style datasets.Dataset (memory-mapped) or unset "
+                          "max_tokens_per_batch (per_device_train_batch_size pairs per micro-batch)")
     first = next(iter(train_dataset)) if train_dataset is not None else {}
     if "image" in first or "images" in first:
         raise ConfigError("PaddingFreeDPOTrainer trains text preference pairs; vision datasets are refused (train "
@@ -57,6 +62,26 @@ def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> Non
         if getattr(config, "is_prompt_learning", False):
             raise ConfigError(f"{type(config).__name__} (prompt learning) prepends virtual tokens to every sequence, "
                               "which a packed row cannot hold; use LoRA or another adapter")
+
+
+def dataset_pair_lengths(dataset, max_length: int | None) -> np.ndarray:
+    """The packed tokens of each pair of a tokenized DPO dataset (:func:`pair_lengths`, after TRL's truncation)."""
+    import pyarrow.compute as pc
+
+    table = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).with_format("arrow")[:]
+    counts = [pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False)
+              for c in ("prompt_ids", "chosen_ids", "rejected_ids")]
+    return pair_lengths(*counts, max_length=max_length)
+
+
+def refuse_over_budget_pairs(lengths: np.ndarray, budget: int, dataset_name: str) -> None:
+    """One line when a pair cannot fit a micro-batch of ``budget`` tokens, with DPO's own remedy."""
+    if len(lengths) and int(lengths.max()) > budget:
+        too_long = int((lengths > budget).sum())
+        raise ConfigError(f"{too_long} pair(s) of the {dataset_name} dataset hold more than max_tokens_per_batch="
+                          f"{budget} tokens (the longest: {int(lengths.max())}, prompt+chosen plus prompt+rejected); "
+                          f"set max_length <= {budget // 2} (truncation_mode keeps the start or the end) or raise "
+                          f"max_tokens_per_batch to {int(lengths.max())}")
 
 
 class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
@@ -70,7 +95,8 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
 
             args = PaddingFreeDPOConfig(output_dir="pf-trl-dpo")
         check_pf_fields(args)
-        _refuse_unsupported(model, data_collator, train_dataset, peft_config)
+        budget = getattr(args, "max_tokens_per_batch", None)
+        _refuse_unsupported(model, data_collator, train_dataset, peft_config, budget)
         if args.padding_free:  # TRL would warn that its padding_free is disabled; here every batch is packed
             args.padding_free = False
         self.pf_mode = getattr(args, "padding_free_mode", "huggingface")
@@ -112,12 +138,16 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
     # ------------------------------------------------------------------ data
 
     def _pf_pair_lengths(self, dataset) -> np.ndarray:
-        import pyarrow.compute as pc
+        return dataset_pair_lengths(dataset, self.args.max_length)
 
-        table = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).with_format("arrow")[:]
-        counts = [pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False)
-                  for c in ("prompt_ids", "chosen_ids", "rejected_ids")]
-        return pair_lengths(*counts, max_length=self.args.max_length)
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        prepared = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if dataset_name == "train" and self.pf_token_budget is not None and isinstance(prepared, datasets.Dataset):
+            # right after TRL's tokenization, before any reference precompute or training (evaluation batches are
+            # per_device_eval_batch_size pairs, not budgeted)
+            refuse_over_budget_pairs(dataset_pair_lengths(prepared, args.max_length), self.pf_token_budget,
+                                     dataset_name)
+        return prepared
 
     def get_train_dataloader(self):
         if self.pf_token_budget is None:
