@@ -41,6 +41,9 @@ class PrivateSymbol:
 
 
 PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
+    # torch: the parameters and buffers DDP leaves alone (--ignore_bias_buffers, as TRL's scripts set it)
+    PrivateSymbol("torch.nn.parallel.distributed", "_ddp_params_and_buffers_to_ignore",
+                  ("pf_trl/trainer/trl_script.py",), kind="source"),
     # transformers
     PrivateSymbol("transformers.Trainer", "_track_num_input_tokens", ("pf_trl/trainer/accounting.py",)),
     PrivateSymbol("transformers.Trainer", "_memory_tracker", ("pf_trl/trainer/accounting.py",), kind="source"),

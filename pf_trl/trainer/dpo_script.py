@@ -67,7 +67,7 @@ def _model_and_tokenizer(model_args, training_args, trust: bool) -> tuple[Any, A
     if is_embedded_model(name):
         from pf_trl.data.tokenizer import load_tokenizer
 
-        kwargs = {"attn_implementation": model_args.attn_implementation or "sdpa"}
+        kwargs = {"attn_implementation": model_args.attn_implementation}  # None: transformers' default, as trl dpo
         model = build_model(name, seed=training_args.seed, **kwargs)
         needs_ref = not model_args.use_peft and not training_args.precompute_ref_log_probs
         ref = build_model(name, seed=training_args.seed, **kwargs) if needs_ref else None
@@ -113,7 +113,9 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     """Train as ``trl dpo`` does (same arguments), padding-free; returns the trainer after saving the model."""
     from trl import get_peft_config
 
+    from pf_trl.cli.upstream import check_push_to_hub
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+    from pf_trl.trainer.trl_script import train_save_push
 
     if dataset_args is not None and getattr(dataset_args, "datasets", None):
         raise ConfigError("--datasets (a mixture list) is not read by pf-trl dpo; pass one --dataset_name")
@@ -121,10 +123,11 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
         raise ConfigError("--dataset_name is required (a Hub dataset id ORG/NAME, or a local JSONL / Parquet file or "
                           "dataset folder of pairs)")
     _refuse_streaming(script_args, dataset_args)
+    check_push_to_hub(training_args.push_to_hub, training_args.hub_token)  # offline / no token: before any work
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ConfigError("--load_in_4bit / --load_in_8bit (bitsandbytes) are not supported by pf-trl dpo")
     init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
-                       attn_implementation=model_args.attn_implementation or "sdpa", dtype=model_args.dtype)
+                       attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
     if training_args.model_init_kwargs is not None:
         init_kwargs.update(training_args.model_init_kwargs)
     trust = bool(init_kwargs["trust_remote_code"])  # trl dpo's: model_init_kwargs win over the flag
@@ -141,8 +144,4 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     trainer = PaddingFreeDPOTrainer(model, ref_model=ref_model, args=training_args, train_dataset=train,
                                     eval_dataset=eval_data, processing_class=tokenizer,
                                     peft_config=get_peft_config(model_args))
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    if trainer.is_world_process_zero():
-        print(f"pf-trl dpo: model saved to {training_args.output_dir}", flush=True)
-    return trainer
+    return train_save_push(trainer, script_args, training_args, "pf-trl dpo")
