@@ -40,6 +40,7 @@ from pf_trl.trainer.dpo_config import check_pf_fields
 from pf_trl.trainer.dpo_forward import install_packed_preference_forward
 from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
 from pf_trl.trainer.gather import gather_uneven_first_dim
+from pf_trl.trainer.preference.budget import refuse_over_budget_pairs, refuse_streamed_under_budget
 
 __all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
 
@@ -49,10 +50,7 @@ logger = logging.getLogger("pf_trl.trainer")
 def _refuse_unsupported(model, data_collator, train_dataset, peft_config, budget: int | None) -> None:
     if data_collator is not None:
         raise ConfigError("PaddingFreeDPOTrainer builds its own packed collator from TRL's; pass no data_collator")
-    if budget is not None and isinstance(train_dataset, datasets.IterableDataset):
-        raise ConfigError(f"max_tokens_per_batch={budget} plans micro-batches from the length of every pair, which an "
-                          "IterableDataset does not have; pass a map-style datasets.Dataset (memory-mapped) or unset "
-                          "max_tokens_per_batch (per_device_train_batch_size pairs per micro-batch)")
+    refuse_streamed_under_budget(budget, train_dataset)
     first = next(iter(train_dataset)) if train_dataset is not None else {}
     if "image" in first or "images" in first:
         raise ConfigError("PaddingFreeDPOTrainer trains text preference pairs; vision datasets are refused (train "
@@ -72,16 +70,6 @@ def dataset_pair_lengths(dataset, max_length: int | None) -> np.ndarray:
     counts = [pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False)
               for c in ("prompt_ids", "chosen_ids", "rejected_ids")]
     return pair_lengths(*counts, max_length=max_length)
-
-
-def refuse_over_budget_pairs(lengths: np.ndarray, budget: int, dataset_name: str) -> None:
-    """One line when a pair cannot fit a micro-batch of ``budget`` tokens, with DPO's own remedy."""
-    if len(lengths) and int(lengths.max()) > budget:
-        too_long = int((lengths > budget).sum())
-        raise ConfigError(f"{too_long} pair(s) of the {dataset_name} dataset hold more than max_tokens_per_batch="
-                          f"{budget} tokens (the longest: {int(lengths.max())}, prompt+chosen plus prompt+rejected); "
-                          f"set max_length <= {budget // 2} (truncation_mode keeps the start or the end) or raise "
-                          f"max_tokens_per_batch to {int(lengths.max())}")
 
 
 class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
@@ -146,7 +134,9 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
             # right after TRL's tokenization, before any reference precompute or training (evaluation batches are
             # per_device_eval_batch_size pairs, not budgeted)
             refuse_over_budget_pairs(dataset_pair_lengths(prepared, args.max_length), self.pf_token_budget,
-                                     dataset_name)
+                                     dataset_name, "prompt+chosen plus prompt+rejected",
+                                     f"set max_length <= {self.pf_token_budget // 2} (truncation_mode keeps the start "
+                                     "or the end)")
         return prepared
 
     def get_train_dataloader(self):

@@ -21,6 +21,7 @@ API (small and stable; tensors on the batch's device):
   token of a packed sequence is never a target: it would be predicted from the previous sequence);
   :meth:`PackedRow.scatter_shifted` writes ``[T - 1, ...]`` (or ``[1, T - 1, ...]``) shifted values back into
   ``[B, L - 1, ...]``.
+- :meth:`PackedRow.to`: the row on another device (a batch's row moves with the batch).
 - :meth:`PackedRow.model_kwargs`: ``input_ids``, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k`` for the
   model's forward on the row.
 - :meth:`PackedRow.last_index`: each sequence's pooled position in the row (sequence classification pools the last
@@ -33,7 +34,7 @@ positions: equal within float rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,6 +72,15 @@ class PackedRow:
     def starts(self) -> torch.Tensor:
         """Each sequence's first position in the row (``LongTensor[B]``)."""
         return self.cu_seq_lens[:-1].long()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False, **_: Any) -> PackedRow:
+        """This row with its tensors on ``device`` (accelerate's ``send_to_device`` calls it on a batch's row)."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(self, input_ids=move(self.input_ids), position_ids=move(self.position_ids),
+                       cu_seq_lens=move(self.cu_seq_lens), token_index=move(self.token_index),
+                       shift_src=move(self.shift_src), shift_dst=move(self.shift_dst))
 
     def attention_kwargs(self) -> dict[str, Any]:
         """What varlen attention reads: ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``."""
