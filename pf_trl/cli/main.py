@@ -11,6 +11,7 @@ from pf_trl._version import __version__
 COMMANDS = {
     "train": ("pf_trl.cli.train", "fine-tune with TRL's SFTTrainer, padding-free"),
     "dpo": ("pf_trl.cli.dpo", "preference training (TRL's DPOTrainer), padding-free; the flags of `trl dpo`"),
+    "reward": ("pf_trl.cli.reward", "reward models (TRL's RewardTrainer), padding-free; the flags of `trl reward`"),
     "pretokenize": ("pf_trl.cli.pretokenize", "tokenize a dataset into a shards directory"),
     "inspect": ("pf_trl.cli.inspect", "print the manifest and packing statistics of a shards directory"),
     "verify": ("pf_trl.cli.verify", "check shards directories against their manifests' checksums"),

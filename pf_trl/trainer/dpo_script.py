@@ -98,14 +98,14 @@ def model_folder(name: str, revision: str | None, trust: bool) -> str:
         raise ConfigError(str(exc)) from None
 
 
-def _refuse_streaming(script_args, dataset_args) -> None:
+def _refuse_streaming(script_args, dataset_args, command: str = "pf-trl dpo") -> None:
     """A stream has no lengths ahead of time; pf-trl dpo's batches (and TRL's tokenizing of the pairs) need them."""
     if getattr(script_args, "dataset_streaming", False):
-        raise ConfigError("--dataset_streaming True is not supported by pf-trl dpo: its batches are planned from the "
+        raise ConfigError(f"--dataset_streaming True is not supported by {command}: its batches are planned from the "
                           "lengths of every pair, which a stream does not have; drop it (the dataset is "
                           "memory-mapped, not held in memory)")
     if dataset_args is not None and getattr(dataset_args, "streaming", False):
-        raise ConfigError("--streaming True streams a `datasets:` mixture, which pf-trl dpo does not read; drop it "
+        raise ConfigError(f"--streaming True streams a `datasets:` mixture, which {command} does not read; drop it "
                           "and pass one --dataset_name")
 
 

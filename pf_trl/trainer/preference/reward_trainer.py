@@ -94,7 +94,8 @@ class PaddingFreeRewardTrainer(PairBudgetMixin, TokenAccountingMixin, RewardTrai
 
         install_packed_reward_forward(model)  # refuses a model it cannot score packed, before the attention patch
         # the backbone runs the row (and the self-check: the classifier's output is pooled, one position per row)
-        enable_padding_free(getattr(model, model.base_model_prefix), mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
+        enable_padding_free(getattr(model, model.base_model_prefix), mode=self.pf_mode,
+                            backend=getattr(self.args, "attention_backend", "auto"),
                             allow_unverified=getattr(self.args, "allow_unverified", False))
 
     # ------------------------------------------------------------------ data
