@@ -8,7 +8,8 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
   :class:`PaddingFreeCollator`, :class:`PackedPreferenceCollator`
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
 - training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`; preference training:
-  :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`
+  :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`, :class:`PaddingFreeRewardConfig`,
+  :class:`PaddingFreeRewardTrainer`
 - errors: :class:`PfTrlError`, the root of every exception pf-trl raises on purpose (``pf_trl.errors``)
 """
 
@@ -38,6 +39,8 @@ _EXPORTS = {
     "PaddingFreeSFTTrainer": "pf_trl.trainer",
     "PaddingFreeDPOConfig": "pf_trl.trainer",
     "PaddingFreeDPOTrainer": "pf_trl.trainer",
+    "PaddingFreeRewardConfig": "pf_trl.trainer.preference",
+    "PaddingFreeRewardTrainer": "pf_trl.trainer.preference",
     "PackedPreferenceCollator": "pf_trl.batching.preference",
 }
 
