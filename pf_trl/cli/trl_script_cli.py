@@ -45,6 +45,9 @@ def run_trl_script(argv: list[str] | None, prog: str, config_cls: Callable[[], t
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     try:
+        from pf_trl.cli.upstream import check_push_to_hub
+
+        check_push_to_hub(parsed[1].push_to_hub, parsed[1].hub_token)  # offline / no token: before any work
         run()(*parsed)
     except PfTrlError as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -113,7 +113,6 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     """Train as ``trl dpo`` does (same arguments), padding-free; returns the trainer after saving the model."""
     from trl import get_peft_config
 
-    from pf_trl.cli.upstream import check_push_to_hub
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
     from pf_trl.trainer.trl_script import train_save_push
 
@@ -123,7 +122,6 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
         raise ConfigError("--dataset_name is required (a Hub dataset id ORG/NAME, or a local JSONL / Parquet file or "
                           "dataset folder of pairs)")
     _refuse_streaming(script_args, dataset_args)
-    check_push_to_hub(training_args.push_to_hub, training_args.hub_token)  # offline / no token: before any work
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ConfigError("--load_in_4bit / --load_in_8bit (bitsandbytes) are not supported by pf-trl dpo")
     init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
