@@ -112,9 +112,8 @@ def test_every_loss_type_and_option_equals_trl(llama_pair):
                 setattr(t, key, value)
             if "label_smoothing" not in case:
                 t.label_smoothing = 0.1  # exo_pair needs it; harmless for the others
-        try:  # the per-token log-probabilities equal TRL's (and their gradient: test above); TRL's own loss code here
-            bad = S.differences(S.one_step(trl, [2, 3, 4, 5], backward=False),
-                                S.one_step(pf, [2, 3, 4, 5], backward=False))
+        try:  # loss, metrics and every gradient equal TRL's; TRL's own loss code on pf-trl's per-token values
+            bad = S.differences(S.one_step(trl, [2, 3, 4, 5]), S.one_step(pf, [2, 3, 4, 5]))
         finally:
             for t in (trl, pf):
                 for key, value in saved.items():
