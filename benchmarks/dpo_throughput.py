@@ -10,6 +10,9 @@ reference model, as TRL builds it; training runs in float32 (``bf16=False``), or
 autocast (the default of TRL's ``DPOConfig``). Every mode trains one epoch over the same pairs:
 
 - ``trl``: TRL's DPOTrainer, ``per_device_train_batch_size`` pairs a step, padded;
+- ``trl-completions``: the same, with TRL's LM head scoring only the positions whose label is kept, as it does on
+  Triton devices (CUDA): ``trl.trainer.utils._use_triton`` reads true for the run, so TRL's head takes its compact
+  path (its kernel still folds tiles with its torch fallback). Against it, ``pf-fixed-trl-head`` is packing alone;
 - ``pf-fixed``: PaddingFreeDPOTrainer, the same pairs in the same steps (TRL's sampler), one packed row each;
 - ``pf-fixed-trl-head``: the same, with TRL's own LM-head kernel on the completion tokens instead of pf-trl's CPU
   head (``install_packed_preference_forward(..., head="trl")``): what packing and scoring fewer tokens give alone;
@@ -65,7 +68,7 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
     common = dict(output_dir=str(Path(workdir) / mode), report_to=[], save_strategy="no", use_cpu=True, seed=0,
                   per_device_train_batch_size=batch, num_train_epochs=1, max_length=max_length, logging_steps=1000,
                   disable_tqdm=True, learning_rate=1e-5, dataloader_num_workers=0, bf16=bf16)
-    if mode == "trl":
+    if mode in ("trl", "trl-completions"):
         cls, args = MeasuredDPOTrainer, DPOConfig(**common)
     else:
         cls = PaddingFreeDPOTrainer
@@ -79,7 +82,15 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
 
         install_packed_preference_forward(model, trainer._pf_policy_fields(), head="trl")
         install_packed_preference_forward(ref, ("log_probs",), head="trl")
-    metrics = trainer.train().metrics
+    import trl.trainer.utils as trl_utils
+
+    compact = trl_utils._use_triton
+    if mode == "trl-completions":  # TRL's CUDA behaviour on CPU: only labelled positions reach its head
+        trl_utils._use_triton = lambda device: True
+    try:
+        metrics = trainer.train().metrics
+    finally:
+        trl_utils._use_triton = compact
     out = dict(mode=mode, runtime_s=metrics["train_runtime"], steps=trainer.state.global_step,
                real_tokens=metrics["train_real_tokens"], processed_tokens=metrics["train_processed_tokens"],
                real_tokens_per_s=metrics["train_real_tokens"] / metrics["train_runtime"],
@@ -90,20 +101,28 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
     return out
 
 
-MODES = ("trl", "pf-fixed", "pf-fixed-trl-head", "pf-budget")
+MODES = ("trl", "trl-completions", "pf-fixed", "pf-fixed-trl-head", "pf-budget")
 
 
-def summarize(runs: list[list[dict]]) -> list[dict]:
-    """Per mode: the median run (by real tokens/s) and the speedups over TRL's run of the same repeat."""
+def summarize(runs: list[list[dict]], modes: tuple[str, ...] = MODES) -> list[dict]:
+    """Per mode: the median run (by real tokens/s) and the speedups over TRL's run of the same repeat (and over
+    ``trl-completions``' when it ran)."""
     out = []
-    for mode in MODES:
+    for mode in modes:
         mine = [next(r for r in rep if r["mode"] == mode) for rep in runs]
         ratios = sorted(next(r for r in rep if r["mode"] == mode)["real_tokens_per_s"]
                         / next(r for r in rep if r["mode"] == "trl")["real_tokens_per_s"] for rep in runs)
         memory = [next(r for r in rep if r["mode"] == mode)["peak_rss_mb"]
                   / next(r for r in rep if r["mode"] == "trl")["peak_rss_mb"] for rep in runs]
         median = sorted(mine, key=lambda r: r["real_tokens_per_s"])[len(mine) // 2]
-        out.append(dict(median, speedup_vs_trl=statistics.median(ratios), speedup_min=ratios[0],
+        extra = {}
+        if "trl-completions" in modes:
+            narrow = sorted(next(r for r in rep if r["mode"] == mode)["real_tokens_per_s"]
+                            / next(r for r in rep if r["mode"] == "trl-completions")["real_tokens_per_s"]
+                            for rep in runs)
+            extra = dict(speedup_vs_trl_completions=statistics.median(narrow),
+                         speedups_vs_trl_completions=narrow)
+        out.append(dict(median, **extra, speedup_vs_trl=statistics.median(ratios), speedup_min=ratios[0],
                         speedup_max=ratios[-1], speedups=ratios, peak_rss_vs_trl=statistics.median(memory),
                         runs_real_tokens_per_s=[r["real_tokens_per_s"] for r in mine]))
     return out
@@ -119,9 +138,12 @@ def main(argv: list[str] | None = None) -> dict:
     # region waits for its slowest thread) more than the trainers
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (TRL's DPOConfig default)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (trl "
+                        "always runs)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dpo_throughput.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    modes = tuple(m for m in MODES if m == "trl" or m in args.modes.split(","))
     pairs = sharegpt_pairs(args.pairs)
     from pf_trl.batching.preference import pair_lengths
     from pf_trl.data.tokenizer import load_tokenizer
@@ -134,12 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
     runs: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as workdir:
         for repeat in range(args.repeats):
-            order = MODES if repeat % 2 == 0 else MODES[::-1]
+            order = modes if repeat % 2 == 0 else modes[::-1]
             runs.append([run(mode, pairs, batch=args.batch, max_length=args.max_length, budget=budget,
                              workdir=workdir, bf16=args.bf16) for mode in order])
             print(f"repeat {repeat}: " + ", ".join(f"{r['mode']} {r['real_tokens_per_s']:.0f} tok/s"
                                                    for r in runs[-1]), flush=True)
-    results = summarize(runs)
+    results = summarize(runs, modes)
     report = dict(pairs=args.pairs, batch=args.batch, max_length=args.max_length, token_budget=budget,
                   threads=args.threads, repeats=args.repeats,
                   model="pf-trl/tiny-llama (4 x 256, vocab 32000, fp32 weights, sdpa)",
@@ -149,12 +171,15 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.max_length}, {'bf16 autocast' if args.bf16 else 'fp32'}, CPU {args.threads} threads, "
           f"{args.repeats} interleaved repeats (median run; speedup: "
           "median of the per-repeat ratios, min-max)\n")
-    print("| mode | steps | real tokens | processed | padding | real tok/s | vs TRL | peak RSS MB | vs TRL |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | steps | real tokens | processed | padding | real tok/s | vs TRL | vs TRL completions-only "
+          "| peak RSS MB | vs TRL |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        narrow = r.get("speedup_vs_trl_completions")
         print(f"| {r['mode']} | {r['steps']} | {r['real_tokens']} | {r['processed_tokens']} | {r['padding_share']:.1%} "
               f"| {r['real_tokens_per_s']:.0f} | {r['speedup_vs_trl']:.2f}x ({r['speedup_min']:.2f}-"
-              f"{r['speedup_max']:.2f}) | {r['peak_rss_mb']:.0f} | {r['peak_rss_vs_trl']:.2f} |")
+              f"{r['speedup_max']:.2f}) | {'-' if narrow is None else f'{narrow:.2f}x'} | {r['peak_rss_mb']:.0f} "
+              f"| {r['peak_rss_vs_trl']:.2f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -8,9 +8,9 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
   :class:`PaddingFreeCollator`, :class:`PackedPreferenceCollator`
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
 - training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`; preference training:
-  :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`; reinforcement learning:
-  :class:`PaddingFreeGRPOConfig`, :class:`PaddingFreeGRPOTrainer`, :class:`PaddingFreeRLOOConfig`,
-  :class:`PaddingFreeRLOOTrainer`
+  :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`, :class:`PaddingFreeRewardConfig`,
+  :class:`PaddingFreeRewardTrainer`; reinforcement learning: :class:`PaddingFreeGRPOConfig`,
+  :class:`PaddingFreeGRPOTrainer`, :class:`PaddingFreeRLOOConfig`, :class:`PaddingFreeRLOOTrainer`
 - errors: :class:`PfTrlError`, the root of every exception pf-trl raises on purpose (``pf_trl.errors``)
 """
 
@@ -40,6 +40,8 @@ _EXPORTS = {
     "PaddingFreeSFTTrainer": "pf_trl.trainer",
     "PaddingFreeDPOConfig": "pf_trl.trainer",
     "PaddingFreeDPOTrainer": "pf_trl.trainer",
+    "PaddingFreeRewardConfig": "pf_trl.trainer.preference",
+    "PaddingFreeRewardTrainer": "pf_trl.trainer.preference",
     "PackedPreferenceCollator": "pf_trl.batching.preference",
     "PaddingFreeGRPOConfig": "pf_trl.trainer.rl",
     "PaddingFreeGRPOTrainer": "pf_trl.trainer.rl",

@@ -41,6 +41,12 @@ class PrivateSymbol:
 
 
 PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
+    # TRL's choice of its head's compact path (only labelled positions, on Triton devices): the DPO benchmark's
+    # trl-completions mode reads it as true on CPU
+    PrivateSymbol("trl.trainer.utils", "_use_triton", ("benchmarks/dpo_throughput.py",)),
+    # torch: the parameters and buffers DDP leaves alone (--ignore_bias_buffers, as TRL's scripts set it)
+    PrivateSymbol("torch.nn.parallel.distributed", "_ddp_params_and_buffers_to_ignore",
+                  ("pf_trl/trainer/trl_script.py",), kind="source"),
     # transformers
     PrivateSymbol("transformers.Trainer", "_track_num_input_tokens", ("pf_trl/trainer/accounting.py",)),
     PrivateSymbol("transformers.Trainer", "_memory_tracker", ("pf_trl/trainer/accounting.py",), kind="source"),

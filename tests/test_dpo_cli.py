@@ -61,7 +61,7 @@ def test_dpo_trains_from_jsonl(form, tmp_path, capsys, tiny_folder):
     config.write_text("beta: 0.2\nper_device_train_batch_size: 2\nmax_steps: 2\n")
     code, out, err = _run(["dpo", "--config", str(config), "--dataset_name", data, "--output_dir",
                            str(tmp_path / "out"), *TINY_FLAGS, "--model_name_or_path", tiny_folder, "--max_steps",
-                           "1"], capsys)
+                           "1", "--ignore_bias_buffers", "True"], capsys)
     assert code == 0, err[-2000:]
     assert "model saved to" in out
     assert (tmp_path / "out" / "model.safetensors").is_file()
@@ -80,3 +80,24 @@ def test_dpo_refuses_in_one_line(tmp_path, capsys):
     code, _, err = _run(["dpo", "--dataset_name", good, "--output_dir", str(tmp_path / "o"), *TINY_FLAGS,
                          "--max_tokens_per_batch", "100", "--loss_type", "aot"], capsys)
     assert code == 2 and "aot" in _last_line(err) and len(err.strip().splitlines()) == 1
+
+
+def test_dpo_push_to_hub_offline_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    good = _write(tmp_path / "pairs.jsonl", S.pairs(2))
+    code, out, err = _run(["dpo", "--dataset_name", good, "--output_dir", str(tmp_path / "o"), *TINY_FLAGS,
+                           "--push_to_hub", "True"], capsys)
+    assert code == 2 and "--push_to_hub True needs the Hugging Face Hub" in _last_line(err)
+    assert not (tmp_path / "o").exists()  # refused before the model or the data were touched
+
+
+def test_ignore_bias_buffers_lists_the_boolean_buffers():
+    import torch
+
+    from pf_trl.trainer.trl_script import ignore_bool_buffers
+
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("causal_mask", torch.ones(2, 2, dtype=torch.bool))
+    model.register_buffer("scale", torch.ones(2))
+    ignore_bool_buffers(model)
+    assert model._ddp_params_and_buffers_to_ignore == ["causal_mask"]

@@ -112,9 +112,8 @@ def test_every_loss_type_and_option_equals_trl(llama_pair):
                 setattr(t, key, value)
             if "label_smoothing" not in case:
                 t.label_smoothing = 0.1  # exo_pair needs it; harmless for the others
-        try:  # the per-token log-probabilities equal TRL's (and their gradient: test above); TRL's own loss code here
-            bad = S.differences(S.one_step(trl, [2, 3, 4, 5], backward=False),
-                                S.one_step(pf, [2, 3, 4, 5], backward=False))
+        try:  # loss, metrics and every gradient equal TRL's; TRL's own loss code on pf-trl's per-token values
+            bad = S.differences(S.one_step(trl, [2, 3, 4, 5]), S.one_step(pf, [2, 3, 4, 5]))
         finally:
             for t in (trl, pf):
                 for key, value in saved.items():
@@ -274,6 +273,31 @@ def test_refusals_name_the_problem(tmp_path):
         PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(image=True))
     with pytest.raises(ConfigError, match="data_collator"):
         PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), data_collator=lambda x: x)
+    budgeted = PaddingFreeDPOConfig(**S.fields(tmp_path), max_tokens_per_batch=40)
+    with pytest.raises(ConfigError, match="IterableDataset does not have"):
+        PaddingFreeDPOTrainer(S.model(), args=budgeted, train_dataset=_dataset().to_iterable_dataset())
+
+
+def test_over_budget_pairs_are_refused_after_tokenization_before_the_reference_precompute(tmp_path, monkeypatch):
+    from trl import DPOTrainer
+
+    from pf_trl.data.tokenizer import load_tokenizer
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    def precompute(*args, **kwargs):
+        raise AssertionError("the reference log-probs were precomputed before the refusal")
+
+    monkeypatch.setattr(DPOTrainer, "_precompute_ref_logps", precompute)
+    args = PaddingFreeDPOConfig(**S.fields(tmp_path), max_tokens_per_batch=30, precompute_ref_log_probs=True)
+    with pytest.raises(ConfigError, match=r"pair\(s\) of the train dataset .* set max_length <= 15 "):
+        PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), processing_class=load_tokenizer())
+    # control: max_length <= budget / 2 (TRL's truncation) makes every pair fit: the refusal is gone
+    args = PaddingFreeDPOConfig(**S.fields(tmp_path), max_tokens_per_batch=30, max_length=15,
+                                precompute_ref_log_probs=True)
+    with pytest.raises(AssertionError, match="precomputed"):
+        PaddingFreeDPOTrainer(S.model(), args=args, train_dataset=_dataset(), processing_class=load_tokenizer())
 
 
 def _dataset(image: bool = False):
@@ -347,3 +371,38 @@ def test_eval_under_a_token_budget_gives_trls_eval_metrics(tmp_path):
     assert _compare_logs(S.logged([expected]), [got]) == []
     # control: TRL's metrics of the weights before that step differ
     assert _compare_logs(S.logged([before]), [got])
+
+
+@pytest.mark.slow
+def test_truncation_through_the_trainer_equals_trl(tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.batching.preference import PACKED_KEY
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    rows = S.pairs(4, seed=2, long=30)
+    kw = dict(per_device_train_batch_size=4, max_length=14, truncation_mode="keep_end")  # keep_start: the control
+    trl, pf = S.trainer(DPOTrainer, rows, tmp_path, **kw), S.trainer(PaddingFreeDPOTrainer, rows, tmp_path, **kw)
+    batch = pf.data_collator([pf.train_dataset[i] for i in range(4)])
+    assert max(batch[PACKED_KEY]["cu_seq_lens_q"].diff().tolist()) == 14  # some sequence was cut to max_length
+    expected = S.one_step(trl, range(4))
+    assert S.differences(expected, S.one_step(pf, range(4))) == []
+    # control: the other truncation mode (TRL's default) scores other tokens
+    assert S.differences(expected, S.one_step(S.trainer(PaddingFreeDPOTrainer, rows, tmp_path / "other",
+                                                        **dict(kw, truncation_mode="keep_start")), range(4)))
+
+
+@pytest.mark.slow
+def test_sync_ref_model_training_equals_trl(tmp_path):
+    from trl import DPOTrainer
+
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    kw = dict(per_device_train_batch_size=2, max_steps=2, sync_ref_model=True, ref_model_sync_steps=1,
+              ref_model_mixup_alpha=0.5)
+    a = _logs(S.trainer(DPOTrainer, S.pairs(6), tmp_path, **kw))
+    b = _logs(S.trainer(PaddingFreeDPOTrainer, S.pairs(6), tmp_path, **kw))
+    assert _compare_logs(a, b) == []
+    # control: without the reference updates the later steps' rewards differ
+    c = _logs(S.trainer(DPOTrainer, S.pairs(6), tmp_path / "nosync", **dict(kw, sync_ref_model=False)))
+    assert _compare_logs(a, c)

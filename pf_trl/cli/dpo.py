@@ -13,48 +13,23 @@ from __future__ import annotations
 
 import sys
 
-from pf_trl.errors import ConfigError, PfTrlError
+from pf_trl.cli.trl_script_cli import run_trl_script
 
 
-class _OneLineParserError(ConfigError):
-    """A flag the parser refused (printed as one line, not argparse's usage block)."""
-
-
-def _parser():
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
-
+def _config_cls():
     from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
 
-    parser = TrlParser((ScriptArguments, PaddingFreeDPOConfig, ModelConfig, DatasetMixtureConfig), prog="pf-trl dpo")
+    return PaddingFreeDPOConfig
 
-    def error(message):  # argparse prints the whole usage first: one line instead
-        raise _OneLineParserError(message)
 
-    parser.error = error
-    return parser
+def _run():
+    from pf_trl.trainer.dpo_script import run_dpo
+
+    return run_dpo
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        parser = _parser()
-        if any(a in ("-h", "--help") for a in argv):
-            parser.print_help()
-            return 0
-        *parsed, rest = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
-        if rest:
-            raise _OneLineParserError(f"unrecognized arguments: {' '.join(rest)}")
-    except (_OneLineParserError, PfTrlError, ValueError, OSError) as exc:  # flags, values, the --config file
-        print(f"pf-trl dpo: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    from pf_trl.trainer.dpo_script import run_dpo
-
-    try:
-        run_dpo(*parsed)
-    except PfTrlError as exc:
-        print(f"pf-trl dpo: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    return 0
+    return run_trl_script(argv, "pf-trl dpo", _config_cls, _run)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def _model_and_tokenizer(model_args, training_args, trust: bool) -> tuple[Any, A
     if is_embedded_model(name):
         from pf_trl.data.tokenizer import load_tokenizer
 
-        kwargs = {"attn_implementation": model_args.attn_implementation or "sdpa"}
+        kwargs = {"attn_implementation": model_args.attn_implementation}  # None: transformers' default, as trl dpo
         model = build_model(name, seed=training_args.seed, **kwargs)
         needs_ref = not model_args.use_peft and not training_args.precompute_ref_log_probs
         ref = build_model(name, seed=training_args.seed, **kwargs) if needs_ref else None
@@ -98,14 +98,14 @@ def model_folder(name: str, revision: str | None, trust: bool) -> str:
         raise ConfigError(str(exc)) from None
 
 
-def _refuse_streaming(script_args, dataset_args) -> None:
+def _refuse_streaming(script_args, dataset_args, command: str = "pf-trl dpo") -> None:
     """A stream has no lengths ahead of time; pf-trl dpo's batches (and TRL's tokenizing of the pairs) need them."""
     if getattr(script_args, "dataset_streaming", False):
-        raise ConfigError("--dataset_streaming True is not supported by pf-trl dpo: its batches are planned from the "
+        raise ConfigError(f"--dataset_streaming True is not supported by {command}: its batches are planned from the "
                           "lengths of every pair, which a stream does not have; drop it (the dataset is "
                           "memory-mapped, not held in memory)")
     if dataset_args is not None and getattr(dataset_args, "streaming", False):
-        raise ConfigError("--streaming True streams a `datasets:` mixture, which pf-trl dpo does not read; drop it "
+        raise ConfigError(f"--streaming True streams a `datasets:` mixture, which {command} does not read; drop it "
                           "and pass one --dataset_name")
 
 
@@ -114,6 +114,7 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     from trl import get_peft_config
 
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+    from pf_trl.trainer.trl_script import train_save_push
 
     if dataset_args is not None and getattr(dataset_args, "datasets", None):
         raise ConfigError("--datasets (a mixture list) is not read by pf-trl dpo; pass one --dataset_name")
@@ -124,7 +125,7 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ConfigError("--load_in_4bit / --load_in_8bit (bitsandbytes) are not supported by pf-trl dpo")
     init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
-                       attn_implementation=model_args.attn_implementation or "sdpa", dtype=model_args.dtype)
+                       attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
     if training_args.model_init_kwargs is not None:
         init_kwargs.update(training_args.model_init_kwargs)
     trust = bool(init_kwargs["trust_remote_code"])  # trl dpo's: model_init_kwargs win over the flag
@@ -141,8 +142,4 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     trainer = PaddingFreeDPOTrainer(model, ref_model=ref_model, args=training_args, train_dataset=train,
                                     eval_dataset=eval_data, processing_class=tokenizer,
                                     peft_config=get_peft_config(model_args))
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    if trainer.is_world_process_zero():
-        print(f"pf-trl dpo: model saved to {training_args.output_dir}", flush=True)
-    return trainer
+    return train_save_push(trainer, script_args, training_args, "pf-trl dpo")

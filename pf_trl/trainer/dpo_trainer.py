@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
 from trl import DPOTrainer
@@ -37,15 +38,19 @@ from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.dpo_config import check_pf_fields
 from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
+from pf_trl.trainer.gather import gather_uneven_first_dim
+from pf_trl.trainer.preference.budget import refuse_over_budget_pairs, refuse_streamed_under_budget
 
 __all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
 
 logger = logging.getLogger("pf_trl.trainer")
 
 
-def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> None:
+def _refuse_unsupported(model, data_collator, train_dataset, peft_config, budget: int | None) -> None:
     if data_collator is not None:
         raise ConfigError("PaddingFreeDPOTrainer builds its own packed collator from TRL's; pass no data_collator")
+    refuse_streamed_under_budget(budget, train_dataset)
     first = next(iter(train_dataset)) if train_dataset is not None else {}
     if "image" in first or "images" in first:
         raise ConfigError("PaddingFreeDPOTrainer trains text preference pairs; vision datasets are refused (train "
@@ -57,28 +62,14 @@ def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> Non
                               "which a packed row cannot hold; use LoRA or another adapter")
 
 
-def gather_uneven_first_dim(accelerator) -> None:
-    """Let ``accelerator.gather`` take tensors whose first dimension differs across ranks: the result is every
-    rank's tensor in rank order, as for equal sizes.
+def dataset_pair_lengths(dataset, max_length: int | None) -> np.ndarray:
+    """The packed tokens of each pair of a tokenized DPO dataset (:func:`pair_lengths`, after TRL's truncation)."""
+    import pyarrow.compute as pc
 
-    Under a token budget the ranks' micro-batches hold different numbers of pairs, and TRL gathers its per-pair
-    metrics (``rewards/*``, ``logps/*``) with ``accelerator.gather``, whose all-gather needs equal shapes (gloo
-    aborts on a size mismatch). Scalars and equal sizes take accelerate's own path; otherwise the sizes are gathered
-    first, each tensor is padded to the largest and the padding dropped after the gather."""
-    plain = accelerator.gather
-
-    def gather(tensor):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            return plain(tensor)
-        sizes = plain(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
-        if len(set(sizes)) == 1:
-            return plain(tensor)
-        width = max(sizes)
-        padded = torch.cat([tensor, tensor.new_zeros((width - tensor.shape[0], *tensor.shape[1:]))])
-        gathered = plain(padded)
-        return torch.cat([gathered[r * width:r * width + n] for r, n in enumerate(sizes)])
-
-    accelerator.gather = gather
+    table = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).with_format("arrow")[:]
+    counts = [pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False)
+              for c in ("prompt_ids", "chosen_ids", "rejected_ids")]
+    return pair_lengths(*counts, max_length=max_length)
 
 
 class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
@@ -92,7 +83,8 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
 
             args = PaddingFreeDPOConfig(output_dir="pf-trl-dpo")
         check_pf_fields(args)
-        _refuse_unsupported(model, data_collator, train_dataset, peft_config)
+        budget = getattr(args, "max_tokens_per_batch", None)
+        _refuse_unsupported(model, data_collator, train_dataset, peft_config, budget)
         if args.padding_free:  # TRL would warn that its padding_free is disabled; here every batch is packed
             args.padding_free = False
         self.pf_mode = getattr(args, "padding_free_mode", "huggingface")
@@ -100,6 +92,8 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
         self._pf_train_sampler: TokenBudgetBatchSampler | None = None
         self._pf_packer = None
         self._pf_resume_dir: str | None = None
+        if self.pf_token_budget is not None:  # compute_loss weights each micro-batch by its share of the step's pairs
+            declare_loss_scaled_for_ga(self)  # before Trainer.__init__: TRL's bridge for transformers < 5.19 reads it
         super().__init__(model, ref_model=ref_model, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                          **kwargs)
@@ -114,10 +108,8 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
 
         self.add_callback(SamplerStateCallback(self))
         self.add_callback(CheckpointCompleteCallback(self))
-        if self.pf_token_budget is not None:
-            self.loss_is_scaled_for_ga = True  # compute_loss weights each micro-batch by its share of the step's pairs
-            if self.accelerator.num_processes > 1:
-                gather_uneven_first_dim(self.accelerator)
+        if self.pf_token_budget is not None and self.accelerator.num_processes > 1:
+            gather_uneven_first_dim(self.accelerator)
 
     def _pf_policy_fields(self) -> tuple[str, ...]:
         # the per-token outputs TRL's __init__ asks the policy's fused head for (the reference's: log_probs only)
@@ -134,12 +126,18 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
     # ------------------------------------------------------------------ data
 
     def _pf_pair_lengths(self, dataset) -> np.ndarray:
-        import pyarrow.compute as pc
+        return dataset_pair_lengths(dataset, self.args.max_length)
 
-        table = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).with_format("arrow")[:]
-        counts = [pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False)
-                  for c in ("prompt_ids", "chosen_ids", "rejected_ids")]
-        return pair_lengths(*counts, max_length=self.args.max_length)
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        prepared = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if dataset_name == "train" and self.pf_token_budget is not None and isinstance(prepared, datasets.Dataset):
+            # right after TRL's tokenization, before any reference precompute or training (evaluation batches are
+            # per_device_eval_batch_size pairs, not budgeted)
+            refuse_over_budget_pairs(dataset_pair_lengths(prepared, args.max_length), self.pf_token_budget,
+                                     dataset_name, "prompt+chosen plus prompt+rejected",
+                                     f"set max_length <= {self.pf_token_budget // 2} (truncation_mode keeps the start "
+                                     "or the end)")
+        return prepared
 
     def get_train_dataloader(self):
         if self.pf_token_budget is None:

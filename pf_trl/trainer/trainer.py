@@ -48,6 +48,7 @@ from pf_trl.trainer import data_inputs, sequence_parallel, trl_metrics
 from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.config import PaddingFreeConfig, to_padding_free_config
+from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga, restore_compute_loss_func
 from pf_trl.trainer.fields import (
     admit_head_adapters,
     apply_chat_template_path,
@@ -171,6 +172,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
         # shards read while they download: TRL's init takes only a datasets.Dataset and reads its first row (it would
         # wait for the first file); it gets a one-row stand-in, the dataset is put back right after
         lazy = train_dataset if is_lazy(train_dataset) else None
+        if self.pf_mode != "none":  # our loss is always divided by num_items_in_batch over the accumulation window
+            declare_loss_scaled_for_ga(self)  # before Trainer.__init__: TRL's bridge for transformers < 5.19 reads it
         with hidden_from_trl(args, active=tokenized, skip_prepare=tokenized and self.pf_mode != "none"), \
                 admit_head_adapters(self.pf_mode != "none"):
             super().__init__(model, args=args, data_collator=data_collator,
@@ -203,8 +206,7 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                                     label_smoothing=smoothing)
             self.pf_head_plan = install_pf_loss_forward(transformers_model(self.model), options=options)
             self._pf_sp = sequence_parallel.setup(transformers_model(self.model), args.sequence_parallel_size)
-            # our loss is always divided by num_items_in_batch over the accumulation window
-            self.loss_is_scaled_for_ga = True
+            restore_compute_loss_func(self, kwargs.get("compute_loss_func"))
 
     # ------------------------------------------------------------------ data
 

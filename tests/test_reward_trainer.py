@@ -1,0 +1,154 @@
+"""PaddingFreeRewardTrainer against TRL's RewardTrainer (float32, CPU, a tiny LlamaForSequenceClassification, the
+shipped tokenizer: no pad token, so TRL pads with EOS and transformers pools the last token that is not EOS): loss,
+every metric and the gradients of a step, training and evaluation logs, token budgets; each claim beside a negative
+control that fails the same check. Tolerances: tests/dpo_support.py's (float32 rounding of a 2-layer model)."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from tests import dpo_support as S
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+ROWS = [dict(r, margin=0.1 * i) for i, r in enumerate(S.pairs(6, seed=5))]
+PF_KEYS = {"max_tokens_per_batch", "padding_free_mode", "attention_backend"}
+
+
+def reward_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=32000, num_labels=1, max_position_embeddings=512, **S.TINY)
+    config._attn_implementation = "sdpa"
+    return LlamaForSequenceClassification(config).float()
+
+
+def build(cls, rows, tmp_path, *, eval_rows=None, model=None, **kw):
+    from trl import RewardConfig
+
+    from pf_trl.data.tokenizer import load_tokenizer
+    from pf_trl.trainer.preference.reward_config import PaddingFreeRewardConfig
+
+    config_cls = PaddingFreeRewardConfig if PF_KEYS & set(kw) else RewardConfig
+    args = config_cls(**S.fields(tmp_path / cls.__name__, **kw))
+    return cls(model if model is not None else reward_model(), args=args,
+               train_dataset=datasets.Dataset.from_list(rows),
+               eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
+               processing_class=load_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from trl import RewardTrainer
+
+    from pf_trl.trainer.preference import PaddingFreeRewardTrainer
+
+    tmp = tmp_path_factory.mktemp("reward")
+    kw = dict(per_device_train_batch_size=4, center_rewards_coefficient=0.05)
+    return build(RewardTrainer, ROWS, tmp, **kw), build(PaddingFreeRewardTrainer, ROWS, tmp, **kw)
+
+
+def test_step_equals_trl_and_controls_fail(pair, monkeypatch):
+    from pf_trl.trainer.packed import PackedRow
+    from pf_trl.trainer.preference.collate import PACKED_ROW_KEY
+
+    trl, pf = pair
+    batch = pf.data_collator([pf.train_dataset[i] for i in range(4)])
+    row = batch[PACKED_ROW_KEY]
+    assert row.num_tokens == int(batch["attention_mask"].sum()) < batch["input_ids"].numel()  # no padding
+    assert pf.processing_class.pad_token_id == pf.processing_class.eos_token_id  # TRL's fallback: pad = EOS
+    expected = S.one_step(trl, range(4))
+    got = S.one_step(pf, range(4))
+    assert {"accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"} <= set(got[1])
+    assert S.differences(expected, got) == []
+    # control: pooling each sequence's last token (its EOS, transformers' pad here) is not what the padded run scores
+    plain = PackedRow.last_index
+    monkeypatch.setattr(PackedRow, "last_index", lambda self, ids=None, pad=None: plain(self))
+    assert S.differences(expected, S.one_step(pf, range(4)))
+    monkeypatch.undo()
+
+    # control: the row without its sequence boundaries (later sequences see earlier ones)
+    def unbounded(mutate_batch):
+        r = mutate_batch[PACKED_ROW_KEY]
+        whole = torch.tensor([0, r.num_tokens], dtype=torch.int32)
+        mutate_batch[PACKED_ROW_KEY] = PackedRow(r.input_ids, torch.arange(r.num_tokens)[None], whole, r.lengths,
+                                                 r.offsets, r.token_index, r.shift_src, r.shift_dst, r.shape)
+        positions = plain(r, mutate_batch["input_ids"], pf.processing_class.pad_token_id)
+        monkeypatch.setattr(PackedRow, "last_index", lambda self, ids=None, pad=None: positions)
+
+    assert S.differences(expected, S.one_step(pf, range(4), mutate=unbounded))
+
+
+@pytest.mark.slow
+def test_training_and_evaluation_logs_equal_trl(tmp_path):
+    from trl import RewardTrainer
+
+    from pf_trl.trainer.preference import PaddingFreeRewardTrainer
+
+    evals = S.pairs(3, seed=9)
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2, eval_strategy="steps",
+              eval_steps=1, per_device_eval_batch_size=2, center_rewards_coefficient=0.05)
+    logs = []
+    for cls in (RewardTrainer, PaddingFreeRewardTrainer):
+        t = build(cls, ROWS, tmp_path, eval_rows=evals, **kw)
+        t.train()
+        logs.append([{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second"))
+                      and not k.startswith(("train_", "eval_real", "eval_processed", "eval_supervised"))}
+                     for h in t.state.log_history])
+    keys = {k for h in logs[0] for k in h}
+    assert {"loss", "grad_norm", "accuracy", "margin", "mean_reward", "eval_loss", "eval_accuracy"} <= keys
+    assert S.compare_logs(logs[0], logs[1]) == []
+
+
+@pytest.mark.slow
+def test_token_budget_step_gradient_is_the_mean_over_its_pairs(tmp_path):
+    from trl import RewardTrainer
+
+    from pf_trl.trainer.preference import PaddingFreeRewardTrainer
+    from tests.test_dpo_trainer import _step_gradient
+
+    rows = S.pairs(7, seed=3)
+    common = dict(max_steps=1, max_grad_norm=1e9, learning_rate=0.0, center_rewards_coefficient=0.05)
+    whole = _step_gradient(build(RewardTrainer, rows, tmp_path, per_device_train_batch_size=7, **common))
+
+    def budgeted(weighted: bool):
+        t = build(PaddingFreeRewardTrainer, rows, tmp_path, max_tokens_per_batch=200, per_device_train_batch_size=1,
+                  **common)
+        longest = int(t._pf_pair_lengths(t.train_dataset).max())
+        for tokens in (longest, int(1.3 * longest), int(1.7 * longest), 2 * longest):
+            t.pf_token_budget = tokens
+            counts = [t._pf_batch_pairs(b) for b in t.get_train_dataloader()]
+            if len(set(counts)) > 1:
+                break
+        assert sum(counts) == 7 and len(set(counts)) > 1  # whole pairs, an uneven number per micro-batch
+        t.args.gradient_accumulation_steps = len(counts)
+        if not weighted:  # control: each micro-batch's plain mean, divided by the accumulation steps
+            t.loss_is_scaled_for_ga = False
+            t._get_num_items_in_batch = lambda batch_samples, device: None
+        return _step_gradient(t)
+
+    def worst(g):
+        return max(float((whole[n] - g[n]).abs().max()) / float(whole[n].abs().max()) for n in whole)
+
+    assert worst(budgeted(True)) < S.GRAD_RTOL
+    assert worst(budgeted(False)) > 1e-3
+
+
+def test_refusals_name_the_problem(tmp_path):
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.preference import PaddingFreeRewardConfig, PaddingFreeRewardTrainer
+
+    with pytest.raises(ConfigError, match="IterableDataset does not have"):
+        PaddingFreeRewardTrainer(reward_model(), args=PaddingFreeRewardConfig(**S.fields(tmp_path),
+                                                                               max_tokens_per_batch=64),
+                                 train_dataset=datasets.Dataset.from_list(ROWS).to_iterable_dataset())
+    with pytest.raises(ConfigError, match=r"pair\(s\) of the train dataset .*set max_length <= 10 "):
+        build(PaddingFreeRewardTrainer, ROWS, tmp_path, max_tokens_per_batch=20)
+    with pytest.raises(ConfigError, match="data_collator"):
+        PaddingFreeRewardTrainer(reward_model(), args=PaddingFreeRewardConfig(**S.fields(tmp_path)),
+                                 train_dataset=datasets.Dataset.from_list(ROWS), data_collator=lambda x: x)
+    with pytest.raises(ConfigError, match="padding_free_mode"):
+        PaddingFreeRewardConfig(**S.fields(tmp_path), padding_free_mode="none")
