@@ -20,7 +20,7 @@ import os
 import sys
 
 LOGGERS = ("pf_trl.trainer", "pf_trl.attention", "pf_trl.cli.train", "pf_trl.data.streaming", "pf_trl.data.pretokenize",
-           "pf_trl.storage")
+           "pf_trl.data.ray_engine", "pf_trl.storage")
 DEEPSPEED_LOGGER = "DeepSpeed"
 DEEPSPEED_BANNER = "Setting accelerator to CPU"
 

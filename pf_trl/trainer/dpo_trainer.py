@@ -40,7 +40,7 @@ from pf_trl.trainer.dpo_config import check_pf_fields
 from pf_trl.trainer.dpo_forward import install_packed_preference_forward
 from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
 from pf_trl.trainer.gather import gather_uneven_first_dim
-from pf_trl.trainer.preference.budget import refuse_over_budget_pairs, refuse_streamed_under_budget
+from pf_trl.trainer.preference.budget import PairBudgetMixin, refuse_over_budget_pairs, refuse_streamed_under_budget
 
 __all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
 
@@ -72,7 +72,7 @@ def dataset_pair_lengths(dataset, max_length: int | None) -> np.ndarray:
     return pair_lengths(*counts, max_length=max_length)
 
 
-class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
+class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
     """``trl.DPOTrainer`` on packed rows (see the module docstring). Arguments are DPOTrainer's; ``args`` is a
     :class:`~pf_trl.trainer.dpo_config.PaddingFreeDPOConfig` or a plain ``DPOConfig`` (pf-trl's defaults)."""
 
@@ -139,47 +139,20 @@ class PaddingFreeDPOTrainer(TokenAccountingMixin, DPOTrainer):
                                      "or the end)")
         return prepared
 
-    def get_train_dataloader(self):
-        if self.pf_token_budget is None:
-            return super().get_train_dataloader()  # TRL's sampler and order: per_device_train_batch_size pairs
-        from pf_trl.trainer.data_inputs import packed_dataloader
-        from pf_trl.trainer.resume import restore_sampler
+    def _pf_batch_pairs(self, batch: dict[str, Any]) -> int:
+        return int(batch[PACKED_KEY]["num_pairs"])
 
-        args = self.args
-        seed = args.data_seed if args.data_seed is not None else args.seed
-        world = max(1, args.world_size)
-        sampler = TokenBudgetBatchSampler(self._pf_pair_lengths(self.train_dataset), int(self.pf_token_budget),
-                                          shuffle=True, seed=int(seed), num_replicas=world,
-                                          rank=args.process_index if world > 1 else 0, drop_last=False)
-        self._pf_train_sampler = sampler
-        restore_sampler(self, sampler)
-        dataset = self._remove_unused_columns(self.train_dataset, description="training")
-        return packed_dataloader(self, dataset, sampler, training=True, collate_fn=self.data_collator)
-
-    # ------------------------------------------------------------------ loss
-
-    def _get_num_items_in_batch(self, batch_samples, device):
-        if self.pf_token_budget is None:
-            return super()._get_num_items_in_batch(batch_samples, device)
-        # the pairs of the whole optimizer step: every accumulation micro-batch, every rank
-        count = torch.tensor(sum(int(b[PACKED_KEY]["num_pairs"]) for b in batch_samples), device=device)
-        if self.args.world_size > 1:
-            count = self.accelerator.gather(count).sum()
-        return count
+    # ------------------------------------------------------------------ loss (the budget's dataloader and pair
+    # count: PairBudgetMixin)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         layout = inputs.get(PACKED_KEY)
         if layout is not None and self.model.training:
             self._pf_observe_packed(inputs, layout)
         result = DPOTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs)
-        if self.pf_token_budget is None or num_items_in_batch is None or layout is None or not self.model.training:
+        if layout is None:
             return result
-        # TRL's loss is the mean over this micro-batch's pairs: weight it by its pairs over the step's pairs (DDP
-        # averages the ranks' gradients, hence the world size)
-        scale = layout["num_pairs"] * max(1, self.args.world_size) / num_items_in_batch
-        if isinstance(result, tuple):
-            return (result[0] * scale, *result[1:])
-        return result * scale
+        return self._pf_weight_loss(result, int(layout["num_pairs"]), num_items_in_batch)
 
     def _pf_observe_packed(self, inputs: dict[str, Any], layout: dict[str, Any]) -> None:
         ids = layout["input_ids"]

@@ -44,7 +44,9 @@ def _pooled_logits(model: torch.nn.Module, kwargs: dict, row) -> torch.Tensor:
     row = row.to(device)
     pad = model.config.get_text_config().pad_token_id
     if pad is None and input_ids.shape[0] != 1:
-        raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")  # transformers' own refusal
+        # transformers' own refusal, its words; a ConfigError is a ValueError too, as transformers raises it
+        raise ConfigError("Cannot handle batch sizes > 1 if no padding token is defined: set the model config's "
+                          "pad_token_id to the tokenizer's pad token id")
     positions = row.last_index(input_ids, pad)
     backbone = getattr(model, model.base_model_prefix)
     passed = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "use_cache", "margin")}
