@@ -109,6 +109,19 @@ def _refuse_streaming(script_args, dataset_args, command: str = "pf-trl dpo") ->
                           "and pass one --dataset_name")
 
 
+def check_pair_script_args(script_args, dataset_args, model_args, command: str) -> None:
+    """The script arguments a pair trainer's command (``pf-trl dpo``, ``pf-trl reward``) refuses, in one line each:
+    a mixture list, no ``--dataset_name``, streaming, bitsandbytes quantization."""
+    if dataset_args is not None and getattr(dataset_args, "datasets", None):
+        raise ConfigError(f"--datasets (a mixture list) is not read by {command}; pass one --dataset_name")
+    if not script_args.dataset_name:
+        raise ConfigError("--dataset_name is required (a Hub dataset id ORG/NAME, or a local JSONL / Parquet file or "
+                          "dataset folder of pairs)")
+    _refuse_streaming(script_args, dataset_args, command)
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise ConfigError(f"--load_in_4bit / --load_in_8bit (bitsandbytes) are not supported by {command}")
+
+
 def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     """Train as ``trl dpo`` does (same arguments), padding-free; returns the trainer after saving the model."""
     from trl import get_peft_config
@@ -116,14 +129,7 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
     from pf_trl.trainer.trl_script import train_save_push
 
-    if dataset_args is not None and getattr(dataset_args, "datasets", None):
-        raise ConfigError("--datasets (a mixture list) is not read by pf-trl dpo; pass one --dataset_name")
-    if not script_args.dataset_name:
-        raise ConfigError("--dataset_name is required (a Hub dataset id ORG/NAME, or a local JSONL / Parquet file or "
-                          "dataset folder of pairs)")
-    _refuse_streaming(script_args, dataset_args)
-    if model_args.load_in_4bit or model_args.load_in_8bit:
-        raise ConfigError("--load_in_4bit / --load_in_8bit (bitsandbytes) are not supported by pf-trl dpo")
+    check_pair_script_args(script_args, dataset_args, model_args, "pf-trl dpo")
     init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
                        attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
     if training_args.model_init_kwargs is not None:

@@ -61,18 +61,11 @@ def run_reward(script_args, training_args, model_args, dataset_args=None) -> Any
     """Train as ``trl reward`` does (same arguments), padding-free; returns the trainer after saving the model."""
     from trl import get_peft_config
 
-    from pf_trl.trainer.dpo_script import _refuse_streaming, load_preference_split
+    from pf_trl.trainer.dpo_script import check_pair_script_args, load_preference_split
     from pf_trl.trainer.preference.reward_trainer import PaddingFreeRewardTrainer
     from pf_trl.trainer.trl_script import train_save_push
 
-    if dataset_args is not None and getattr(dataset_args, "datasets", None):
-        raise ConfigError("--datasets (a mixture list) is not read by pf-trl reward; pass one --dataset_name")
-    if not script_args.dataset_name:
-        raise ConfigError("--dataset_name is required (a Hub dataset id ORG/NAME, or a local JSONL / Parquet file or "
-                          "dataset folder of pairs)")
-    _refuse_streaming(script_args, dataset_args, "pf-trl reward")
-    if model_args.load_in_4bit or model_args.load_in_8bit:
-        raise ConfigError("--load_in_4bit / --load_in_8bit (bitsandbytes) are not supported by pf-trl reward")
+    check_pair_script_args(script_args, dataset_args, model_args, "pf-trl reward")
     init_kwargs = dict(trust_remote_code=training_args.trust_remote_code,
                        attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
     if training_args.model_init_kwargs is not None:
