@@ -56,3 +56,13 @@ def test_refusals_are_one_line(workdir, capsys):
     code, _, err = _run(["rloo", "--model_name_or_path", "pf-trl/tiny-llama", "--dataset_name", "prompts",
                          "--reward_funcs", "my_rewards.missing", "--output_dir", "o", *FLAGS], capsys)
     assert code == 2 and "cannot import" in err
+
+
+def test_push_to_hub_offline_is_refused_before_any_work(workdir, capsys, monkeypatch):
+    """`pf-trl grpo` ends as `trl grpo` does (the final save, then --push_to_hub): an impossible push is said first."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = _run(["grpo", "--model_name_or_path", "pf-trl/tiny-llama", "--dataset_name", "prompts",
+                         "--reward_funcs", "my_rewards.short_answers", "--output_dir", "pushed", *FLAGS,
+                         "--push_to_hub", "True"], capsys)
+    assert code == 2 and "--push_to_hub True needs the Hugging Face Hub" in err and len(err.strip().splitlines()) == 1
+    assert not (workdir / "pushed").exists()  # refused before the model or the data were touched

@@ -11,18 +11,13 @@ Bad input is refused in one line (exit status 2). :func:`pf_trl.trainer.rl.scrip
 
 from __future__ import annotations
 
-import sys
+import functools
 
-from pf_trl.errors import ConfigError, PfTrlError
-
-
-class _OneLineParserError(ConfigError):
-    """A flag the parser refused (printed as one line, not argparse's usage block)."""
+from pf_trl.cli.trl_script_cli import run_trl_script
 
 
-def _parser(kind: str):
-    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
-
+def _classes(kind: str) -> tuple[type, type]:
+    """TRL's script arguments of ``trl grpo`` / ``trl rloo`` and pf-trl's config for ``kind``."""
     if kind == "grpo":
         from trl.scripts.grpo import GRPOScriptArguments as script_cls
 
@@ -31,34 +26,16 @@ def _parser(kind: str):
         from trl.scripts.rloo import RLOOScriptArguments as script_cls
 
         from pf_trl.trainer.rl.rloo import PaddingFreeRLOOConfig as config_cls
-    parser = TrlParser((script_cls, config_cls, ModelConfig, DatasetMixtureConfig), prog=f"pf-trl {kind}")
+    return script_cls, config_cls
 
-    def error(message):  # argparse prints the whole usage first: one line instead
-        raise _OneLineParserError(message)
 
-    parser.error = error
-    return parser
+def _run(kind: str):
+    from pf_trl.trainer.rl.script import run_rl
+
+    return functools.partial(run_rl, kind)
 
 
 def main(kind: str, argv: list[str] | None = None) -> int:
     """Run ``pf-trl grpo`` (``kind="grpo"``) or ``pf-trl rloo`` with ``argv``; the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        parser = _parser(kind)
-        if any(a in ("-h", "--help") for a in argv):
-            parser.print_help()
-            return 0
-        *parsed, rest = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
-        if rest:
-            raise _OneLineParserError(f"unrecognized arguments: {' '.join(rest)}")
-    except (_OneLineParserError, PfTrlError, ValueError, OSError) as exc:  # flags, values, the --config file
-        print(f"pf-trl {kind}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    from pf_trl.trainer.rl.script import run_rl
-
-    try:
-        run_rl(kind, *parsed)
-    except PfTrlError as exc:
-        print(f"pf-trl {kind}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    return 0
+    return run_trl_script(argv, f"pf-trl {kind}", lambda: _classes(kind)[1], lambda: _run(kind),
+                          script_cls=lambda: _classes(kind)[0])

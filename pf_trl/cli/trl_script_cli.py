@@ -1,5 +1,5 @@
-"""The command line of pf-trl's TRL-script commands (``pf-trl dpo``, ``pf-trl reward``): TRL's parser over its
-script's dataclasses (``ScriptArguments``, the trainer's config, ``ModelConfig``, ``DatasetMixtureConfig``) with
+"""The command line of pf-trl's TRL-script commands (``pf-trl dpo``, ``reward``, ``grpo``, ``rloo``): TRL's parser over
+its script's dataclasses (its script arguments, the trainer's config, ``ModelConfig``, ``DatasetMixtureConfig``) with
 pf-trl's config in place of TRL's, ``--config FILE.yaml`` as TRL reads it, every refusal one line (exit status 2)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ class _OneLineParserError(ConfigError):
     """A flag the parser refused (printed as one line, not argparse's usage block)."""
 
 
-def _parser(config_cls: type, prog: str):
+def _parser(config_cls: type, prog: str, script_cls: type | None = None):
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-    parser = TrlParser((ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
+    parser = TrlParser((script_cls or ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
 
     def error(message):  # argparse prints the whole usage first: one line instead
         raise _OneLineParserError(message)
@@ -29,12 +29,12 @@ def _parser(config_cls: type, prog: str):
 
 
 def run_trl_script(argv: list[str] | None, prog: str, config_cls: Callable[[], type],
-                   run: Callable[[], Callable[..., object]]) -> int:
-    """Parse ``argv`` for ``prog`` (``config_cls()``: the config class, imported late) and call ``run()(*parsed)``;
-    returns the exit status."""
+                   run: Callable[[], Callable[..., object]], script_cls: Callable[[], type] | None = None) -> int:
+    """Parse ``argv`` for ``prog`` (``config_cls()``: the config class, ``script_cls()``: the script arguments when
+    not TRL's plain ``ScriptArguments``, both imported late) and call ``run()(*parsed)``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = _parser(config_cls(), prog)
+        parser = _parser(config_cls(), prog, script_cls() if script_cls is not None else None)
         if any(a in ("-h", "--help") for a in argv):
             parser.print_help()
             return 0

@@ -117,8 +117,10 @@ def _model(model_args, training_args) -> tuple[str, Any]:
 
 def run_rl(kind: str, script_args, training_args, model_args, dataset_args=None) -> Any:
     """Train as ``trl grpo`` / ``trl rloo`` (``kind``) does, with the same arguments, padding-free; returns the trainer
-    after saving the model."""
+    after the final save (and ``--push_to_hub``), as TRL's script ends."""
     from trl import get_peft_config
+
+    from pf_trl.trainer.trl_script import train_save_push
 
     if dataset_args is not None and getattr(dataset_args, "datasets", None):
         raise ConfigError(f"--datasets (a mixture list) is not read by pf-trl {kind}; pass one --dataset_name")
@@ -132,7 +134,7 @@ def run_rl(kind: str, script_args, training_args, model_args, dataset_args=None)
     rewards = reward_functions(script_args.reward_funcs, script_args.reward_model_name_or_path)
     folder, tokenizer = _model(model_args, training_args)
     init_kwargs = dict(trust_remote_code=training_args.trust_remote_code,
-                       attn_implementation=model_args.attn_implementation or "sdpa", dtype=model_args.dtype)
+                       attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
     if training_args.model_init_kwargs is not None:
         init_kwargs.update(training_args.model_init_kwargs)
     training_args.model_init_kwargs = init_kwargs
@@ -148,8 +150,4 @@ def run_rl(kind: str, script_args, training_args, model_args, dataset_args=None)
         from pf_trl.trainer.rl.rloo import PaddingFreeRLOOTrainer as trainer_cls
     trainer = trainer_cls(model=folder, reward_funcs=rewards, args=training_args, train_dataset=train,
                           eval_dataset=eval_data, processing_class=tokenizer, peft_config=get_peft_config(model_args))
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    if trainer.is_world_process_zero():
-        print(f"pf-trl {kind}: model saved to {training_args.output_dir}", flush=True)
-    return trainer
+    return train_save_push(trainer, script_args, training_args, f"pf-trl {kind}")
