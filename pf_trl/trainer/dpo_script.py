@@ -109,6 +109,17 @@ def _refuse_streaming(script_args, dataset_args, command: str = "pf-trl dpo") ->
                           "and pass one --dataset_name")
 
 
+def preference_splits(script_args, training_args) -> tuple[Any, Any]:
+    """The training split of ``--dataset_name`` and, when evaluation is on, its test split (else ``None``)."""
+    train = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
+                                  split=script_args.dataset_train_split, flag="--dataset_train_split")
+    evaluate = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
+    eval_data = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
+                                      split=script_args.dataset_test_split,
+                                      flag="--dataset_test_split") if evaluate else None
+    return train, eval_data
+
+
 def check_pair_script_args(script_args, dataset_args, model_args, command: str) -> None:
     """The script arguments a pair trainer's command (``pf-trl dpo``, ``pf-trl reward``) refuses, in one line each:
     a mixture list, no ``--dataset_name``, streaming, bitsandbytes quantization."""
@@ -139,12 +150,7 @@ def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     if isinstance(model, str):
         init_kwargs.pop("revision")  # the folder is the snapshot of that revision already
     training_args.model_init_kwargs = init_kwargs if isinstance(model, str) else None
-    train = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
-                                  split=script_args.dataset_train_split, flag="--dataset_train_split")
-    evaluate = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
-    eval_data = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
-                                      split=script_args.dataset_test_split,
-                                      flag="--dataset_test_split") if evaluate else None
+    train, eval_data = preference_splits(script_args, training_args)
     trainer = PaddingFreeDPOTrainer(model, ref_model=ref_model, args=training_args, train_dataset=train,
                                     eval_dataset=eval_data, processing_class=tokenizer,
                                     peft_config=get_peft_config(model_args))

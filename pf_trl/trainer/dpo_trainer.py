@@ -160,12 +160,4 @@ class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
         packed = {"input_ids": ids, "position_ids": layout["position_ids"], "labels": labels}
         self._pf_meter.observe(packed, int(ids.numel()))
 
-    # ------------------------------------------------------------------ resume
-
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        self._pf_resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        finally:
-            self._pf_resume_dir = None
+    # resume: PairBudgetMixin.train records the checkpoint the sampler state is restored from

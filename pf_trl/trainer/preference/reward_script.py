@@ -61,7 +61,7 @@ def run_reward(script_args, training_args, model_args, dataset_args=None) -> Any
     """Train as ``trl reward`` does (same arguments), padding-free; returns the trainer after saving the model."""
     from trl import get_peft_config
 
-    from pf_trl.trainer.dpo_script import check_pair_script_args, load_preference_split
+    from pf_trl.trainer.dpo_script import check_pair_script_args, preference_splits
     from pf_trl.trainer.preference.reward_trainer import PaddingFreeRewardTrainer
     from pf_trl.trainer.trl_script import train_save_push
 
@@ -72,12 +72,7 @@ def run_reward(script_args, training_args, model_args, dataset_args=None) -> Any
         init_kwargs.update(training_args.model_init_kwargs)
     model, tokenizer = _model_and_tokenizer(model_args, training_args, bool(init_kwargs["trust_remote_code"]))
     training_args.model_init_kwargs = init_kwargs if isinstance(model, str) else None
-    train = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
-                                  split=script_args.dataset_train_split, flag="--dataset_train_split")
-    evaluate = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
-    eval_data = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
-                                      split=script_args.dataset_test_split,
-                                      flag="--dataset_test_split") if evaluate else None
+    train, eval_data = preference_splits(script_args, training_args)
     trainer = PaddingFreeRewardTrainer(model, args=training_args, train_dataset=train, eval_dataset=eval_data,
                                        processing_class=tokenizer, peft_config=get_peft_config(model_args))
     return train_save_push(trainer, script_args, training_args, "pf-trl reward")

@@ -125,12 +125,4 @@ class PaddingFreeRewardTrainer(PairBudgetMixin, TokenAccountingMixin, RewardTrai
         result = RewardTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs)
         return self._pf_weight_loss(result, self._pf_batch_pairs(inputs), num_items_in_batch)
 
-    # ------------------------------------------------------------------ resume
-
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        self._pf_resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        finally:
-            self._pf_resume_dir = None
+    # resume: PairBudgetMixin.train records the checkpoint the sampler state is restored from
