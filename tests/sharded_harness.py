@@ -329,11 +329,15 @@ def main() -> int:
         spec = json.load(f)
     for job in spec["jobs"]:
         (run_cli_job if "cli" in job else run_job)(spec, job)
-    if torch.distributed.is_initialized():  # both ranks tear gloo down together
+    if torch.distributed.is_initialized():  # both ranks' results are on disk once both pass this barrier
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    # leave without gloo's C++ teardown, whose threads abort a process now and then on a loaded machine
+    # (tests/test_distributed.py says the same)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
