@@ -17,6 +17,7 @@ a shards path in :func:`pf_trl.data.shards.load_shards`), naming the part.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,12 @@ def tokenizer_mismatch(have: dict[str, Any], expected: dict[str, Any]) -> bool:
     return bool(tokenizer_differences(have, expected))
 
 
-def check_dataset_identity(dataset, expected_tokenizer: dict[str, Any], *, what: str = "training") -> list[dict]:
+def check_dataset_identity(dataset, expected_tokenizer: dict[str, Any] | Callable[[], dict[str, Any]], *,
+                           what: str = "training") -> list[dict]:
     """Refuse a dataset any part of which was tokenized with another tokenizer; returns the identities found.
+
+    ``expected_tokenizer``: the model tokenizer's fingerprint, or a function returning it, called only when the
+    dataset carries an identity (hashing a tokenizer's content takes a large vocabulary's time).
 
     Raises:
         IdentityError: naming the part (its shards directory or source), what differs and the fix.
@@ -134,6 +139,8 @@ def check_dataset_identity(dataset, expected_tokenizer: dict[str, Any], *, what:
     from pf_trl.data.tokenizer import mismatch_fix, tokenizer_differences
 
     found = identities(dataset)
+    if found and callable(expected_tokenizer):
+        expected_tokenizer = expected_tokenizer()
     for ident in found:
         have = ident.get("tokenizer") or {}
         differences = tokenizer_differences(have, expected_tokenizer)

@@ -75,7 +75,7 @@ def prepare(dataset, *, tokenizer, args, config, what: str, model=None) -> tuple
     if is_stream(dataset):
         dataset = train_split(dataset, what)
         if hasattr(tokenizer, "backend_tokenizer"):  # shards streamed with to_iterable_dataset() are checked too
-            check_dataset_identity(dataset, tokenizer_fingerprint(tokenizer), what=what)
+            check_dataset_identity(dataset, lambda: tokenizer_fingerprint(tokenizer), what=what)
         if args.padding_free_mode == "none" and training:
             # padded training: the same tokens (pf-trl's formats and masks), batched and padded by TRL
             tokenized = prepare_stream(dataset, tokenizer, config, what=what).dataset
@@ -109,7 +109,7 @@ def finish(dataset, *, tokenizer, args, what: str):
     if dataset is None or isinstance(dataset, TokenizedStream) or not hasattr(dataset, "column_names"):
         return dataset
     if "input_ids" in (dataset.column_names or []) and hasattr(tokenizer, "backend_tokenizer"):
-        check_dataset_identity(dataset, tokenizer_fingerprint(tokenizer), what=what)
+        check_dataset_identity(dataset, lambda: tokenizer_fingerprint(tokenizer), what=what)
     if what != "training" and args.eval_max_examples and hasattr(dataset, "select"):
         dataset = eval_subset(dataset, int(args.eval_max_examples))
     return dataset
