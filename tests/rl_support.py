@@ -21,7 +21,7 @@ WORDS = ("the a cat dog runs sleeps quickly blue green red house tree over under
 _TIMES = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer(folder: str | None = None):
     """The shipped tokenizer (from ``folder`` when given), loaded once per process: parsing its 32,000-token
     vocabulary takes ~1.5 s, and the trainers of one test module all set it up alike (TRL sets its pad token)."""
