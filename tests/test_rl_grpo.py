@@ -96,6 +96,12 @@ def test_shared_prefix_refusals():
 # ------------------------------------------------------------------------------------------ trainers vs TRL
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _gc_frozen():
+    with S.gc_frozen():
+        yield
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return S.model_folder(tmp_path_factory.mktemp("rl-model"))
@@ -398,12 +404,16 @@ def _loss_grads_metrics(trainer, inputs, loss_type, budget):
 
 @pytest.fixture()
 def budget_trainer(ragged, monkeypatch):
+    from trl.models.utils import disable_gradient_checkpointing
+
     _, trainer, ids, mask, width = ragged
     trainer.model.train()
     monkeypatch.setattr(trainer, "current_gradient_accumulation_steps", 2, raising=False)  # TRL's loss divides by it
     inputs = _loss_inputs(trainer, ids, mask, width)
     loss_type = trainer.loss_type
-    yield trainer, inputs
+    # the same gradients with or without recomputing the layers (the runs above have it on); without is cheaper
+    with disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        yield trainer, inputs
     trainer.loss_type, trainer.importance_sampling_level, trainer.pf_max_tokens = loss_type, "token", None
 
 
