@@ -189,7 +189,8 @@ def test_grpo_matches_trl_on_equal_prompts(grpo_runs):
 
 def test_rloo_matches_trl_on_equal_prompts(folder, tmp_path):
     """RLOO without shared prefixes (every sequence with its prompt: pf-trl's plain packed row), each micro-batch
-    split into one forward per sequence by the token budget."""
+    split into one forward per sequence by the token budget; two accumulated micro-batches (RLOO leaves the division
+    by the accumulation steps to the Trainer, which the forwards backpropagated early must then get too)."""
     from trl import RLOOConfig, RLOOTrainer
 
     from pf_trl.trainer.rl import PaddingFreeRLOOConfig, PaddingFreeRLOOTrainer
@@ -199,13 +200,14 @@ def test_rloo_matches_trl_on_equal_prompts(folder, tmp_path):
     for cls, config_cls, extra in ((RLOOTrainer, RLOOConfig, {}),
                                    (PaddingFreeRLOOTrainer, PaddingFreeRLOOConfig,
                                     {"shared_prefix": "off", "max_tokens_per_forward": SEQUENCE_BUDGET})):
-        t = S.trainer(cls, config_cls, folder, data, tmp_path / cls.__name__, max_steps=1, beta=0.05, **extra)
+        t = S.trainer(cls, config_cls, folder, data, tmp_path / cls.__name__, max_steps=1, beta=0.05,
+                      gradient_accumulation_steps=2, **extra)
         calls = _record_scoring_forwards(t)
         t.train()
         logs.append(S.logged(t.state.log_history))
     assert not t.pf_shared_prefix
     assert calls and all(c["rows"] == 1 and not c["shared"] and c["tokens"] <= SEQUENCE_BUDGET for c in calls)
-    assert sum(c["grad"] for c in calls) == 4  # the training micro-batch: one forward per sequence
+    assert sum(c["grad"] for c in calls) == 8  # the 2 training micro-batches: one forward per sequence
     assert logs[0][0]["grad_norm"] > 0
     assert S.compare_logs(*logs) == []
 
