@@ -4,7 +4,11 @@ trainer beside pf-trl's from the same config fields, and the comparison of logge
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -20,25 +24,44 @@ WORDS = ("the a cat dog runs sleeps quickly blue green red house tree over under
 _TIMES = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
 
 
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """While open, the objects that exist now are left out of garbage collection: every ``train()`` ends in
+    accelerate's ``free_memory()``, a full ``gc.collect()`` that otherwise walks everything the test process holds
+    (transformers, TRL, datasets: 0.5-1 s a run). They are handed back to the collector after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@functools.cache
+def tokenizer(folder: str | None = None):
+    """The shipped tokenizer (from ``folder`` when given), loaded once per process: parsing its 32,000-token
+    vocabulary takes ~1.5 s, and the trainers of one test module all set it up alike (TRL sets its pad token)."""
+    from pf_trl.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(folder) if folder else load_tokenizer()
+
+
 def model_folder(root: Path, *, seed: int = 0, **overrides) -> str:
     """A tiny Llama (sdpa, float32) and the shipped tokenizer saved in ``root``; returns the folder."""
-    from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.models import build_model
 
     folder = root / f"tiny-llama-{seed}"
     if not (folder / "config.json").exists():
         build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=seed, **{**TINY, **overrides}
                     ).save_pretrained(folder)
-        load_tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
     return str(folder)
 
 
 def prompts(n: int, *, seed: int = 0, equal: bool = False, words: tuple[int, int] = (2, 12)) -> datasets.Dataset:
     """``n`` prompts of random words; ``equal``: every prompt has the same number of tokens."""
-    from pf_trl.data.tokenizer import load_tokenizer
-
     rng = random.Random(seed)
-    tok = load_tokenizer()
+    tok = tokenizer()
     rows = []
     while len(rows) < n:
         text = " ".join(rng.choice(WORDS) for _ in range(words[1] if equal else rng.randint(*words)))
@@ -63,11 +86,9 @@ def config_fields(tmp_path, **kw) -> dict:
 
 
 def trainer(cls, config_cls, folder: str, dataset, tmp_path, **kw):
-    from pf_trl.data.tokenizer import load_tokenizer
-
     args = config_cls(**config_fields(tmp_path / cls.__name__, **kw))
     return cls(model=folder, reward_funcs=reward_length, args=args, train_dataset=dataset,
-               processing_class=load_tokenizer(folder))
+               processing_class=tokenizer(folder))
 
 
 def logged(history: list[dict]) -> list[dict]:

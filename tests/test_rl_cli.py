@@ -40,8 +40,10 @@ def test_grpo_trains_a_step_from_jsonl(workdir, capsys, tmp_path_factory):
     kind = "grpo"  # pf-trl rloo runs the same script code with RLOOTrainer (its trainer: tests/test_rl_grpo.py)
     folder = S.model_folder(tmp_path_factory.mktemp("cli-model"))
     out = workdir / "out"
-    code, stdout, err = _run([kind, "--model_name_or_path", folder, "--dataset_name", "prompts", "--reward_funcs",
-                              "my_rewards.short_answers", "--output_dir", str(out), *FLAGS], capsys)
+    with S.gc_frozen():
+        code, stdout, err = _run([kind, "--model_name_or_path", folder, "--dataset_name", "prompts", "--reward_funcs",
+                                  "my_rewards.short_answers", "--output_dir", str(out), *FLAGS,
+                                  "--max_tokens_per_forward", "24"], capsys)
     assert code == 0, err
     assert f"pf-trl {kind}: model saved to" in stdout
     assert (out / "model.safetensors").is_file()

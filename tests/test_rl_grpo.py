@@ -96,17 +96,32 @@ def test_shared_prefix_refusals():
 # ------------------------------------------------------------------------------------------ trainers vs TRL
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _gc_frozen():
+    with S.gc_frozen():
+        yield
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return S.model_folder(tmp_path_factory.mktemp("rl-model"))
 
 
+# a token budget that holds one group (a 13-token prompt once, two completions of up to 8) but not two (at least
+# 2 x (13 + 2)): every training micro-batch of 4 sequences (2 groups) runs as 2 packed forwards, each no-grad
+# scoring chunk too
+GROUP_BUDGET = 29
+# RLOO without shared prefixes: one sequence (13 + up to 8 tokens) per forward
+SEQUENCE_BUDGET = 23
+
+
 @pytest.fixture(scope="module")
 def grpo_runs(folder, tmp_path_factory):
-    """TRL's GRPOTrainer, pf-trl's with shared prefixes (the default) and without, two steps each on prompts of equal
-    length (TRL's left padding then shifts no position): a reference model (beta > 0) and num_iterations=2 (old-policy
-    log-probabilities), gradient checkpointing on (GRPOConfig's default). Plain SGD, so that the parameters after the
-    steps compare the gradients (Adam's normalisation turns the rounding of a near-zero gradient into a full step)."""
+    """TRL's GRPOTrainer and pf-trl's (shared prefixes, the default, and a token budget that splits every micro-batch),
+    two steps each on prompts of equal length (TRL's left padding then shifts no position): a reference model
+    (beta > 0) and num_iterations=2 (old-policy log-probabilities), gradient checkpointing on (GRPOConfig's default).
+    Plain SGD, so that the parameters after the steps compare the gradients (Adam's normalisation turns the rounding
+    of a near-zero gradient into a full step). The path without shared prefixes runs in the RLOO test."""
     from trl import GRPOConfig, GRPOTrainer
 
     from pf_trl.trainer.rl import PaddingFreeGRPOConfig, PaddingFreeGRPOTrainer
@@ -115,9 +130,8 @@ def grpo_runs(folder, tmp_path_factory):
     data = S.prompts(4, equal=True)
     runs = {}
     for name, cls, config_cls, extra in (("trl", GRPOTrainer, GRPOConfig, {}),
-                                         ("shared", PaddingFreeGRPOTrainer, GRPOConfig, {}),
-                                         ("plain", PaddingFreeGRPOTrainer, PaddingFreeGRPOConfig,
-                                          {"shared_prefix": "off"})):
+                                         ("pf", PaddingFreeGRPOTrainer, PaddingFreeGRPOConfig,
+                                          {"max_tokens_per_forward": GROUP_BUDGET})):
         t = S.trainer(cls, config_cls, folder, data, tmp / name, num_iterations=2, optim="sgd", learning_rate=1.0,
                       **extra)
         calls = _record_scoring_forwards(t)
@@ -133,7 +147,8 @@ def _record_scoring_forwards(t) -> list[dict]:
     def record(module, args, kwargs):
         if not generating:
             ids = kwargs.get("input_ids", args[0] if args else None)
-            calls.append(dict(rows=int(ids.shape[0]), mask=kwargs.get("attention_mask") is not None,
+            calls.append(dict(rows=int(ids.shape[0]), tokens=int(ids.shape[1]), grad=torch.is_grad_enabled(),
+                              mask=kwargs.get("attention_mask") is not None,
                               segments=kwargs.get("cu_seq_lens_q") is not None,
                               shared="pf_shared_prefix" in kwargs))
 
@@ -153,31 +168,46 @@ def _record_scoring_forwards(t) -> list[dict]:
 
 
 def test_grpo_matches_trl_on_equal_prompts(grpo_runs):
+    """Every logged metric and the parameters after two steps, with shared prefixes and each micro-batch split into
+    packed forwards under a token budget."""
     _, trl_logs, trl_params, trl_calls = grpo_runs["trl"]
-    assert grpo_runs["shared"][0].pf_shared_prefix and not grpo_runs["plain"][0].pf_shared_prefix
+    pf_trainer, logs, params, calls = grpo_runs["pf"]
+    assert pf_trainer.pf_shared_prefix and pf_trainer.pf_max_tokens == GROUP_BUDGET
     assert trl_logs[1]["kl"] > 0 and trl_logs[0]["grad_norm"] > 0  # the reference and the gradients are exercised
+    assert trl_logs[1]["clip_ratio/region_mean"] > 0  # the old policy differs from the policy at the second step
     # every scoring forward of pf-trl's backbones is one packed row (TRL's: the padded batch, with its mask)
     assert trl_calls and all(c["rows"] == 4 and c["mask"] for c in trl_calls)
-    for name in ("shared", "plain"):
-        _, logs, params, calls = grpo_runs[name]
-        assert calls and all(c["rows"] == 1 and not c["mask"] and c["segments"] for c in calls), name
-        assert all(c["shared"] == (name == "shared") for c in calls), name
-        assert S.compare_logs(trl_logs, logs) == [], name
-        for key, value in trl_params.items():
-            assert _close(value, params[key], 1e-5), (name, key)
+    assert calls and all(c["rows"] == 1 and not c["mask"] and c["segments"] and c["shared"] for c in calls)
+    # under the budget: each forward holds one group of two completions, so twice TRL's forwards, training ones too
+    assert all(c["tokens"] <= GROUP_BUDGET for c in calls)
+    assert len(calls) == 2 * len(trl_calls)
+    assert sum(c["grad"] for c in calls) == 2 * sum(c["grad"] for c in trl_calls) > 0
+    assert S.compare_logs(trl_logs, logs) == []
+    for key, value in trl_params.items():
+        assert _close(value, params[key], 1e-5), key
 
 
 def test_rloo_matches_trl_on_equal_prompts(folder, tmp_path):
+    """RLOO without shared prefixes (every sequence with its prompt: pf-trl's plain packed row), each micro-batch
+    split into one forward per sequence by the token budget; two accumulated micro-batches (RLOO leaves the division
+    by the accumulation steps to the Trainer, which the forwards backpropagated early must then get too)."""
     from trl import RLOOConfig, RLOOTrainer
 
-    from pf_trl.trainer.rl import PaddingFreeRLOOTrainer
+    from pf_trl.trainer.rl import PaddingFreeRLOOConfig, PaddingFreeRLOOTrainer
 
     data = S.prompts(4, equal=True)
     logs = []
-    for cls in (RLOOTrainer, PaddingFreeRLOOTrainer):
-        t = S.trainer(cls, RLOOConfig, folder, data, tmp_path / cls.__name__, max_steps=1, beta=0.05)
+    for cls, config_cls, extra in ((RLOOTrainer, RLOOConfig, {}),
+                                   (PaddingFreeRLOOTrainer, PaddingFreeRLOOConfig,
+                                    {"shared_prefix": "off", "max_tokens_per_forward": SEQUENCE_BUDGET})):
+        t = S.trainer(cls, config_cls, folder, data, tmp_path / cls.__name__, max_steps=1, beta=0.05,
+                      gradient_accumulation_steps=2, **extra)
+        calls = _record_scoring_forwards(t)
         t.train()
         logs.append(S.logged(t.state.log_history))
+    assert not t.pf_shared_prefix
+    assert calls and all(c["rows"] == 1 and not c["shared"] and c["tokens"] <= SEQUENCE_BUDGET for c in calls)
+    assert sum(c["grad"] for c in calls) == 8  # the 2 training micro-batches: one forward per sequence
     assert logs[0][0]["grad_norm"] > 0
     assert S.compare_logs(*logs) == []
 
@@ -206,11 +236,13 @@ def _ragged_batch(tokenizer_pad: int):
 
 @pytest.fixture(scope="module")
 def ragged(grpo_runs):
-    trl_trainer, pf_trainer = grpo_runs["trl"][0], grpo_runs["shared"][0]
+    trl_trainer, pf_trainer = grpo_runs["trl"][0], grpo_runs["pf"][0]
     ids, mask, width = _ragged_batch(trl_trainer.processing_class.pad_token_id)
     # the same weights in both models (each trainer stepped its own copy identically; copy to be exact)
     pf_trainer.model.load_state_dict(trl_trainer.model.state_dict())
-    return trl_trainer, pf_trainer, ids, mask, width
+    pf_trainer.pf_max_tokens = None  # one packed row per batch here; the budget has its own tests below
+    yield trl_trainer, pf_trainer, ids, mask, width
+    pf_trainer.pf_max_tokens = GROUP_BUDGET
 
 
 def _unpadded_reference(trl_trainer, ids, mask, width):
@@ -312,3 +344,133 @@ def test_trl_padded_positions_are_shifted(ragged):
         padded, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trl_trainer, trl_trainer.model, ids, mask, width)
         ref, _ = _unpadded_reference(trl_trainer, ids, mask, width)
     assert _gap(padded, ref) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------ token budgets
+
+
+def test_plan_forwards_keeps_groups_under_the_budget():
+    """Whole groups (one prompt each) or whole sequences per forward; a group over the budget split between forwards,
+    each holding its prompt once; a sequence over the budget alone; several ranks' agreed count reached by halving."""
+    from pf_trl.errors import PackingError
+    from pf_trl.trainer.rl.layout import plan_forwards, rl_packed_layout
+
+    ids, mask, width = _ragged_batch(0)  # prompts of 2, 5, 9 tokens; completions (3, 6), (1, 4), (5, 0)
+    assert plan_forwards(ids, mask, width, 100, shared_prefix=True) == [[0, 1, 2, 3, 4, 5]]
+    assert plan_forwards(ids, mask, width, 20, shared_prefix=True) == [[0, 1], [2, 3], [4, 5]]
+    assert plan_forwards(ids, mask, width, 12, shared_prefix=True) == [[0, 1], [2, 3], [4], [5]]  # 5 + 1 + 4 > 12
+    assert plan_forwards(ids, mask, width, 20, shared_prefix=False) == [[0, 1, 2], [3], [4], [5]]
+    assert plan_forwards(ids, mask, width, 1, shared_prefix=False) == [[i] for i in range(6)]
+    assert plan_forwards(ids, mask, width, 100, shared_prefix=True, min_forwards=4) == [[0], [1, 2], [3], [4, 5]]
+    for budget, shared in ((20, True), (12, True), (20, False)):
+        for rows in plan_forwards(ids, mask, width, budget, shared_prefix=shared):
+            index = torch.tensor(rows)
+            layout = rl_packed_layout(ids[index], mask[index], width, shared_prefix=shared)
+            # within the budget, or a sequence over it alone (row 4: 9 + 5 tokens)
+            assert layout["input_ids"].shape[1] <= budget or rows == [4], (budget, shared, rows)
+    with pytest.raises(PackingError, match="min_forwards"):
+        plan_forwards(ids, mask, width, 100, shared_prefix=True, min_forwards=7)
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+
+def _loss_inputs(trainer, ids, mask, width) -> dict:
+    """TRL's micro-batch of the ragged batch: advantages of both signs, old-policy and reference log-probabilities
+    0.3 nats off the policy's (the ratios clip, the KL term counts)."""
+    prompt = ids.shape[1] - width
+    completion_mask = mask[:, prompt:]
+    with torch.no_grad():
+        current, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width)
+    g = torch.Generator().manual_seed(1)
+    return dict(prompt_ids=ids[:, :prompt], prompt_mask=mask[:, :prompt], completion_ids=ids[:, prompt:],
+                completion_mask=completion_mask, advantages=torch.linspace(-1, 1, ids.shape[0]),
+                old_per_token_logps=(current + 0.3 * torch.randn(current.shape, generator=g)) * completion_mask,
+                ref_per_token_logps=(current + 0.3 * torch.randn(current.shape, generator=g)) * completion_mask,
+                num_items_in_batch=completion_mask.sum())
+
+
+def _loss_grads_metrics(trainer, inputs, loss_type, budget):
+    """What Trainer.training_step does with a micro-batch (compute_loss, then the backward), for ``loss_type`` under
+    ``budget``: the loss, the gradients and TRL's logged metrics."""
+    trainer.loss_type = loss_type
+    trainer.importance_sampling_level = "sequence" if loss_type == "luspo" else "token"  # as TRL requires
+    trainer.pf_max_tokens = budget
+    trainer.model.zero_grad()
+    trainer._metrics["train"].clear()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    trainer.accelerator.backward(loss)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return float(loss), grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.fixture()
+def budget_trainer(ragged, monkeypatch):
+    from trl.models.utils import disable_gradient_checkpointing
+
+    _, trainer, ids, mask, width = ragged
+    trainer.model.train()
+    monkeypatch.setattr(trainer, "current_gradient_accumulation_steps", 2, raising=False)  # TRL's loss divides by it
+    inputs = _loss_inputs(trainer, ids, mask, width)
+    loss_type = trainer.loss_type
+    # the same gradients with or without recomputing the layers (the runs above have it on); without is cheaper
+    with disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        yield trainer, inputs
+    trainer.loss_type, trainer.importance_sampling_level, trainer.pf_max_tokens = loss_type, "token", None
+
+
+def test_budget_keeps_each_loss_type(budget_trainer, monkeypatch):
+    """Each loss type's micro-batch split into 3 packed forwards of whole groups gives the unsplit loss, gradients and
+    logged metrics (grpo also split into one forward per sequence, without shared prefixes). Tolerance: the split
+    forwards' per-token values round differently, and the loss, its metrics and its gradients are sums over the
+    batch's ~90 tokens of terms built from them (:func:`tests.tolerances.sum_rtol`); measured: gradients ~3e-7,
+    vespo's loss 3e-6 (an exponential of per-sequence sums of log-ratios), the others' losses ~1e-7. Negative
+    control: the pieces weighted by another loss type's normaliser (bnpo's token share for grpo, grpo's sequence
+    share for dapo) move the gradients by far more."""
+    from pf_trl.trainer.rl import budget as budget_module
+    from pf_trl.trainer.rl import mixin
+    from tests.tolerances import assert_other_math, assert_same_math, sum_rtol
+
+    trainer, inputs = budget_trainer
+    rtol = sum_rtol(int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()))
+    assert len(trainer._pf_plan(inputs, 20)) == 3
+    whole = {}
+    for loss_type in LOSS_TYPES:
+        whole[loss_type] = _loss_grads_metrics(trainer, inputs, loss_type, None)
+        for shared in (True, False) if loss_type == "grpo" else (True,):
+            trainer.pf_shared_prefix = shared
+            split = _loss_grads_metrics(trainer, inputs, loss_type, 20)
+            for i, what in enumerate(("loss", "gradients", "metrics")):
+                assert_same_math(split[i], whole[loss_type][i], what=f"{loss_type} {what}", rtol=rtol)
+        trainer.pf_shared_prefix = True
+    wrong = {"grpo": "bnpo", "dapo": "grpo"}
+    real = budget_module.piece_weight
+    monkeypatch.setattr(mixin, "piece_weight", lambda loss_type, batch, piece: real(wrong[loss_type], batch, piece))
+    for loss_type in wrong:
+        split = _loss_grads_metrics(trainer, inputs, loss_type, 20)
+        assert_other_math(split[1], whole[loss_type][1],
+                          what=f"{loss_type} with {wrong[loss_type]}'s normaliser", rtol=rtol)
+
+
+def test_budget_refusals(folder, tmp_path, grpo_runs):
+    """A budget is refused in one line where a split would change TRL's loss: the entropy bonus (at construction),
+    top_entropy_quantile < 1, a loss type pf-trl does not know; a budget that is not a positive integer."""
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.rl import PaddingFreeGRPOConfig, PaddingFreeGRPOTrainer
+    from pf_trl.trainer.rl.budget import budget_refusal
+
+    with pytest.raises(ConfigError, match="entropy bonus") as refused:
+        S.trainer(PaddingFreeGRPOTrainer, PaddingFreeGRPOConfig, folder, S.prompts(4, equal=True), tmp_path,
+                  beta=0.0, entropy_coef=0.01, max_tokens_per_forward=64)
+    assert "max_tokens_per_forward" in str(refused.value) and "\n" not in str(refused.value)
+    trainer = grpo_runs["pf"][0]
+    assert budget_refusal(trainer) is None
+    trainer.top_entropy_quantile = 0.5
+    assert "top_entropy_quantile" in budget_refusal(trainer)
+    trainer.top_entropy_quantile, trainer.loss_type = 1.0, "future_loss"
+    assert "'future_loss'" in budget_refusal(trainer)
+    trainer.loss_type = "grpo"
+    trainer.args.max_tokens_per_forward = 0
+    with pytest.raises(ConfigError, match="positive integer"):
+        trainer._pf_setup()
+    trainer.args.max_tokens_per_forward = GROUP_BUDGET

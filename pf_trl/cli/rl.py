@@ -1,7 +1,7 @@
 """`pf-trl grpo` and `pf-trl rloo`: GRPO / RLOO, padding-free. The flags of ``trl grpo`` / ``trl rloo`` (TRL's
 script arguments with ``--reward_funcs`` and ``--reward_model_name_or_path``, ``GRPOConfig`` / ``RLOOConfig``,
-``ModelConfig``, ``DatasetMixtureConfig``) plus pf-trl's ``--shared_prefix`` and ``--attention_backend``, and
-``--config FILE.yaml`` as TRL reads it:
+``ModelConfig``, ``DatasetMixtureConfig``) plus pf-trl's ``--shared_prefix``, ``--attention_backend`` and
+``--max_tokens_per_forward``, and ``--config FILE.yaml`` as TRL reads it:
 
     pf-trl grpo --model_name_or_path pf-trl/tiny-llama --dataset_name prompts/ --reward_funcs my_rewards.score \
         --output_dir out --num_generations 4 --max_completion_length 64 --beta 0.04

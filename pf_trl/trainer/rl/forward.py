@@ -25,7 +25,7 @@ import torch
 from pf_trl._compat import attn_implementation
 from pf_trl.attention.shared_prefix import SHARED_PREFIX_KEY
 from pf_trl.trainer.adapters import transformers_model
-from pf_trl.trainer.rl.layout import rl_packed_layout
+from pf_trl.trainer.rl.layout import plan_forwards, rl_packed_layout
 
 __all__ = ["attention_switched", "packed_chunk", "packed_logps_and_entropies", "unwrapped_model"]
 
@@ -90,22 +90,34 @@ def packed_chunk(model: torch.nn.Module, inner: torch.nn.Module, layout: dict[st
 
 def packed_logps_and_entropies(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                logits_to_keep: int, *, batch_size: int | None = None, compute_entropy: bool = False,
-                               shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               shared_prefix: bool = False,
+                               max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's ``(per_token_logps [B, C], entropies [B, C] or None)`` of ``model`` on its padded batch, computed on one
-    packed row per chunk of ``batch_size`` sequences (TRL's chunking; all at once without it).
+    packed row per chunk of ``batch_size`` sequences (TRL's chunking; all at once without it), each chunk split
+    further into rows of at most ``max_tokens`` tokens (:func:`~pf_trl.trainer.rl.layout.plan_forwards`).
 
     ``model`` is what TRL calls (possibly wrapped by accelerate or PEFT) and must have TRL's fused LM head and have
     been made padding-free with ``mode="internal"``; ``shared_prefix``: sequences with the same prompt share it
     (:mod:`pf_trl.attention.shared_prefix`), which the caller has checked is exact for this model."""
     inner = unwrapped_model(model)
     batch_size = batch_size or input_ids.size(0)
-    all_logps, all_entropies = [], []
+    all_logps, all_entropies, order = [], [], []
     for start in range(0, input_ids.size(0), batch_size):
         end = min(start + batch_size, input_ids.size(0))
-        layout = rl_packed_layout(input_ids[start:end], attention_mask[start:end], logits_to_keep,
-                                  shared_prefix=shared_prefix)
-        logps, entropies = packed_chunk(model, inner, layout, input_ids.device, compute_entropy)
-        all_logps.append(logps)
-        all_entropies.append(entropies)
-    logps = torch.cat(all_logps, dim=0)
-    return logps, torch.cat(all_entropies, dim=0) if compute_entropy else None
+        ids, mask = input_ids[start:end], attention_mask[start:end]
+        forwards = [list(range(end - start))] if max_tokens is None else plan_forwards(
+            ids, mask, logits_to_keep, max_tokens, shared_prefix=shared_prefix)
+        for rows in forwards:
+            index = torch.tensor(rows, dtype=torch.long, device=input_ids.device)
+            layout = rl_packed_layout(ids.index_select(0, index), mask.index_select(0, index), logits_to_keep,
+                                      shared_prefix=shared_prefix)
+            logps, entropies = packed_chunk(model, inner, layout, input_ids.device, compute_entropy)
+            all_logps.append(logps)
+            all_entropies.append(entropies)
+            order.extend(start + r for r in rows)
+    # back to the batch's row order (differentiable: the rows' gradients flow to their own forwards)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    inverse = inverse.to(input_ids.device)
+    logps = torch.cat(all_logps, dim=0).index_select(0, inverse)
+    return logps, torch.cat(all_entropies, dim=0).index_select(0, inverse) if compute_entropy else None

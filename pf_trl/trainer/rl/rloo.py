@@ -20,6 +20,10 @@ class PaddingFreeRLOOConfig(RLOOConfig):
         "help": "Forward each group's prompt once: 'auto' (where exact), 'on' (refuse where not) or 'off'."})
     attention_backend: str = field(default="auto", metadata={
         "help": "pf-trl's varlen attention kernel: auto, flash_attn, torch_varlen, flex or sdpa."})
+    max_tokens_per_forward: int | None = field(default=None, metadata={
+        "help": "Token budget of one packed forward: a micro-batch over it runs as several forwards (whole groups "
+                "with shared prefixes, else whole sequences) whose losses add up to TRL's. Default: one forward "
+                "per micro-batch."})
 
 
 class PaddingFreeRLOOTrainer(PackedLogProbsMixin, RLOOTrainer):
