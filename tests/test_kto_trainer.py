@@ -98,8 +98,8 @@ def test_training_logs_equal_trl_on_packed_rows(runs):
 
 def _unbounded(monkeypatch):
     """Control: every packed row as one sequence (later sequences attend to earlier ones)."""
-    from pf_trl.trainer.preference import self_packed_forward
     from pf_trl.trainer.packed import pack_padded
+    from pf_trl.trainer.preference import self_packed_forward
 
     def one_sequence(mask, ids=None):
         row = pack_padded(mask, ids)
