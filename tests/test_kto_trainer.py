@@ -1,9 +1,10 @@
 """PaddingFreeKTOTrainer against TRL's KTOTrainer under the same KTOConfig (float32, CPU, the tiny Llama of
 pf_trl.models, the shipped tokenizer: no pad token, so TRL pads with EOS): two training steps logged metric for metric
 (the KL term positive, so it is exercised), every backbone forward one packed row without padding, one micro-batch's
-loss, metrics and gradients, the reference precompute's per-batch log-probs; each beside a control that fails the same
-check. Tolerance: tests/tolerances.py's ``sum_rtol`` over the run's tokens (the metrics are sums of per-token
-log-probabilities, and the rewards and the KL differences of such sums; measured gaps: at most 3e-6 relative)."""
+loss, metrics and gradients (the kto and the apo_zero_unpaired loss), the reference precompute's per-batch
+log-probs; each beside a control that fails the same check. Tolerance: tests/tolerances.py's ``sum_rtol`` over the
+run's tokens (the metrics are sums of per-token log-probabilities, and the rewards and the KL differences of such
+sums; measured gaps: at most 3e-6 relative)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,15 @@ def test_step_and_precompute_equal_trl_and_control_fails(runs, monkeypatch):
     ref_pf = pf.compute_ref_log_probs(pf.ref_model, batch)
     assert [shape[0] for shape, _, _ in calls] == [1, 1] and all(mask is None for _, mask, _ in calls)
     assert_same_math(ref_trl, ref_pf, what="reference log-probs", rtol=RTOL)
+
+    # apo_zero_unpaired (no KL pass): TRL reads the loss type at every step, so both trainers switch
+    for t in (trl, pf):
+        monkeypatch.setattr(t, "loss_type", "apo_zero_unpaired")
+        monkeypatch.setattr(t, "calculate_KL", False)
+    apo = S.one_step(trl, range(BATCH))
+    assert_same_math(apo[:2], S.one_step(pf, range(BATCH))[:2], what="apo_zero_unpaired", rtol=RTOL)
+    assert_other_math(expected[0], apo[0], what="the loss types differ", rtol=RTOL)
+    monkeypatch.undo()
 
     _unbounded(monkeypatch)
     wrong = S.one_step(pf, range(BATCH))
