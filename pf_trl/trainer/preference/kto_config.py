@@ -38,9 +38,9 @@ class PaddingFreeKTOConfig(KTOConfig):
     )
     max_tokens_per_batch: int | None = field(
         default=None,
-        metadata={"help": "Token budget of one micro-batch. KTO keeps TRL's batches of per_device_train_batch_size "
-                  "rows: its KL term is estimated per batch from completions paired when the dataset is prepared, "
-                  "so a budget is refused; set only to be told so."},
+        metadata={"help": "Not available for KTO (kept so that the flag of pf-trl dpo / reward is refused with its "
+                  "reason): KTO keeps TRL's batches of per_device_train_batch_size rows, over which it estimates the "
+                  "KL term from completions paired when the dataset is prepared."},
     )
 
     def __post_init__(self):
