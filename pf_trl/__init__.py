@@ -9,8 +9,9 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
 - training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`; preference training:
   :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`, :class:`PaddingFreeRewardConfig`,
-  :class:`PaddingFreeRewardTrainer`; reinforcement learning: :class:`PaddingFreeGRPOConfig`,
-  :class:`PaddingFreeGRPOTrainer`, :class:`PaddingFreeRLOOConfig`, :class:`PaddingFreeRLOOTrainer`
+  :class:`PaddingFreeRewardTrainer`, :class:`PaddingFreeKTOConfig`, :class:`PaddingFreeKTOTrainer`; reinforcement
+  learning: :class:`PaddingFreeGRPOConfig`, :class:`PaddingFreeGRPOTrainer`, :class:`PaddingFreeRLOOConfig`,
+  :class:`PaddingFreeRLOOTrainer`
 - errors: :class:`PfTrlError`, the root of every exception pf-trl raises on purpose (``pf_trl.errors``)
 """
 
@@ -42,6 +43,8 @@ _EXPORTS = {
     "PaddingFreeDPOTrainer": "pf_trl.trainer",
     "PaddingFreeRewardConfig": "pf_trl.trainer.preference",
     "PaddingFreeRewardTrainer": "pf_trl.trainer.preference",
+    "PaddingFreeKTOConfig": "pf_trl.trainer.preference",
+    "PaddingFreeKTOTrainer": "pf_trl.trainer.preference",
     "PackedPreferenceCollator": "pf_trl.batching.preference",
     "PaddingFreeGRPOConfig": "pf_trl.trainer.rl",
     "PaddingFreeGRPOTrainer": "pf_trl.trainer.rl",

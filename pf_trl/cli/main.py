@@ -12,6 +12,8 @@ COMMANDS = {
     "train": ("pf_trl.cli.train", "fine-tune with TRL's SFTTrainer, padding-free"),
     "dpo": ("pf_trl.cli.dpo", "preference training (TRL's DPOTrainer), padding-free; the flags of `trl dpo`"),
     "reward": ("pf_trl.cli.reward", "reward models (TRL's RewardTrainer), padding-free; the flags of `trl reward`"),
+    "kto": ("pf_trl.cli.kto", "KTO (TRL's KTOTrainer), padding-free, unpaired desirable / undesirable rows; the "
+            "flags of `trl kto`"),
     "grpo": ("pf_trl.cli.grpo", "GRPO (TRL's GRPOTrainer), padding-free, one prompt per group; `trl grpo`'s flags"),
     "rloo": ("pf_trl.cli.rloo", "RLOO (TRL's RLOOTrainer), padding-free, one prompt per group; `trl rloo`'s flags"),
     "pretokenize": ("pf_trl.cli.pretokenize", "tokenize a dataset into a shards directory"),

@@ -1,6 +1,7 @@
-"""The command line of pf-trl's TRL-script commands (``pf-trl dpo``, ``reward``, ``grpo``, ``rloo``): TRL's parser over
-its script's dataclasses (its script arguments, the trainer's config, ``ModelConfig``, ``DatasetMixtureConfig``) with
-pf-trl's config in place of TRL's, ``--config FILE.yaml`` as TRL reads it, every refusal one line (exit status 2)."""
+"""The command line of pf-trl's TRL-script commands (``pf-trl dpo``, ``reward``, ``kto``, ``grpo``, ``rloo``): TRL's
+parser over its script's dataclasses (its script arguments, the trainer's config, ``ModelConfig``,
+``DatasetMixtureConfig``) with pf-trl's config in place of TRL's, ``--config FILE.yaml`` as TRL reads it, every refusal
+one line (exit status 2)."""
 
 from __future__ import annotations
 

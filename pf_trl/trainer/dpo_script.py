@@ -27,8 +27,9 @@ logger = logging.getLogger("pf_trl.trainer")
 __all__ = ["load_preference_split", "run_dpo"]
 
 
-def load_preference_split(name: str, *, config: str | None, split: str, flag: str):
-    """``split`` of the local dataset ``name`` as a ``datasets.Dataset`` of preference rows (one line otherwise)."""
+def load_preference_split(name: str, *, config: str | None, split: str, flag: str, unpaired: bool = False):
+    """``split`` of the local dataset ``name`` as a ``datasets.Dataset`` of preference rows (one line otherwise);
+    ``unpaired``: unpaired rows (``prompt``/``completion``/``label``, KTO's format) are accepted too."""
     import datasets
 
     from pf_trl.data.local_datasets import dataset_splits
@@ -48,9 +49,12 @@ def load_preference_split(name: str, *, config: str | None, split: str, flag: st
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(suffix, suffix)
         data = datasets.load_dataset(builder, data_files=paths, split="train")
     columns = set(data.column_names)
+    if unpaired and {"prompt", "completion", "label"} <= columns:
+        return data
     if not {"chosen", "rejected"} <= columns:
+        also = " or unpaired rows 'prompt', 'completion' and 'label'" if unpaired else ""
         raise ConfigError(f"--dataset_name {name}: preference rows need 'chosen' and 'rejected' (and optionally "
-                          f"'prompt'); its columns are {sorted(columns)}")
+                          f"'prompt'){also}; its columns are {sorted(columns)}")
     return data
 
 
@@ -109,14 +113,16 @@ def _refuse_streaming(script_args, dataset_args, command: str = "pf-trl dpo") ->
                           "and pass one --dataset_name")
 
 
-def preference_splits(script_args, training_args) -> tuple[Any, Any]:
-    """The training split of ``--dataset_name`` and, when evaluation is on, its test split (else ``None``)."""
+def preference_splits(script_args, training_args, unpaired: bool = False) -> tuple[Any, Any]:
+    """The training split of ``--dataset_name`` and, when evaluation is on, its test split (else ``None``);
+    ``unpaired``: as :func:`load_preference_split`."""
     train = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
-                                  split=script_args.dataset_train_split, flag="--dataset_train_split")
+                                  split=script_args.dataset_train_split, flag="--dataset_train_split",
+                                  unpaired=unpaired)
     evaluate = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
     eval_data = load_preference_split(script_args.dataset_name, config=script_args.dataset_config,
                                       split=script_args.dataset_test_split,
-                                      flag="--dataset_test_split") if evaluate else None
+                                      flag="--dataset_test_split", unpaired=unpaired) if evaluate else None
     return train, eval_data
 
 

@@ -1,5 +1,6 @@
-"""The end of TRL's training scripts (``trl dpo``, ``trl reward``, ``trl kto``), shared by ``pf-trl dpo`` and
-``pf-trl reward``: ``--ignore_bias_buffers``, train, the final save, ``--push_to_hub``, the trackers' end."""
+"""The end of TRL's training scripts (``trl dpo``, ``trl reward``, ``trl kto``), shared by ``pf-trl dpo``,
+``pf-trl reward`` and ``pf-trl kto``: ``--ignore_bias_buffers``, train, the final save, ``--push_to_hub``, the
+trackers' end."""
 
 from __future__ import annotations
 
