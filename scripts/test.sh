@@ -8,6 +8,7 @@
 # with one line per suite (pytest's closing line, with its wall time), the main suite's last. The exit status is
 # nonzero when any part failed.
 #   PF_TRL_TEST_WORKERS  pytest-xdist workers for the main suite (default: the CPU count, at most 8)
+#   PF_TRL_EXTENDED=1: the main suite includes the tests marked `extended` (off by default)
 #   PF_TRL_REAL=0|1, PF_TRL_SKIP_LEGACY=1, PF_TRL_SKIP_NEWEST=1, PF_TRL_SKIP_POSTGRES=1, PF_TRL_SKIP_OLAH=1: see below
 # Extra arguments go to the main suite's pytest.
 set -uo pipefail
@@ -121,7 +122,10 @@ status=0
 .venv/bin/python -m ruff check pf_trl pf_trl_dev preprocess_service tests benchmarks scripts || status=$?
 # --dist loadgroup: the modules whose tests share an expensive module fixture (a server, a sweep, a torchrun
 # reference) run whole on one worker (tests/conftest.py); every other test goes to whichever worker is free.
-.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --durations=25 -m "not legacy and not real and not ray" "$@" \
+# The extended lane (long end-to-end checks whose claim a faster test also proves, each naming it): opt-in.
+selection="not legacy and not real and not ray"
+[[ "${PF_TRL_EXTENDED:-}" == 1 ]] || selection+=" and not extended"
+.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --durations=25 -m "$selection" "$@" \
   2>&1 | tee "$JOB_DIR/main.log"
 rc=${PIPESTATUS[0]}
 (( rc )) && status=$rc
