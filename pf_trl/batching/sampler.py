@@ -130,6 +130,34 @@ def _best_fit_decreasing(idx: np.ndarray, lens: np.ndarray, capacity: int) -> li
     return bins
 
 
+def _bfd_bin_count(lengths: np.ndarray, capacity: int) -> int:
+    """How many bins :func:`_best_fit_decreasing` packs ``lengths`` into (all of them, sorted by decreasing length),
+    computed on counts: bins left with the same room are interchangeable for what comes after, so only how many
+    bins have each remaining room matters, and the examples of one length are placed in bulk (a bin with room ``r``,
+    the smallest that fits length ``l``, takes ``r // l`` of them in a row). Linear in the dataset for the counting,
+    then in the number of distinct lengths and rooms: fast where the per-example loop takes seconds per million."""
+    per_length = np.bincount(np.asarray(lengths, dtype=np.int64), minlength=capacity + 1)
+    rooms = np.zeros(capacity + 1, dtype=np.int64)  # rooms[r]: open bins with r tokens of room left
+    bins = 0
+    for length in np.flatnonzero(per_length)[::-1].tolist():
+        k = int(per_length[length])
+        while k:
+            fits = np.flatnonzero(rooms[length:])
+            room = length + int(fits[0]) if fits.size else capacity
+            have = int(rooms[room]) if fits.size else k  # new bins: as many as needed
+            full = room // length  # examples one such bin takes before another bin is the best fit
+            whole, rest = divmod(k, full) if k < have * full else (have, 0)
+            if fits.size:
+                rooms[room] -= whole + (1 if rest else 0)
+            else:
+                bins += whole + (1 if rest else 0)
+            rooms[room - full * length] += whole
+            if rest:
+                rooms[room - rest * length] += 1
+            k -= whole * full + rest
+    return bins
+
+
 def _next_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Pack examples in ``order`` without reordering: a new bin whenever the next example does not fit."""
     bins: list[list[int]] = []
@@ -266,6 +294,7 @@ class TokenBudgetBatchSampler:
         self._plan_cache: _EpochPlan | None = None
         self._fingerprint: str | None = None
         self._base_count: int | None = None  # bins of epoch 0's packing (or the global BFD count if larger)
+        self._epoch0_bins: list[list[int]] | None = None  # that packing, until epoch 0 is planned from it
         self._partial: tuple[int, int] | None = None  # (epoch, batches) of a fractional last epoch
 
     # ------------------------------------------------------------------ construction helpers
@@ -300,7 +329,7 @@ class TokenBudgetBatchSampler:
         without ``shuffle``."""
         if shard_bounds is not None:
             self.shard_bounds = self._validate_bounds(shard_bounds, len(self.lengths))
-            self._plan_cache, self._fingerprint, self._base_count = None, None, None
+            self._plan_cache, self._fingerprint, self._base_count, self._epoch0_bins = None, None, None, None
         if group_shards is not None:
             if isinstance(group_shards, bool) or not isinstance(group_shards, (int, np.integer)) or group_shards < 1:
                 raise SamplerError(f"group_shards must be a positive integer or None, got {group_shards!r}")
@@ -309,7 +338,7 @@ class TokenBudgetBatchSampler:
             group_shards = int(group_shards) if self.shuffle else None
         if group_shards != self.group_shards:
             self.group_shards = group_shards
-            self._plan_cache, self._fingerprint, self._base_count = None, None, None
+            self._plan_cache, self._fingerprint, self._base_count, self._epoch0_bins = None, None, None, None
 
     @property
     def grouped(self) -> bool:
@@ -432,10 +461,9 @@ class TokenBudgetBatchSampler:
         decides on lengths only), so every epoch can be brought down to at most this count.
         """
         if self._base_count is None:
-            first = len(self._pack_windows(*self._order(self._rng(0)), self.window))
-            lengths = np.sort(self.lengths)[::-1]
-            global_bfd = len(_best_fit_decreasing(np.arange(len(lengths)), lengths, self.max_tokens))
-            self._base_count = max(first, global_bfd)
+            first = self._pack_windows(*self._order(self._rng(0)), self.window)
+            self._epoch0_bins = first  # epoch 0's plan starts from this packing: kept until it is planned
+            self._base_count = max(len(first), _bfd_bin_count(self.lengths, self.max_tokens))
         return self._base_count
 
     def _target_bins(self) -> int:
@@ -516,7 +544,8 @@ class TokenBudgetBatchSampler:
         order, cuts = self._order(rng)
         n = len(self.lengths)
         window = self.window
-        bins = self._pack_windows(order, cuts, window)
+        bins, self._epoch0_bins = (self._epoch0_bins if epoch == 0 and self._epoch0_bins is not None
+                                   else self._pack_windows(order, cuts, window)), None
         num_packed = len(bins)
         bins, num_merged = self._merge_least_filled(bins, target)
         while len(bins) > target and not self.drop_last and (window < n or len(cuts) > 2):
