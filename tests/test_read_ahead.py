@@ -130,14 +130,14 @@ def _train(data, output_dir: Path, callbacks=(), max_steps: int = 4, trainer_cla
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
-    PaddingFreeSFTTrainer = trainer_class or PaddingFreeSFTTrainer  # noqa: N806 (a subclass given by the test)
+    trainer_class = trainer_class or PaddingFreeSFTTrainer  # a subclass given by the test, else the trainer
 
     args = PaddingFreeConfig(output_dir=str(output_dir), report_to=[], logging_steps=1, disable_tqdm=True,
                              max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True, save_strategy="no",
                              learning_rate=1e-3, dataloader_num_workers=0, seed=0, max_length=None)
     model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
-    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=data, processing_class=_tokenizer(),
-                                    callbacks=list(callbacks))
+    trainer = trainer_class(model, args=args, train_dataset=data, processing_class=_tokenizer(),
+                            callbacks=list(callbacks))
     trainer.train()
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 

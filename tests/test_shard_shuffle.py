@@ -101,7 +101,7 @@ def test_a_grouped_epoch_resumes_with_the_remaining_batches_even_on_a_node_with_
         TokenBudgetBatchSampler(lengths, MAX_TOKENS, group_shards=2)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=12), max_tokens=st.integers(16, 64),
        window=st.integers(1, 5), replicas=st.integers(1, 3), epoch=st.integers(0, 3), data=st.data())
 def test_any_grouping_keeps_the_fixed_count_and_every_row_once(sizes, max_tokens, window, replicas, epoch, data):
