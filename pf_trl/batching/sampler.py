@@ -137,23 +137,35 @@ def _bfd_bin_count(lengths: np.ndarray, capacity: int) -> int:
     the smallest that fits length ``l``, takes ``r // l`` of them in a row). Linear in the dataset for the counting,
     then in the number of distinct lengths and rooms: fast where the per-example loop takes seconds per million."""
     per_length = np.bincount(np.asarray(lengths, dtype=np.int64), minlength=capacity + 1)
-    rooms = np.zeros(capacity + 1, dtype=np.int64)  # rooms[r]: open bins with r tokens of room left
+    present = np.flatnonzero(per_length)
+    shortest = int(present[0]) if present.size else 1
+    rooms = [0] * (capacity + 1)  # rooms[r]: open bins with r tokens of room left
+    usable: list[int] = []  # sorted rooms that some bin has and that the shortest example still fits
     bins = 0
-    for length in np.flatnonzero(per_length)[::-1].tolist():
+
+    def add(room: int, count: int) -> None:
+        if room >= shortest and count:
+            if not rooms[room]:
+                bisect.insort(usable, room)
+            rooms[room] += count
+
+    for length in present[::-1].tolist():
         k = int(per_length[length])
         while k:
-            fits = np.flatnonzero(rooms[length:])
-            room = length + int(fits[0]) if fits.size else capacity
-            have = int(rooms[room]) if fits.size else k  # new bins: as many as needed
+            at = bisect.bisect_left(usable, length)
+            room = usable[at] if at < len(usable) else capacity
+            have = rooms[room] if at < len(usable) else k  # new bins: as many as needed
             full = room // length  # examples one such bin takes before another bin is the best fit
             whole, rest = divmod(k, full) if k < have * full else (have, 0)
-            if fits.size:
+            if at < len(usable):
                 rooms[room] -= whole + (1 if rest else 0)
+                if not rooms[room]:
+                    usable.pop(at)
             else:
                 bins += whole + (1 if rest else 0)
-            rooms[room - full * length] += whole
+            add(room - full * length, whole)
             if rest:
-                rooms[room - rest * length] += 1
+                add(room - rest * length, 1)
             k -= whole * full + rest
     return bins
 
