@@ -126,19 +126,21 @@ def test_a_published_dataset_carries_its_lengths_and_row_layout(s3, published, l
     assert lengths.tolist() == load_shards(local_shards)["length"]
 
 
-def _train(data, output_dir: Path, callbacks=(), max_steps: int = 4, trainer_class=None):
+def _train(data, output_dir: Path, callbacks=(), max_steps: int = 4, trainer_class=None, save_steps=None,
+           resume=None):
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
     trainer_class = trainer_class or PaddingFreeSFTTrainer  # a subclass given by the test, else the trainer
 
     args = PaddingFreeConfig(output_dir=str(output_dir), report_to=[], logging_steps=1, disable_tqdm=True,
-                             max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True, save_strategy="no",
+                             max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                              learning_rate=1e-3, dataloader_num_workers=0, seed=0, max_length=None)
     model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
     trainer = trainer_class(model, args=args, train_dataset=data, processing_class=_tokenizer(),
                             callbacks=list(callbacks))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
@@ -419,7 +421,8 @@ def test_a_dataset_three_times_the_cache_streams_shard_grouped_within_the_limit_
         relay, s3, local_shards, tmp_path, monkeypatch):
     from collections import Counter
 
-    from pf_trl.data.lazy_shards import is_lazy
+    from pf_trl.data.lazy_shards import is_lazy, shard_window
+    from pf_trl.storage import readahead
     from pf_trl.trainer import PaddingFreeSFTTrainer
 
     arrow = _arrow_bytes(s3)
@@ -437,7 +440,7 @@ def test_a_dataset_three_times_the_cache_streams_shard_grouped_within_the_limit_
     monkeypatch.setattr(log, "level", logging.INFO)
     try:
         with CacheWatch(root) as watch:
-            trainer, from_bucket = _train(URI, tmp_path / "bucket", max_steps=8)
+            trainer, from_bucket = _train(URI, tmp_path / "bucket", max_steps=8, save_steps=4)
     finally:
         log.removeHandler(logs)
     data = trainer.train_dataset
@@ -464,6 +467,13 @@ def test_a_dataset_three_times_the_cache_streams_shard_grouped_within_the_limit_
 
     _, from_local = _train(str(local_shards), tmp_path / "local", max_steps=8, trainer_class=SameGrouping)
     assert len(from_bucket) == 8 and from_bucket == from_local
+    # resumed mid-epoch on a node whose cache would choose other windows: the checkpoint's plan, the same losses
+    readahead.close_all()
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "other-node"))
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(limit * 3 // 4))
+    resumed, after = _train(URI, tmp_path / "resumed", max_steps=8, resume=str(tmp_path / "bucket" / "checkpoint-4"))
+    assert shard_window(resumed.train_dataset) != window == resumed._pf_train_sampler.group_shards
+    assert len(after) == 8 and after[4:] == from_bucket[4:]  # the first four: the checkpoint's log history
 
 
 def test_a_streamed_dataset_resumed_mid_epoch_fetches_only_what_is_still_to_be_read(relay, s3, local_shards,
