@@ -8,6 +8,10 @@ the bucket with ``PF_TRL_REMOTE_CACHE_SIZE`` = dataset / ``--ratio`` (each bucke
 node cache's size (every file under ``$PF_TRL_CACHE/remote``) sampled every 5 ms from a thread: its maximum and a
 time series. The ratio reported is the median over the repeats. Writes ``benchmarks/results/streaming_cache.json``.
 
+The streamed runs plan their batches shard-grouped (the files in a random order, rows shuffled within windows of the
+files that fit half the cache: docs/storage.md), which the trainer picks because the dataset does not fit the cache;
+the local runs keep the global shuffle. So their losses differ; each arm's repeats give the same losses.
+
     python benchmarks/streaming_cache.py [--rows 100000] [--files 256] [--steps 30] [--ratio 3] [--repeats 2]
 """
 
@@ -74,11 +78,12 @@ def train_from(path: str, steps: int, output_dir: Path, cache: Path) -> dict:
     stop.set()
     watcher.join()
     stats = dict(data._ahead.stats) if is_lazy(data) else {}
+    groups = trainer._pf_train_sampler.group_shards
     streaming = bool(is_lazy(data) and data._ahead.streaming)
     readahead.close_all()
     seen = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
     every = max(1, len(series) // 200)
-    return {"streaming": streaming,
+    return {"streaming": streaming, "group_shards": groups,
             "steady_tokens_per_s": round((seen[-1] - seen[0]) / (marks[-1] - marks[0]), 1),
             "time_to_first_step_s": round(marks[0] - started, 2),
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     local_tps = statistics.median(r["steady_tokens_per_s"] for r in runs["local folder"])
     bucket_tps = statistics.median(r["steady_tokens_per_s"] for r in runs["bucket, streamed"])
-    same = all(r["losses"] == runs["local folder"][0]["losses"] for rs in runs.values() for r in rs)
+    same = all(r["losses"] == rs[0]["losses"] for rs in runs.values() for r in rs)
     result = {
         "rows": args.rows, "files": args.files, "max_seq_len": args.max_seq_len, "dataset_mb": round(size / 1e6, 1),
         "arrow_mb": round(arrow / 1e6, 1), "cache_limit_bytes": limit, "steps": args.steps,
@@ -139,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         "bucket_over_local": round(bucket_tps / local_tps, 3),
         "cache_max_bytes": max(r["cache_max_bytes"] for r in runs["bucket, streamed"]),
         "cache_never_over_limit": all(r["cache_max_bytes"] <= limit for r in runs["bucket, streamed"]),
-        "same_losses": same, "runs": runs,
+        "group_shards": runs["bucket, streamed"][-1]["group_shards"],
+        "rows_read_per_run": args.steps * 16,
+        "mb_downloaded_per_bucket_run": [r["mb_downloaded"] for r in runs["bucket, streamed"]],
+        "same_losses_within_each_arm": same, "runs": runs,
         "server": "SeaweedFS weed mini on 127.0.0.1 (loopback)",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_avg_1m": round(os.getloadavg()[0], 2)},
@@ -155,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{last['files_downloaded']!s:>10} {last['files_evicted']!s:>8} {last['mb_downloaded']!s:>8} "
               f"{last['cache_max_bytes'] / 1e6:>12.2f}")
     print(f"bucket / local: {result['bucket_over_local']}; cache never over the limit: "
-          f"{result['cache_never_over_limit']}; same losses: {same}")
+          f"{result['cache_never_over_limit']}; shard-grouped in windows of {result['group_shards']} files; "
+          f"{args.steps * 16} rows read per run, {result['mb_downloaded_per_bucket_run']} MB downloaded of "
+          f"{result['arrow_mb']} MB; each arm's repeats give the same losses: {same}")
     return 0
 
 

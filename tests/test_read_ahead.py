@@ -126,17 +126,21 @@ def test_a_published_dataset_carries_its_lengths_and_row_layout(s3, published, l
     assert lengths.tolist() == load_shards(local_shards)["length"]
 
 
-def _train(data, output_dir: Path, callbacks=(), max_steps: int = 4):
+def _train(data, output_dir: Path, callbacks=(), max_steps: int = 4, trainer_class=None, save_steps=None,
+           resume=None):
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
+    trainer_class = trainer_class or PaddingFreeSFTTrainer  # a subclass given by the test, else the trainer
+
     args = PaddingFreeConfig(output_dir=str(output_dir), report_to=[], logging_steps=1, disable_tqdm=True,
-                             max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True, save_strategy="no",
+                             max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                              learning_rate=1e-3, dataloader_num_workers=0, seed=0, max_length=None)
     model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
-    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=data, processing_class=_tokenizer(),
-                                    callbacks=list(callbacks))
-    trainer.train()
+    trainer = trainer_class(model, args=args, train_dataset=data, processing_class=_tokenizer(),
+                            callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
@@ -413,9 +417,13 @@ def _arrow_bytes(s3) -> dict[str, int]:
     return {n: f["bytes"] for n, f in _manifest(s3)["checksums"]["files"].items() if n.endswith(".arrow")}
 
 
-def test_a_dataset_three_times_the_cache_streams_to_the_local_losses_within_the_limit(relay, s3, local_shards,
-                                                                                       tmp_path, monkeypatch):
-    from pf_trl.data.lazy_shards import is_lazy
+def test_a_dataset_three_times_the_cache_streams_shard_grouped_within_the_limit_with_the_local_losses(
+        relay, s3, local_shards, tmp_path, monkeypatch):
+    from collections import Counter
+
+    from pf_trl.data.lazy_shards import is_lazy, shard_window
+    from pf_trl.storage import readahead
+    from pf_trl.trainer import PaddingFreeSFTTrainer
 
     arrow = _arrow_bytes(s3)
     limit = sum(arrow.values()) // 3
@@ -427,16 +435,45 @@ def test_a_dataset_three_times_the_cache_streams_to_the_local_losses_within_the_
         leftover.mkdir(parents=True)
         (leftover / "cut-short.part").write_bytes(b"x" * (limit // 4))
     relay.gate_control.open()
-    with CacheWatch(root) as watch:
-        trainer, from_bucket = _train(URI, tmp_path / "bucket", max_steps=8)
-    assert is_lazy(trainer.train_dataset) and trainer.train_dataset._ahead.streaming
-    stats = trainer.train_dataset._ahead.stats
-    assert stats["files_evicted"] > 0 and stats["files_downloaded"] > limit // max(arrow.values())
+    logs, log = LogRecords(), logging.getLogger("pf_trl.trainer")
+    log.addHandler(logs)
+    monkeypatch.setattr(log, "level", logging.INFO)
+    try:
+        with CacheWatch(root) as watch:
+            trainer, from_bucket = _train(URI, tmp_path / "bucket", max_steps=8, save_steps=4)
+    finally:
+        log.removeHandler(logs)
+    data = trainer.train_dataset
+    assert is_lazy(data) and data._ahead.streaming
+    sampler = trainer._pf_train_sampler
+    window = limit // (2 * max(arrow.values()))
+    assert sampler.group_shards == window < FILES and sampler.shard_bounds.tolist() == data._offsets.tolist()
+    assert any(f"shard-grouped shuffle, its {FILES} files in a random order" in m and f"windows of {window} files" in m
+               for m in logs.messages)
+    stats = data._ahead.stats
+    assert stats["files_downloaded"] > limit // max(arrow.values())  # more than the cache holds: it was streamed
     assert max(watch.sizes) <= limit, (max(watch.sizes), limit)
     assert not (root / ".0badc0ffee.tmp").exists() and not (root / "0deadbeef").exists()  # cleaned for room
-    assert not (_entry(trainer.train_dataset) / ".complete").exists()
-    _, from_local = _train(str(local_shards), tmp_path / "local", max_steps=8)
-    assert len(from_bucket) == 8 and from_bucket == from_local  # the same rows: the same losses, to the bit
+    assert not (_entry(data) / ".complete").exists()
+    gets = Counter(path.rsplit("/", 1)[-1] for method, path in relay.log if method == "GET" and path.endswith(".arrow"))
+    assert gets and max(gets.values()) == 1, gets  # no file downloaded twice (the global shuffle's are: next test)
+    # the local copy trained with the same plan: the same rows, the same losses, to the bit
+
+    class SameGrouping(PaddingFreeSFTTrainer):
+        def _pf_sampler(self, *args, **kwargs):
+            local = super()._pf_sampler(*args, **kwargs)
+            local.set_grouping(window, data._offsets)
+            return local
+
+    _, from_local = _train(str(local_shards), tmp_path / "local", max_steps=8, trainer_class=SameGrouping)
+    assert len(from_bucket) == 8 and from_bucket == from_local
+    # resumed mid-epoch on a node whose cache would choose other windows: the checkpoint's plan, the same losses
+    readahead.close_all()
+    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "other-node"))
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(limit * 3 // 4))
+    resumed, after = _train(URI, tmp_path / "resumed", max_steps=8, resume=str(tmp_path / "bucket" / "checkpoint-4"))
+    assert shard_window(resumed.train_dataset) != window == resumed._pf_train_sampler.group_shards
+    assert len(after) == 8 and after[4:] == from_bucket[4:]  # the first four: the checkpoint's log history
 
 
 def test_a_streamed_dataset_resumed_mid_epoch_fetches_only_what_is_still_to_be_read(relay, s3, local_shards,
@@ -463,8 +500,10 @@ def test_a_streamed_dataset_resumed_mid_epoch_fetches_only_what_is_still_to_be_r
     relay.gate_control.open()
     for batch in batches[skip:]:
         assert lazy.__getitems__(batch) == [local[i] for i in batch]
-    got = {path.rsplit("/", 1)[-1] for method, path in relay.log if method == "GET" and path.endswith(".arrow")}
-    assert got == read_later and not got & skipped_only
+    gets = [path.rsplit("/", 1)[-1] for method, path in relay.log if method == "GET" and path.endswith(".arrow")]
+    assert set(gets) == read_later and not set(gets) & skipped_only
+    # the global shuffle under a bounded cache downloads files again and again (what the shard-grouped one avoids)
+    assert len(gets) > len(set(gets))
     # read by DataLoader workers it cannot be: one line, naming the fix
     import types
 

@@ -187,7 +187,7 @@ class _FixedCountSampler(TokenBudgetBatchSampler):
 
     def natural_bins(self, epoch: int) -> int:
         """Bins this epoch packs into before the count is fixed (at least the global best-fit-decreasing count)."""
-        first = len(self._pack(self._order(self._rng(epoch)), self.window))
+        first = len(self._pack_windows(*self._order(self._rng(epoch)), self.window))
         lengths = np.sort(self.lengths)[::-1]
         return max(first, len(_best_fit_decreasing(np.arange(len(lengths)), lengths, self.max_tokens)))
 

@@ -35,6 +35,14 @@ packing (or the global best-fit-decreasing count, if that is larger), rounded up
 ``num_replicas`` (down with ``drop_last=True``). So ``len()`` is the same for every epoch and on every
 rank, and a resumed run (whatever its epoch) computes the same count.
 
+Shard-grouped shuffle (``shard_bounds`` and ``group_shards`` given, as for a dataset streamed through a bounded node
+cache, whose reads must stay within a few files at a time): step 1 shuffles the order of the shards and cuts it into
+windows of ``group_shards`` shards, then shuffles the rows within each window; step 2 packs each window on its own
+(no carry across windows); step 4 groups and shuffles the steps within each window, a window's steps before the
+next's. So a stretch of the epoch reads the rows of ``group_shards`` shards only, every row still once per epoch, the
+ranks balanced as above (a step may take bins of two neighbouring windows). When the fixed count is not reached by
+merging bins, windows are merged pairwise (a window of the whole dataset is the global packing again).
+
 Resume: :meth:`TokenBudgetBatchSampler.state_dict` records the epoch, seed, how many batches this
 rank has yielded and a fingerprint of everything the plan depends on; :meth:`load_state_dict` makes
 the next iteration yield exactly the remaining batches of that epoch. ``len()`` stays the full
@@ -122,6 +130,46 @@ def _best_fit_decreasing(idx: np.ndarray, lens: np.ndarray, capacity: int) -> li
     return bins
 
 
+def _bfd_bin_count(lengths: np.ndarray, capacity: int) -> int:
+    """How many bins :func:`_best_fit_decreasing` packs ``lengths`` into (all of them, sorted by decreasing length),
+    computed on counts: bins left with the same room are interchangeable for what comes after, so only how many
+    bins have each remaining room matters, and the examples of one length are placed in bulk (a bin with room ``r``,
+    the smallest that fits length ``l``, takes ``r // l`` of them in a row). Linear in the dataset for the counting,
+    then in the number of distinct lengths and rooms: fast where the per-example loop takes seconds per million."""
+    per_length = np.bincount(np.asarray(lengths, dtype=np.int64), minlength=capacity + 1)
+    present = np.flatnonzero(per_length)
+    shortest = int(present[0]) if present.size else 1
+    rooms = [0] * (capacity + 1)  # rooms[r]: open bins with r tokens of room left
+    usable: list[int] = []  # sorted rooms that some bin has and that the shortest example still fits
+    bins = 0
+
+    def add(room: int, count: int) -> None:
+        if room >= shortest and count:
+            if not rooms[room]:
+                bisect.insort(usable, room)
+            rooms[room] += count
+
+    for length in present[::-1].tolist():
+        k = int(per_length[length])
+        while k:
+            at = bisect.bisect_left(usable, length)
+            room = usable[at] if at < len(usable) else capacity
+            have = rooms[room] if at < len(usable) else k  # new bins: as many as needed
+            full = room // length  # examples one such bin takes before another bin is the best fit
+            whole, rest = divmod(k, full) if k < have * full else (have, 0)
+            if at < len(usable):
+                rooms[room] -= whole + (1 if rest else 0)
+                if not rooms[room]:
+                    usable.pop(at)
+            else:
+                bins += whole + (1 if rest else 0)
+            add(room - full * length, whole)
+            if rest:
+                add(room - rest * length, 1)
+            k -= whole * full + rest
+    return bins
+
+
 def _next_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Pack examples in ``order`` without reordering: a new bin whenever the next example does not fit."""
     bins: list[list[int]] = []
@@ -177,6 +225,11 @@ class TokenBudgetBatchSampler:
         ordered: with ``shuffle=False``, keep the dataset order exactly (transformers'
             ``train_sampling_strategy="sequential"``): examples fill each batch in order until the next
             one does not fit (next-fit), and batches come in that order.
+        shard_bounds: the first row of each shard (file) and the row count at the end (``[0, ..., n]``): where
+            the dataset's files begin. Used with ``group_shards``.
+        group_shards: shuffle shard-grouped (module docstring): the shards in a random order, rows shuffled within
+            windows of this many shards. ``None`` (default): one shuffle over the whole dataset. Ignored without
+            ``shuffle``.
 
     Raises:
         SamplerError (a ValueError): on an empty or non-integer ``lengths``, a length ``<= 0``, an example longer than
@@ -202,6 +255,8 @@ class TokenBudgetBatchSampler:
         window: int | None = None,
         carry_below: float = 0.99,
         ordered: bool = False,
+        shard_bounds: Sequence[int] | np.ndarray | None = None,
+        group_shards: int | None = None,
     ) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
             raise SamplerError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -240,6 +295,10 @@ class TokenBudgetBatchSampler:
             window = int(min(_AUTO_WINDOW_MAX, max(_AUTO_WINDOW_MIN, math.ceil(_AUTO_WINDOW_BINS * per_bin))))
         self.window = int(window)
         self.total_tokens = int(self.lengths.sum())
+        self.shard_bounds = None if shard_bounds is None else self._validate_bounds(shard_bounds, n)
+        self.group_shards: int | None = None
+        if group_shards is not None:
+            self.set_grouping(group_shards)
 
         self.epoch = 0
         self._resume_at = 0  # batches to skip at the next __iter__ (set by load_state_dict)
@@ -247,6 +306,7 @@ class TokenBudgetBatchSampler:
         self._plan_cache: _EpochPlan | None = None
         self._fingerprint: str | None = None
         self._base_count: int | None = None  # bins of epoch 0's packing (or the global BFD count if larger)
+        self._epoch0_bins: list[list[int]] | None = None  # that packing, until epoch 0 is planned from it
         self._partial: tuple[int, int] | None = None  # (epoch, batches) of a fractional last epoch
 
     # ------------------------------------------------------------------ construction helpers
@@ -265,6 +325,37 @@ class TokenBudgetBatchSampler:
         except (AttributeError, TypeError):
             lengths = np.asarray(dataset[length_column])
         return cls(lengths, max_tokens, **kwargs)
+
+    @staticmethod
+    def _validate_bounds(bounds: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+        arr = np.asarray(bounds, dtype=np.int64)
+        if arr.ndim != 1 or arr.size < 2 or arr[0] != 0 or arr[-1] != n or np.any(np.diff(arr) <= 0):
+            raise SamplerError(f"shard_bounds must rise from 0 to the {n} examples, one entry per shard start and the "
+                               f"end; got {arr.size} entries from {arr[:1].tolist()} to {arr[-1:].tolist()}")
+        arr.setflags(write=False)
+        return arr
+
+    def set_grouping(self, group_shards: int | None, shard_bounds: Sequence[int] | np.ndarray | None = None) -> None:
+        """Shuffle shard-grouped in windows of ``group_shards`` shards (``None``: one global shuffle); the plan, the
+        fixed count and the fingerprint follow. Needs ``shard_bounds`` (given here or at construction); ignored
+        without ``shuffle``."""
+        if shard_bounds is not None:
+            self.shard_bounds = self._validate_bounds(shard_bounds, len(self.lengths))
+            self._plan_cache, self._fingerprint, self._base_count, self._epoch0_bins = None, None, None, None
+        if group_shards is not None:
+            if isinstance(group_shards, bool) or not isinstance(group_shards, (int, np.integer)) or group_shards < 1:
+                raise SamplerError(f"group_shards must be a positive integer or None, got {group_shards!r}")
+            if self.shard_bounds is None:
+                raise SamplerError("group_shards needs shard_bounds (where each shard's rows begin)")
+            group_shards = int(group_shards) if self.shuffle else None
+        if group_shards != self.group_shards:
+            self.group_shards = group_shards
+            self._plan_cache, self._fingerprint, self._base_count, self._epoch0_bins = None, None, None, None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether epochs are shuffled shard-grouped (module docstring)."""
+        return self.group_shards is not None
 
     @staticmethod
     def _validate_lengths(lengths: Sequence[int] | np.ndarray, max_tokens: int) -> np.ndarray:
@@ -306,9 +397,30 @@ class TokenBudgetBatchSampler:
         # SeedSequence of (seed, epoch): independent streams per epoch, same on every process.
         return np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
 
-    def _order(self, rng: np.random.Generator) -> np.ndarray:
+    def _order(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's example order and the cuts of its windows (``[0, n]``: one window, the global shuffle)."""
         n = len(self.lengths)
-        return rng.permutation(n) if self.shuffle else np.arange(n)
+        if not self.grouped:
+            return (rng.permutation(n) if self.shuffle else np.arange(n)), np.asarray([0, n], dtype=np.int64)
+        bounds, w = self.shard_bounds, self.group_shards
+        shards = rng.permutation(len(bounds) - 1)
+        sizes = np.diff(bounds)[shards]
+        starts = np.repeat(bounds[shards] - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+        rows = np.arange(n, dtype=np.int64) + starts  # the shards' rows, shard after shard in the shuffled order
+        cuts = np.concatenate([np.cumsum(sizes)[w - 1::w], [n]]) if len(shards) > w else np.asarray([n])
+        cuts = np.unique(np.concatenate([[0], cuts])).astype(np.int64)
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            rows[a:b] = rows[a:b][rng.permutation(b - a)]
+        return rows, cuts
+
+    def _pack_windows(self, order: np.ndarray, cuts: np.ndarray, window: int) -> list[list[int]]:
+        """:meth:`_pack` of each shard window on its own (no carry across them)."""
+        if len(cuts) == 2:
+            return self._pack(order, window)
+        bins: list[list[int]] = []
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            bins.extend(self._pack(order[a:b], window))
+        return bins
 
     def _pack(self, order: np.ndarray, window: int) -> list[list[int]]:
         """Windowed best-fit-decreasing over ``order`` (see the module docstring, step 2); next-fit when ordered."""
@@ -361,10 +473,9 @@ class TokenBudgetBatchSampler:
         decides on lengths only), so every epoch can be brought down to at most this count.
         """
         if self._base_count is None:
-            first = len(self._pack(self._order(self._rng(0)), self.window))
-            lengths = np.sort(self.lengths)[::-1]
-            global_bfd = len(_best_fit_decreasing(np.arange(len(lengths)), lengths, self.max_tokens))
-            self._base_count = max(first, global_bfd)
+            first = self._pack_windows(*self._order(self._rng(0)), self.window)
+            self._epoch0_bins = first  # epoch 0's plan starts from this packing: kept until it is planned
+            self._base_count = max(len(first), _bfd_bin_count(self.lengths, self.max_tokens))
         return self._base_count
 
     def _target_bins(self) -> int:
@@ -442,16 +553,21 @@ class TokenBudgetBatchSampler:
     def _build_plan(self, epoch: int) -> _EpochPlan:
         target = self._target_bins()
         rng = self._rng(epoch)
-        order = self._order(rng)
+        order, cuts = self._order(rng)
         n = len(self.lengths)
         window = self.window
-        bins = self._pack(order, window)
+        bins, self._epoch0_bins = (self._epoch0_bins if epoch == 0 and self._epoch0_bins is not None
+                                   else self._pack_windows(order, cuts, window)), None
         num_packed = len(bins)
         bins, num_merged = self._merge_least_filled(bins, target)
-        while len(bins) > target and not self.drop_last and window < n:
-            # Too many bins for the fixed count: pack the same order with a larger window (fills better).
-            window = min(2 * window, n)
-            bins, num_merged = self._merge_least_filled(self._pack(order, window), target)
+        while len(bins) > target and not self.drop_last and (window < n or len(cuts) > 2):
+            # Too many bins for the fixed count: pack the same order with a larger window (fills better); shard
+            # windows merged pairwise once the packing window spans the largest (one window: the global packing).
+            if len(cuts) > 2 and window >= int(np.diff(cuts).max()):
+                cuts = np.append(cuts[:-1:2], n)
+            else:
+                window = min(2 * window, n)
+            bins, num_merged = self._merge_least_filled(self._pack_windows(order, cuts, window), target)
         bins, num_split, dropped_tokens = self._fit_count(bins, target)
         if self.ordered:
             bins.sort(key=min)  # a bin split to reach the count goes back to its place in the order
@@ -467,10 +583,20 @@ class TokenBudgetBatchSampler:
         else:
             # Group bins of similar tokens into a step (per-step balance), then randomise the step order.
             pre = rng.permutation(len(bins)) if self.shuffle else np.arange(len(bins))
-            by_tokens = pre if self.ordered else pre[np.argsort(tokens[pre], kind="stable")]
-            groups = by_tokens.reshape(num_steps, r)
-            if self.shuffle:
-                groups = groups[rng.permutation(num_steps)]
+            if len(cuts) > 2:  # shard windows: bins by (window, tokens), steps shuffled within their window
+                position = np.empty(n, dtype=np.int64)
+                position[order] = np.arange(n, dtype=np.int64)
+                in_window = np.searchsorted(cuts, position[flat], side="right") - 1
+                bin_window = np.minimum.reduceat(in_window, offsets[:-1])
+                by_tokens = pre[np.lexsort((tokens[pre], bin_window[pre]))]
+                groups = by_tokens.reshape(num_steps, r)
+                shuffled = rng.permutation(num_steps)
+                groups = groups[shuffled[np.argsort(bin_window[groups[shuffled, 0]], kind="stable")]]
+            else:
+                by_tokens = pre if self.ordered else pre[np.argsort(tokens[pre], kind="stable")]
+                groups = by_tokens.reshape(num_steps, r)
+                if self.shuffle:
+                    groups = groups[rng.permutation(num_steps)]
             groups = self._front_load(groups, offsets, epoch)
             steps = self._assign_ranks(groups, tokens)
         dropped_examples = n - int(offsets[-1])
@@ -656,6 +782,9 @@ class TokenBudgetBatchSampler:
             }
             if self.ordered:
                 params["ordered"] = True
+            if self.grouped:
+                params["group_shards"] = self.group_shards
+                params["shards"] = hashlib.sha256(np.ascontiguousarray(self.shard_bounds, dtype="<i8")).hexdigest()
             h.update(json.dumps(params, sort_keys=True).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
@@ -680,6 +809,7 @@ class TokenBudgetBatchSampler:
             "num_examples": len(self.lengths),
             "max_tokens": self.max_tokens,
             "num_replicas": self.num_replicas,
+            "group_shards": self.group_shards,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -695,6 +825,14 @@ class TokenBudgetBatchSampler:
         if state.get("version", _STATE_VERSION) != _STATE_VERSION:
             raise SamplerError(f"sampler state version {state.get('version')} is not supported "
                                f"(expected {_STATE_VERSION})")
+        saved_groups = state.get("group_shards")
+        if saved_groups != self.group_shards:
+            if saved_groups is not None and self.shard_bounds is None:
+                raise SamplerError(f"sampler state was saved shuffling shard-grouped (windows of {saved_groups} "
+                                   "shards: a dataset streamed through a bounded node cache), this sampler has no "
+                                   "shard bounds: resume from the same bucket dataset")
+            # the grouping follows the node cache's size, not the data: the checkpoint's plan is the one to resume
+            self.set_grouping(saved_groups)
         if state["fingerprint"] != self.fingerprint():
             diffs = [
                 f"{k}: saved {state[k]!r}, now {v!r}"
@@ -722,5 +860,5 @@ class TokenBudgetBatchSampler:
         return (
             f"{type(self).__name__}(num_examples={len(self.lengths)}, max_tokens={self.max_tokens}, "
             f"num_replicas={self.num_replicas}, rank={self.rank}, epoch={self.epoch}, shuffle={self.shuffle}, "
-            f"drop_last={self.drop_last}, window={self.window})"
+            f"drop_last={self.drop_last}, window={self.window}, group_shards={self.group_shards})"
         )

@@ -26,7 +26,7 @@ from pf_trl.data.shards import COLUMNS, ShardsError, check_tokenizer
 
 logger = logging.getLogger("pf_trl.trainer")
 
-__all__ = ["LazyShards", "admit", "is_lazy", "open_lazy_shards", "stand_in"]
+__all__ = ["LazyShards", "admit", "is_lazy", "open_lazy_shards", "shard_window", "stand_in"]
 
 
 class LazyShards:
@@ -195,6 +195,18 @@ class LazyShards:
         local = sum(self._ahead.is_local(n) for n in self._files)
         return (f"LazyShards({self.uri!r}, rows={self.num_rows}, columns={self.column_names}, "
                 f"files local={local}/{len(self._files)})")
+
+
+def shard_window(dataset) -> int | None:
+    """How many of ``dataset``'s files a shard-grouped shuffle should read at a time: those that fit in half of the node
+    cache's limit (the other half fetches the next window meanwhile), at least one; None when ``dataset`` is not
+    streamed (it fits the cache, or it is not read while it downloads): the global shuffle then."""
+    if not is_lazy(dataset) or not dataset._ahead.streaming:
+        return None
+    from pf_trl.storage.space import cache_limit
+
+    biggest = max(dataset._ahead.files[name] for name in dataset._files)
+    return int(min(len(dataset._files), max(1, cache_limit(dataset._ahead.root) // (2 * biggest))))
 
 
 def is_lazy(dataset) -> bool:

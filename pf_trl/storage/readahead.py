@@ -144,6 +144,8 @@ class ReadAhead:
         self._occurs: dict[str, list[int]] = {}  # name -> its positions in _seq
         self._pos = 0  # streaming: where the reader is in _seq
         self._urgent: list[str] = []  # files a reader waits for now
+        self._no_room_at: float | None = None  # streaming: the plan position of a file waiting for room
+        self._tickets = self._serving = 0  # streaming: files picked / reservations tried, in the order picked
         self._downloading: set[str] = set()
         self._in_use: Counter = Counter()
         self._use_locks: dict[str, list] = {}
@@ -471,9 +473,29 @@ class ReadAhead:
                         continue
                     name, at = pick
                     self._downloading.add(name)
+                    ticket = self._tickets
+                    self._tickets += 1
                 try:
-                    reservation = space.reserve(self.root, self.files[name], exclude=self.key,
-                                                evict=lambda want, at=at: self._evict(want, at))
+                    # room is reserved in the order the files were picked (the plan's): a later, smaller file must
+                    # not take the room an earlier one waits for, to be evicted again for it
+                    with self._cond:
+                        while self._serving != ticket and not self._stop:
+                            self._cond.wait(0.1)
+                        if self._stop:
+                            return
+                    reservation, blocked = None, self._no_room_at is not None and at > self._no_room_at
+                    try:
+                        reservation = None if blocked else space.reserve(
+                            self.root, self.files[name], exclude=self.key,
+                            evict=lambda want, at=at: self._evict(want, at))
+                    finally:
+                        with self._cond:
+                            self._serving += 1
+                            if reservation is None and not blocked:  # nothing fetched past it until it fits
+                                self._no_room_at = at
+                            elif reservation is not None and self._no_room_at is not None and self._no_room_at >= at:
+                                self._no_room_at = None
+                            self._cond.notify_all()
                     if reservation is None:  # every file in the cache is read before this one: the reader moves on
                         with self._cond:
                             self._cond.wait(0.05)
@@ -496,10 +518,14 @@ class ReadAhead:
 
     def _next_target(self) -> tuple[str, float] | None:
         """(file, its position in the plan) to download next, or None; called under ``_cond``."""
+        if self._no_room_at is not None and self._no_room_at < self._pos and not self._urgent:
+            self._no_room_at = None  # the reader moved past the file that waited for room (or got it urgently)
         for name in self._urgent:
             if name not in self._local and name not in self._downloading:
                 return name, -1
         for i in range(self._pos, len(self._seq)):
+            if self._no_room_at is not None and i > self._no_room_at:
+                return None
             name = self._seq[i]
             if name not in self._local and name not in self._downloading:
                 return name, i
@@ -507,7 +533,8 @@ class ReadAhead:
 
     def _evict(self, want: int, before: float) -> int:
         """Remove this entry's files that no reader holds and that the plan reads after position ``before`` (or never
-        again: those first, then the least recently used), until ``want`` bytes are freed; returns the bytes freed.
+        again: those first, then the least recently used), until ``want`` bytes are freed; returns the bytes freed
+        (none when those files together do not free ``want``).
         Called by :func:`pf_trl.storage.space.reserve` under the node's space lock."""
         with self._cond:
             candidates = []
@@ -517,6 +544,16 @@ class ReadAhead:
                 after = self._next_use(name)
                 if after > before:
                     candidates.append((-after, self._last_used.get(name, 0.0), name))
+            sizes = {}
+            for _, _, name in candidates:
+                try:
+                    sizes[name] = (self.entry / name).stat().st_size
+                except OSError:
+                    sizes[name] = 0
+            if sum(sizes.values()) < want:
+                # not enough room even so: evicting would only undo another thread's download (which then fetches
+                # it again, and so on); wait for the reader to move on instead
+                return 0
             freed = 0
             for _, _, name in sorted(candidates):
                 if freed >= want:
@@ -619,6 +656,7 @@ class ReadAhead:
         self._error, self._cond, self._threads, self._lock_file = None, threading.Condition(), [], None
         self._finished = False
         self._reservation, self._seq, self._occurs, self._pos, self._urgent = None, [], {}, 0, []
+        self._no_room_at, self._tickets, self._serving = None, 0, 0
         self._downloading, self._in_use, self._use_locks, self._last_used = set(), Counter(), {}, {}
         self._keep = set()
         self._stop = True  # a copy never starts a thread

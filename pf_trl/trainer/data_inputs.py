@@ -80,8 +80,31 @@ def token_budget_sampler(trainer, dataset, budget: int | None, batch_size: int, 
         mixed = mixture_sampler(dataset, lengths, int(budget), seed=int(seed), args=args, topology=(world, rank))
         if mixed is not None:
             return mixed
+    grouping = shard_grouping(trainer, dataset) if shuffle else None
     return TokenBudgetBatchSampler(lengths, int(budget), shuffle=shuffle, seed=int(seed), num_replicas=world,
-                                   rank=rank, drop_last=False, ordered=ordered)
+                                   rank=rank, drop_last=False, ordered=ordered, **(grouping or {}))
+
+
+def shard_grouping(trainer, dataset) -> dict[str, Any] | None:
+    """The sampler's shard-grouped shuffle (``shard_bounds``, ``group_shards``) when ``dataset`` is streamed through
+    a node cache it does not fit (:func:`pf_trl.data.lazy_shards.shard_window`), else None (the global shuffle).
+
+    Every rank must plan the same epoch, and nodes may have caches of other sizes: the ranks agree on the smallest
+    window any of them needs (one streaming node is enough to group them all)."""
+    from pf_trl.data.lazy_shards import is_lazy, shard_window
+
+    window = shard_window(dataset) or 0
+    if max(1, trainer.args.world_size) > 1:
+        seen = trainer.accelerator.gather(torch.tensor([window], device=trainer.accelerator.device))
+        windows = [int(w) for w in seen.tolist() if w > 0]
+        window = min(windows) if windows else 0
+    if not window or not is_lazy(dataset):
+        return None
+    files = len(dataset.files)
+    logger.info("pf-trl: %s does not fit the node cache: shard-grouped shuffle, its %d files in a random order and "
+                "the rows shuffled within windows of %d files (seed and epoch decide both; docs/storage.md)",
+                dataset.uri, files, window)
+    return {"shard_bounds": dataset._offsets, "group_shards": window}
 
 
 def read_ahead(trainer, dataset, sampler) -> None:
