@@ -195,6 +195,7 @@ def hub(tmp_path_factory):
     server.commit("datasets", "org/large", {"README.md": "# large\n", "data/train.jsonl": big}, "3 MB")
     server.commit("datasets", "org/unsized", {"README.md": "# unsized\n", "data/train.jsonl": big}, "3 MB")
     server.commit("datasets", "org/medium", {"README.md": "# medium\n", "data/train.jsonl": _text_rows(1200)}, "1 MB")
+    server.commit("datasets", "org/racing", {"README.md": "# racing\n", "data/train.jsonl": _chat(6, "r")}, "racing")
     server.set_rules(**RULES)
     yield {"server": server, "root": root, "model": model, "data": local_data, "v1": v1, "chat_v1": chat_v1,
            "custom": custom, "pairs": local_pairs, "big": big, "leak": leak}
@@ -465,14 +466,72 @@ print("RESULT " + json.dumps([hub, local]))
 """
 
 
-def test_python_api_takes_hub_ids_as_model_and_train_dataset(hub, tmp_path):
-    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
-    proc = run([sys.executable, "-c", API, str(tmp_path), str(hub["model"]), str(hub["data"] / "data" / "train.jsonl")],
+@pytest.fixture(scope="module")
+def python_api(hub, tmp_path_factory):
+    """One Python process for the Python API's Hub tests: the trainer from Hub ids (API), then pretokenize while
+    main moves (RACING); their RESULT lines."""
+    tmp = tmp_path_factory.mktemp("api")
+    env = hub["server"].env(tmp / "hf", PF_TRL_CACHE=str(tmp / "pf"))
+    proc = run([sys.executable, "-c", API + RACING, str(tmp), str(hub["model"]),
+                str(hub["data"] / "data" / "train.jsonl"), str(hub["server"].repo("datasets", "org/racing"))],
                env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from_hub, local = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def test_python_api_takes_hub_ids_as_model_and_train_dataset(python_api):
+    from_hub, local = python_api[0]
     assert len(from_hub) == 2
     assert_bit_equal(from_hub, local, why=SAME_FILES)
+
+
+RACING = r"""
+import subprocess
+from huggingface_hub import HfApi
+import pf_trl
+from pf_trl.data.local_datasets import dataset_splits
+from pf_trl.hub import one_commit_per_repository, origin_of
+
+mirror, out = sys.argv[4], sys.argv[1] + "/racing"
+real, first, move = HfApi.repo_info, [], [True]
+
+def repo_info(self, repo_id, *args, **kwargs):  # main of org/racing moves right after a call first resolves it
+    info = real(self, repo_id, *args, **kwargs)
+    if repo_id == "org/racing" and move[0]:
+        move[0] = False
+        first.append(info.sha)
+        rows = "".join(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+                                   "content": "a"}]}) + "\n" for _ in range(3 + 3 * len(first)))
+        with open(mirror + "/data/train.jsonl", "a") as fh:
+            fh.write(rows)
+        git = ["git", "-C", mirror, "-c", "user.name=t", "-c", "user.email=t"]
+        subprocess.run(git + ["commit", "-qam", "moved"], check=True)
+    return info
+
+HfApi.repo_info = repo_info
+manifest = pf_trl.pretokenize("org/racing", out, tokenizer="org/tiny", progress=False)
+api = [first[-1], manifest["source"]["hub"]["commit"], manifest["counts"]["source_rows"]]
+move[0] = True  # control: the same read outside a block, main moving again
+read = origin_of(dataset_splits("org/racing", splits=["train"])["train"][0]).commit
+bare = [first[-1], read]
+move[0] = True
+with one_commit_per_repository():
+    read = origin_of(dataset_splits("org/racing", splits=["train"])["train"][0]).commit
+pinned = [first[-1], read]
+print("RESULT " + json.dumps({"api": api, "bare": bare, "pinned": pinned}))
+"""
+
+
+def test_python_pretokenize_reads_a_hub_dataset_at_the_one_commit_it_resolved(python_api):
+    """pf_trl.pretokenize("ORG/NAME") (a Hub dataset id, as `pf-trl pretokenize` takes it) reads the card and the
+    data of the commit it resolved first, though main moves right after: the manifest names that commit and its 6
+    rows. Control: the same resolution outside a one_commit_per_repository block (what the call was missing) reads
+    the data of the moved main, a commit other than the one it resolved; inside one, the resolved commit."""
+    found = python_api[1]
+    resolved, commit, rows = found["api"]
+    assert commit == resolved and rows == 6, found
+    assert found["bare"][0] != found["bare"][1], found  # the control: two commits in one read
+    assert found["pinned"][0] == found["pinned"][1], found
 
 
 # Each step in one process, in order: pf-trl's commands (main) and the Python API; after each, the files of
