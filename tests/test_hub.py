@@ -447,6 +447,18 @@ def test_a_hub_source_over_the_download_limit_fails_its_job_in_one_line_and_leav
         assert steps[0]["message"] == f"downloading 1 file, {size / 1e6:.1f} MB" and steps[0]["bytes_total"] == size
         assert steps[-1]["bytes_done"] == size and steps[-1]["files_done"] == 1, steps
         assert _cached_data(hf, "org/medium") != []
+        # a mixture's Hub sources are downloaded by its job too, the limit holding for them together
+        short, chat = {"hub": {"repo_id": "org/chat", "config": "short"}}, {"hub": {"repo_id": "org/chat"}}
+        medium, large = {"hub": {"repo_id": "org/medium"}}, {"hub": {"repo_id": "org/large"}}
+        for sources, state in (([short, chat], "succeeded"), ([medium, large], "failed")):
+            r = client.post("/v1/mixtures", json={"sources": [{"source": source} for source in sources]})
+            assert r.status_code == 202, r.text
+            status = wait_state(client, r.json()["id"], timeout=180)
+            assert status["state"] == state, status
+            if state == "succeeded":
+                rows = [source["counts"]["source_rows"] for source in status["manifest"]["sources"]]
+                assert rows == [6, 12], status["manifest"]["sources"]
+        assert status["error"]["type"] == "too_large" and "org/medium, org/large" in status["error"]["message"]
 
 
 API = r"""
