@@ -426,7 +426,8 @@ def fetch_files(repo_id: str, names: list[str], *, repo_type: str, commit: str, 
     download, and counted while downloading where it tells none (the download under way stops; huggingface_hub
     drops its partial file). Over the limit, the files this call downloaded are removed again, so the cache holds
     nothing of a refused fetch. ``on_progress`` hears of the plan, every ``progress_every`` bytes and each file done
-    (it may raise to stop the fetch). Returns the snapshot folder.
+    (every hundredth of the size where it is known, if that is more; it may raise to stop the fetch). Returns the
+    snapshot folder.
 
     Raises:
         HubDownloadTooLarge: over ``max_bytes``, in one line naming the size, the limit and ``limit_name``.
@@ -443,10 +444,12 @@ def fetch_files(repo_id: str, names: list[str], *, repo_type: str, commit: str, 
         return HubDownloadTooLarge(
             f"{flag} {repo_id}: its {len(names)} file(s) at commit {commit[:12]} are {'over ' if at_least else ''}"
             f"{size:,} bytes ({_megabytes(size)}), over the download limit of {max_bytes:,} bytes "
-            f"({_megabytes(max_bytes)}, {limit_name}); read a smaller configuration or split, or raise {limit_name}")
+            f"({_megabytes(max_bytes)}, {limit_name}); read a smaller configuration or split, or raise the limit")
 
     if max_bytes is not None and known > max_bytes:
         raise too_large(known, at_least=bool(unknown))
+    if total:  # about a hundred reports at most where the size is known
+        progress_every = max(progress_every, total // 100)
     state = {"done": 0, "files": 0, "reported": 0}
     stopped: list[BaseException] = []  # what on_progress raised: passed on as it is
 

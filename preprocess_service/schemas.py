@@ -193,8 +193,9 @@ class ErrorInfo(BaseModel):
 class SourceInfo(BaseModel):
     path: str | None = None
     upload_id: str | None = None
-    sha256: str
-    size_bytes: int
+    sha256: str = Field(description="the source bytes' sha256; of a Hub source (downloaded by the job), the sha256 of "
+                        "its repository, commit and file (the manifest has the bytes' own)")
+    size_bytes: int = Field(description="of a Hub source, its size as the Hub tells it (0: not told)")
 
 
 class TokenizerInfo(BaseModel):
