@@ -191,9 +191,9 @@ def hub(tmp_path_factory):
                                            "data/train.jsonl": _chat(4, "e")}, "a card pointing outside")
     server.commit("datasets", "org/fresh", {"README.md": "# fresh\n", "data/train.jsonl": _chat(6, "f")}, "fresh")
     # over the service's download limit (LIMIT), its size told by the Hub and not told; under it, about 1 MB
-    big = _text_rows(3000)
-    server.commit("datasets", "org/large", {"README.md": "# large\n", "data/train.jsonl": big}, "3 MB")
-    server.commit("datasets", "org/unsized", {"README.md": "# unsized\n", "data/train.jsonl": big}, "3 MB")
+    over = _text_rows(3000)
+    server.commit("datasets", "org/large", {"README.md": "# large\n", "data/train.jsonl": over}, "3 MB")
+    server.commit("datasets", "org/unsized", {"README.md": "# unsized\n", "data/train.jsonl": over}, "3 MB")
     server.commit("datasets", "org/medium", {"README.md": "# medium\n", "data/train.jsonl": _text_rows(1200)}, "1 MB")
     server.commit("datasets", "org/racing", {"README.md": "# racing\n", "data/train.jsonl": _chat(6, "r")}, "racing")
     server.set_rules(**RULES)
