@@ -29,7 +29,7 @@ import glob
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
@@ -157,8 +157,12 @@ def _pins() -> dict | None:
 @contextmanager
 def one_commit_per_repository() -> Iterator[None]:
     """Within this block each (repository, revision) resolves to a commit once: the checks before a run, its model
-    and its tokenizer all read that commit even if the branch moves meanwhile. ``pf-trl`` runs each command in one;
-    outside such a block (a long-lived service) every call resolves the revision again."""
+    and its tokenizer all read that commit even if the branch moves meanwhile. ``pf-trl`` runs each command in one,
+    :func:`pf_trl.pretokenize` each call, the service each request and each job; outside such a block every call
+    resolves the revision again. A block inside another one keeps the outer block's commits."""
+    if _PINNED.get() is not None:  # inside an outer block (a command calling the Python API): its commits hold
+        yield
+        return
     token = _PINNED.set({})
     try:
         yield
@@ -377,3 +381,149 @@ def origin_of(path: Any) -> HubSnapshot | None:
     repo_type = "dataset" if match.group(1) == "datasets" else "model"
     return HubSnapshot(repo_id=match.group(2).replace("--", "/"), repo_type=repo_type, revision=None,
                        commit=match.group(3), folder=folder)
+
+
+class HubDownloadTooLarge(HubError):
+    """The files a run would fetch from a repository are larger than the caller's download limit."""
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    """Where a :func:`fetch_files` stands: ``bytes_total`` (None: a size the Hub did not tell), the files so far."""
+
+    message: str
+    bytes_done: int
+    bytes_total: int | None
+    files_done: int
+    files_total: int
+
+
+def file_sizes(repo_id: str, names: Iterable[str], *, repo_type: str, commit: str, flag: str) -> dict[str, int | None]:
+    """The size of each file ``names`` of ``repo_id`` at ``commit``, as the Hub tells it (the metadata request a
+    download starts with: no file is fetched); None where it does not. A file already in the Hub cache: its size."""
+    from huggingface_hub import hf_hub_download
+
+    out: dict[str, int | None] = {}
+    for name in names:
+        try:
+            info = hf_hub_download(repo_id, name, repo_type=repo_type, revision=commit, dry_run=True)
+        except Exception as exc:  # huggingface_hub's own errors, mapped to one line
+            raise HubError(_message(exc, flag, repo_id, repo_type, commit)) from None
+        out[name] = info.file_size
+    return out
+
+
+def _megabytes(n: int | None) -> str:
+    return "an unknown size" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def fetch_files(repo_id: str, names: list[str], *, repo_type: str, commit: str, flag: str,
+                max_bytes: int | None = None, limit_name: str = "the download limit",
+                on_progress: Callable[[DownloadProgress], None] | None = None,
+                progress_every: int = 1 << 20) -> Path:
+    """Download the files ``names`` of ``repo_id`` at ``commit`` into the Hub cache (those cached already are kept),
+    with at most ``max_bytes`` in all: checked against the sizes the Hub tells (:func:`file_sizes`) before any
+    download, and counted while downloading where it tells none (the download under way stops; huggingface_hub
+    drops its partial file). Over the limit, the files this call downloaded are removed again, so the cache holds
+    nothing of a refused fetch. ``on_progress`` hears of the plan, every ``progress_every`` bytes and each file done
+    (every hundredth of the size where it is known, if that is more; it may raise to stop the fetch). Returns the
+    snapshot folder.
+
+    Raises:
+        HubDownloadTooLarge: over ``max_bytes``, in one line naming the size, the limit and ``limit_name``.
+        HubError: the Hub refused or could not be reached (one line).
+    """
+    from huggingface_hub import hf_hub_download
+
+    sizes = file_sizes(repo_id, names, repo_type=repo_type, commit=commit, flag=flag)
+    known = sum(s for s in sizes.values() if s is not None)
+    unknown = [n for n, s in sizes.items() if s is None]
+    total = None if unknown else known
+
+    def too_large(size: int, *, at_least: bool) -> HubDownloadTooLarge:
+        return HubDownloadTooLarge(
+            f"{flag} {repo_id}: its {len(names)} file(s) at commit {commit[:12]} are {'over ' if at_least else ''}"
+            f"{size:,} bytes ({_megabytes(size)}), over the download limit of {max_bytes:,} bytes "
+            f"({_megabytes(max_bytes)}, {limit_name}); read a smaller configuration or split, or raise the limit")
+
+    if max_bytes is not None and known > max_bytes:
+        raise too_large(known, at_least=bool(unknown))
+    if total:  # about a hundred reports at most where the size is known
+        progress_every = max(progress_every, total // 100)
+    state = {"done": 0, "files": 0, "reported": 0}
+    stopped: list[BaseException] = []  # what on_progress raised: passed on as it is
+
+    def report(message: str) -> None:
+        if on_progress is not None:
+            try:
+                on_progress(DownloadProgress(message, state["done"], total, state["files"], len(names)))
+            except BaseException as exc:
+                stopped.append(exc)
+                raise
+
+    report(f"downloading {len(names)} file{'s' if len(names) != 1 else ''}, "
+           f"{_megabytes(known) if not unknown else f'{_megabytes(known)} known and {len(unknown)} of unknown size'}")
+
+    class _Meter:
+        """The byte counter huggingface_hub's download drives (its ``tqdm_class``): the limit and the reports."""
+
+        def __init__(self, *args: Any, initial: int = 0, **kwargs: Any):
+            self.n = initial
+
+        def __enter__(self) -> _Meter:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+        def update(self, n: int = 1) -> None:
+            self.n += n
+            state["done"] += n
+            if max_bytes is not None and state["done"] + pending() > max_bytes:
+                raise too_large(state["done"] + pending(), at_least=True)
+            if state["done"] - state["reported"] >= progress_every:
+                state["reported"] = state["done"]
+                report(f"downloaded {_megabytes(state['done'])}")
+
+        def close(self) -> None:
+            return None
+
+    def pending() -> int:  # the known sizes of the files not fetched yet (the one under way excluded)
+        return sum(sizes[n] or 0 for n in names[state["files"] + 1:])
+
+    fetched: list[Path] = []
+    folder: Path | None = None
+    try:
+        for name in names:
+            before = state["done"]
+            path = Path(hf_hub_download(repo_id, name, repo_type=repo_type, revision=commit, tqdm_class=_Meter))
+            if state["done"] == before:  # cached already: nothing fetched, its size counts all the same
+                state["done"] += sizes[name] or path.stat().st_size
+            else:
+                fetched.append(path)
+            folder = Path(str(path)[: -len(name) - 1])
+            state["files"] += 1
+            if max_bytes is not None and state["done"] > max_bytes:
+                raise too_large(state["done"], at_least=False)
+            report(f"downloaded {name} ({state['files']}/{len(names)} files, {_megabytes(state['done'])})")
+    except HubDownloadTooLarge:
+        _forget(fetched)
+        raise
+    except Exception as exc:  # huggingface_hub's own errors, mapped to one line
+        if isinstance(exc, HubError) or exc in stopped:
+            raise
+        raise HubError(_message(exc, flag, repo_id, repo_type, commit)) from None
+    if folder is None:
+        raise HubError(f"{flag} {repo_id}: no file to fetch at commit {commit[:12]}")
+    return folder
+
+
+def _forget(fetched: list[Path]) -> None:
+    """Remove files this process downloaded into the Hub cache: the snapshot's link and the blob it points at."""
+    for link in fetched:
+        blob = link.resolve()
+        for path in (link, blob):
+            try:
+                path.unlink()
+            except OSError:
+                pass

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from preprocess_service.build import ensure_free_space, ensure_source_unchanged, progress_reporter, tokenizer_for
+from preprocess_service.hub_fetch import fetch_hub_sources
 from preprocess_service.schemas import MixtureRequest
 from preprocess_service.security import ServiceError
 
@@ -46,9 +47,11 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
                                field=f"sources.{i}.options") from exc
         path, shown = submitter.resolve_source(DatasetRequest(source=spec.source))
         shown.pop("hub", None)  # a Hub part's commit is in its shown path
-        sha, size, stat = submitter.source_sha(path)
-        parts.append({"name": name, "source_path": str(path), "source_shown": shown, "source_sha256": sha,
-                      "source_size": size, "source_stat": stat, "options": config.to_dict(), "weight": spec.weight})
+        sha, size, stat = submitter.source_identity(path, shown)
+        fetch = shown.pop("fetch", None)  # a Hub part: downloaded by the job
+        parts.append({"name": name, "source_path": str(path) if path is not None else None, "source_shown": shown,
+                      "source_sha256": sha, "source_size": size, "source_stat": stat, "hub_fetch": fetch,
+                      "options": config.to_dict(), "weight": spec.weight})
         configs.append((path, shown, config))
     rule = request.mixture.model_dump()
     job_id = mixture_id(parts, fingerprint["sha256"], rule)
@@ -74,6 +77,9 @@ def submit_mixture(submitter, request: MixtureRequest) -> tuple[dict[str, Any], 
             return row, False
         counts = []
         for (path, shown, config), part in zip(configs, parts):
+            if path is None:  # a Hub part: its rows are checked by the job, which downloads it
+                counts.append(None)
+                continue
             try:  # the sandboxed checks (files, row limits, the first rows); the row count if known
                 counts.append(submitter.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}",
                                                   config, tok_name))
@@ -96,8 +102,12 @@ def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any
     ensure_free_space(settings, sum(p["source_size"] for p in parts))
     tok = tokenizer_for(tokenizers, request)
     for part in parts:
-        ensure_source_unchanged(Path(part["source_path"]), part["source_sha256"], part.get("source_stat"),
-                                f"source {part['name']!r} ({part['source_path']})")
+        if part.get("hub_fetch") is None:
+            ensure_source_unchanged(Path(part["source_path"]), part["source_sha256"], part.get("source_stat"),
+                                    f"source {part['name']!r} ({part['source_path']})")
+    hub_parts = [p for p in parts if p.get("hub_fetch") is not None]  # downloaded first, within the one limit
+    local = dict(zip((id(p) for p in hub_parts), fetch_hub_sources(
+        settings, store, job_id, pid, [p["hub_fetch"] for p in hub_parts], abandon))) if hub_parts else {}
     total = request.get("rows_total") or 0
     done_rows = done_tokens = 0
     sources = []
@@ -105,9 +115,11 @@ def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any
         on_progress = progress_reporter(store, job_id, pid, abandon, delay_s=settings.debug_progress_delay_s,
                                         base=(done_rows, done_tokens), total=total)
         out = work / "parts" / f"part-{i}"
-        manifest = pretokenize(Path(part["source_path"]), out, PretokenizeConfig(**part["options"]), tokenizer=tok,
-                               num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
-                               source_fingerprint_value=part["source_sha256"], limits=settings.limits())
+        hub = local.get(id(part))
+        manifest = pretokenize(hub or Path(part["source_path"]), out, PretokenizeConfig(**part["options"]),
+                               tokenizer=tok, num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
+                               source_fingerprint_value=None if hub else part["source_sha256"],
+                               limits=settings.limits())
         done_rows += manifest["counts"]["source_rows"]
         done_tokens += manifest["counts"]["tokens"]
         sources.append(MixtureSource(name=part["name"], data_paths=[str(out)], sampling=part["weight"],

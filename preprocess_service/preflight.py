@@ -87,27 +87,38 @@ class _Sandbox:
         return {"fingerprint": self._tokenizers.fingerprint(req["name"])}
 
     def op_hub(self, req: dict[str, Any]) -> dict[str, Any]:
-        """A Hub dataset's split (downloaded by huggingface_hub into the service's Hub cache) -> its one file and
-        the repository, revision and commit it came from. Its README is parsed here, in the sandbox."""
-        from pf_trl.data.local_datasets import LocalDatasetError, dataset_splits
-        from pf_trl.hub import origin_of
+        """A Hub dataset's split -> its one file (a repository path, not downloaded: the job downloads it, outside
+        this sandbox's time limit), its size as the Hub tells it, and the repository and commit. The cheap checks
+        only: the revision resolved, the README `configs:` parsed and confined (the README the one file fetched),
+        the split's files as ``datasets`` resolves them."""
+        from pf_trl.data.hub_datasets import HubDatasetError, HubSplitFiles, hub_split_files
+        from pf_trl.data.pretokenize import SOURCE_SUFFIXES
+        from pf_trl.hub import HubError, file_sizes
 
-        repo_id, split = req["repo_id"], req["split"]
+        repo_id, split, revision = req["repo_id"], req["split"], req.get("revision")
         try:
-            splits = dataset_splits(repo_id, config=req.get("config"), revision=req.get("revision"),
-                                    flag="source.hub", splits=[split])
-        except LocalDatasetError as exc:
+            found = hub_split_files(repo_id, config=req.get("config"), data_dir=None, data_files=None,
+                                    revision=revision, flag="source.hub")
+            if not isinstance(found, HubSplitFiles):  # a dataset saved whole (or the Hub not reached)
+                raise _unprocessable("source.hub", f"source.hub {repo_id}: a dataset saved whole (save_to_disk or "
+                                     "pf-trl shards) is not read by the service; train it with pf-trl train "
+                                     "--dataset_name", "invalid-source")
+            files = found.files.get(split)
+            if not files:
+                raise _unprocessable("source.hub.split", f"source.hub {repo_id}: no {split!r} split (its splits: "
+                                     f"{', '.join(found.files) or 'none'})", "invalid-source")
+            if len(files) != 1:
+                raise _unprocessable("source.hub.split", f"source.hub {repo_id}: the {split!r} split has "
+                                     f"{len(files)} files; the service reads a split of one file (train the rest "
+                                     "with pf-trl train --dataset_name)", "invalid-source")
+            if not files[0].lower().endswith(tuple(SOURCE_SUFFIXES)):
+                raise _unprocessable("source.hub.split", f"source.hub {repo_id}: {files[0]} is not a file the "
+                                     f"service reads (suffixes: {', '.join(SOURCE_SUFFIXES)})", "invalid-source")
+            sizes = file_sizes(repo_id, files, repo_type="dataset", commit=found.commit, flag="source.hub")
+        except (HubError, HubDatasetError) as exc:
             raise _unprocessable("source.hub", str(exc), "invalid-source") from exc
-        files = splits.get(split)
-        if not files:
-            raise _unprocessable("source.hub.split", f"source.hub {repo_id}: no {split!r} split (its splits: "
-                                 f"{', '.join(splits)})", "invalid-source")
-        if len(files) != 1 or not Path(files[0]).is_file():
-            raise _unprocessable("source.hub.split", f"source.hub {repo_id}: the {split!r} split has {len(files)} "
-                                 "files; the service reads a split of one file (train the rest with pf-trl train "
-                                 "--dataset_name)", "invalid-source")
-        origin = origin_of(files[0])
-        return {"path": files[0], "hub": {**origin.record(), "revision": req.get("revision")} if origin else None}
+        return {"files": files, "sizes": sizes,
+                "hub": {"repo_id": repo_id, "repo_type": "dataset", "revision": revision, "commit": found.commit}}
 
     def op_identify(self, req: dict[str, Any]) -> dict[str, Any]:
         from pf_trl.data.pretokenize import source_fingerprint
@@ -243,10 +254,13 @@ def _serve(scratch: Path) -> int:
     except Exception:
         logger.exception("preflight warm-up failed")
     out.write(json.dumps({"ready": os.getpid()}) + "\n")
+    from pf_trl.hub import one_commit_per_repository
+
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            answer = getattr(sandbox, "op_" + req["op"])(req)
+            with one_commit_per_repository():  # a request reads each Hub repository at one commit
+                answer = getattr(sandbox, "op_" + req["op"])(req)
         except _Refusal as exc:
             answer = exc.answer
         except MemoryError:

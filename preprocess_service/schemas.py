@@ -184,15 +184,18 @@ class Progress(BaseModel):
 
 class ErrorInfo(BaseModel):
     type: str = Field(description="invalid_data | disk_full | io_error | interrupted | worker_died | internal "
-                      "| cancelled | corrupt (a published dataset whose files no longer match their checksums)")
+                      "| cancelled | corrupt (a published dataset whose files no longer match their checksums) "
+                      "| too_large (a Hub source over --hub-max-download-bytes) | hub (the Hub refused the "
+                      "download or could not be reached)")
     message: str
 
 
 class SourceInfo(BaseModel):
     path: str | None = None
     upload_id: str | None = None
-    sha256: str
-    size_bytes: int
+    sha256: str = Field(description="the source bytes' sha256; of a Hub source (downloaded by the job), the sha256 of "
+                        "its repository, commit and file (the manifest has the bytes' own)")
+    size_bytes: int = Field(description="of a Hub source, its size as the Hub tells it (0: not told)")
 
 
 class TokenizerInfo(BaseModel):
@@ -229,7 +232,8 @@ class DatasetEvent(BaseModel):
     """The `data:` of one Server-Sent Event of ``GET /v1/datasets/{id}/events``."""
 
     id: str = Field(description="the dataset id")
-    kind: Literal["queued", "started", "progress", "requeued", "succeeded", "failed", "cancelled", "deleted"]
+    kind: Literal["queued", "started", "downloading", "progress", "requeued", "succeeded", "failed", "cancelled",
+                  "deleted"]
     state: Literal["queued", "running", "succeeded", "failed", "cancelled", "deleted"]
     rows_done: int | None = None
     rows_total: int | None = Field(None, description="known from the start when the source tells it (Parquet "
@@ -243,6 +247,12 @@ class DatasetEvent(BaseModel):
     examples: int | None = None
     recovered: bool | None = None
     previous_state: str | None = None
+    message: str | None = Field(None, description="downloading: what the job is fetching of its Hub source "
+                                "(\"downloading 3 files, 12.5 MB\", then each file and every MB)")
+    bytes_done: int | None = Field(None, description="downloading: bytes of the Hub source fetched so far")
+    bytes_total: int | None = Field(None, description="downloading: its size as the Hub tells it (null: unknown)")
+    files_done: int | None = None
+    files_total: int | None = None
 
 
 class DatasetList(BaseModel):

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hub-revisions", dest="hub_revisions", action="append", choices=("names", "pull-requests", "commits"),
         help="a kind of source.hub.revision requests may name (repeat for several): names (branches and tags), "
         "pull-requests (refs/pr/N), commits [PF_SERVICE_HUB_REVISIONS, comma-separated] (default: names)")
+    add("--hub-max-download-bytes", **size,
+        help="the most a job downloads of a Hub source (a job over it fails naming the size) "
+        "[PF_SERVICE_HUB_MAX_DOWNLOAD_BYTES] (default 10GiB)")
     add("--token-file", help="file holding the bearer token (else PF_SERVICE_TOKEN; neither: auth off)")
     add("--database-url", metavar="postgresql://USER@HOST/DB",
         help="keep jobs in PostgreSQL so several replicas can share them and one cache volume "

@@ -96,6 +96,10 @@ class Settings:
         hub_revisions: the kinds of ``source.hub.revision`` requests may name: ``names`` (a branch or a tag; no
             revision is ``main``), ``pull-requests`` (``refs/pr/N``: anyone may open one on a public repository) and
             ``commits`` (a commit hash, possibly one of a pull request). Default: ``names`` only.
+        hub_max_download_bytes: the most a job fetches of a Hub source (the split's files, a mixture's Hub sources
+            together), downloaded by the job itself, outside the preflight's time limit: checked against the sizes
+            the Hub tells before any download, and counted while downloading; beyond it the job fails and what it
+            fetched is removed from the Hub cache. Default 10 GiB.
         debug_progress_delay_s: TEST-ONLY: sleep this long in every progress callback (slows jobs for
             crash tests; 0 in production).
         debug_crash_at: TEST-ONLY: a worker kills itself (SIGKILL) at this step of a job: ``claimed``,
@@ -134,6 +138,7 @@ class Settings:
     publish_uri: str | None = None
     hub_allow: list[str] = field(default_factory=list)
     hub_revisions: list[str] = field(default_factory=lambda: ["names"])
+    hub_max_download_bytes: int = 10 * 2**30
     debug_progress_delay_s: float = 0.0
     debug_crash_at: str = ""
 
@@ -166,7 +171,7 @@ class Settings:
                      "max_uploads_bytes", "rate_limit_per_minute"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_upload_bytes", "max_body_bytes"):
+        for name in ("max_upload_bytes", "max_body_bytes", "hub_max_download_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1 byte, got {getattr(self, name)}")
         if self.preflight_timeout_s <= 0:
@@ -292,7 +297,7 @@ class Settings:
                 "auth": "on" if self.token else "off",
                 "workers": self.workers, "num_proc": self.num_proc, "database": describe_database(self),
                 "replica": self.replica_id, "host": self.host, "port": self.port, "hub_allow": self.hub_allow,
-                "hub_revisions": self.hub_revisions}
+                "hub_revisions": self.hub_revisions, "hub_max_download_bytes": self.hub_max_download_bytes}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Settings:
@@ -320,7 +325,7 @@ def _convert(name: str, raw: str, *, env_name: str) -> Any:
         if name in ("hub_allow", "hub_revisions"):
             return [p for p in re.split(r"[,\s]+", raw) if p]
         if name in ("max_upload_bytes", "max_body_bytes", "min_free_bytes", "preflight_memory_bytes", "max_row_bytes",
-                    "max_field_bytes", "max_row_group_bytes", "max_uploads_bytes"):
+                    "max_field_bytes", "max_row_group_bytes", "max_uploads_bytes", "hub_max_download_bytes"):
             return parse_size(raw, env_name)
         if name in ("port", "workers", "num_proc", "max_queued", "max_attempts", "preflight_rows", "preflight_procs",
                     "max_json_depth", "rate_limit_per_minute"):

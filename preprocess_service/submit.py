@@ -65,7 +65,9 @@ class Submitter:
         self._lock = KeyedLocks()
 
     # ----------------------------------------------------------------------------------- source
-    def resolve_source(self, request: DatasetRequest) -> tuple[Path, dict[str, Any]]:
+    def resolve_source(self, request: DatasetRequest) -> tuple[Path | None, dict[str, Any]]:
+        """The source's local path and what the status shows of it; a Hub source has no local path yet (None) and
+        says in ``shown["fetch"]`` what the job downloads."""
         spec = request.source
         if spec.hub is not None:
             return self._hub_source(spec.hub)
@@ -93,8 +95,10 @@ class Submitter:
             raise _unprocessable("source.path", f"source.path: {path} is not a regular file or folder", "invalid-source")
         return path, shown
 
-    def _hub_source(self, hub) -> tuple[Path, dict[str, Any]]:
-        """A split of a Hub dataset that ``hub_allow`` names, resolved (and downloaded) in the sandbox."""
+    def _hub_source(self, hub) -> tuple[None, dict[str, Any]]:
+        """A split of a Hub dataset that ``hub_allow`` names, resolved in the sandbox to a commit and its one file
+        (the cheap checks: nothing but the README is downloaded there). The job downloads the file
+        (:mod:`preprocess_service.hub_fetch`): no local path yet; ``shown["fetch"]`` says what to download."""
         if not self.settings.hub_allows(hub.repo_id):
             allowed = ", ".join(self.settings.hub_allow) or "none"
             raise ServiceError(403, "Forbidden", f"source.hub.repo_id: {hub.repo_id} is not a Hub dataset this service "
@@ -102,14 +106,11 @@ class Submitter:
                                "organisation to --hub-allow", kind="hub-forbidden", field="source.hub.repo_id")
         self._check_hub_revision(hub.revision, None)  # by its spelling, before anything is fetched
         answer = self._sandbox({"op": "hub", **hub.model_dump()}, what=f"Hub dataset {hub.repo_id}")
-        origin = answer.get("hub") or {}
-        self._check_hub_revision(hub.revision, origin.get("commit"))  # a short commit hash spelled as a name
-        path = Path(answer["path"])
-        where = path.name
-        if origin.get("commit") and f"/snapshots/{origin['commit']}/" in path.as_posix():
-            where = path.as_posix().split(f"/snapshots/{origin['commit']}/", 1)[1]
-        shown = {"path": f"hf://datasets/{hub.repo_id}@{origin.get('commit') or hub.revision or 'main'}/{where}"}
-        return path, {**shown, "hub": origin}
+        origin = answer["hub"]
+        self._check_hub_revision(hub.revision, origin["commit"])  # a short commit hash spelled as a name
+        files = list(answer["files"])
+        shown = {"path": f"hf://datasets/{hub.repo_id}@{origin['commit']}/{files[0]}"}
+        return None, {**shown, "hub": origin, "fetch": {**origin, "files": files, "sizes": answer["sizes"]}}
 
     def _check_hub_revision(self, revision: str | None, commit: str | None) -> None:
         refusal = self.settings.hub_revision_refusal(revision, commit)
@@ -129,6 +130,15 @@ class Submitter:
                                    "file from outside the data roots in, so the service refuses them: copy the file "
                                    "instead (or start the service with --allow-hardlinks if every writer of the "
                                    "data roots is trusted)", kind="path-forbidden", field=field)
+
+    def source_identity(self, path: Path | None, shown: dict[str, Any]) -> tuple[str, int, list | None]:
+        """:meth:`source_sha` of a local source; of a Hub source (not downloaded yet) the sha256 of its repository,
+        commit and files (a commit fixes the bytes) and the size the Hub tells (0 where it tells none)."""
+        fetch = shown.get("fetch")
+        if fetch is None:
+            return self.source_sha(path)
+        key = json.dumps([fetch["repo_id"], fetch["commit"], fetch["files"]], separators=(",", ":"))
+        return hashlib.sha256(key.encode()).hexdigest(), sum(s or 0 for s in fetch["sizes"].values()), None
 
     def source_sha(self, path: Path) -> tuple[str, int, list]:
         """Content hash, size and the files' status when hashed (:func:`pf_trl.data.integrity.content_stat`: the
@@ -226,13 +236,13 @@ class Submitter:
             raise _unprocessable(field, f"{field}: {for_service(str(exc))}", "invalid-options") from exc
         path, shown = self.resolve_source(request)
         tok_name, fingerprint = self.tokenizer(request.tokenizer)
-        sha, size, stat = self.source_sha(path)
+        sha, size, stat = self.source_identity(path, shown)
         options = config.to_dict()
-        hub = shown.pop("hub", None)
+        hub, fetch = shown.pop("hub", None), shown.pop("fetch", None)
         job_id = dataset_id(sha, fingerprint["sha256"], options, hub)
         record = {
-            "source_path": str(path), "source_shown": shown, "source_sha256": sha, "source_size": size,
-            "source_stat": stat,
+            "source_path": str(path) if path is not None else None, "source_shown": shown, "source_sha256": sha,
+            "source_size": size, "source_stat": stat, "hub_fetch": fetch,
             "tokenizer": tok_name, "tokenizer_name": fingerprint.get("name") or tok_name,
             "tokenizer_sha256": fingerprint["sha256"], "options": options,
         }
@@ -246,7 +256,7 @@ class Submitter:
                 row = self.integrity.ensure(row)  # a corrupt dataset is withdrawn here, and rebuilt below
             if row is not None and row["state"] not in ("failed", "cancelled") and stands(row):
                 return row, False
-            # known before the first progress report
-            record["rows_total"] = self.preflight(path, shown.get("path") or f"upload {shown.get('upload_id')}",
-                                                  config, tok_name)
+            # known before the first progress report; a Hub source's rows are checked by the job, which downloads it
+            record["rows_total"] = None if path is None else self.preflight(
+                path, shown.get("path") or f"upload {shown.get('upload_id')}", config, tok_name)
             return self.enqueue(job_id, record, stands)

@@ -33,6 +33,7 @@ from preprocess_service.build import (
     publisher,
     tokenizer_for,
 )
+from preprocess_service.hub_fetch import fetch_hub_sources
 from preprocess_service.mixtures import build_mixture
 from preprocess_service.settings import Settings
 from preprocess_service.store import JobStore, open_store, setup_event_log
@@ -64,8 +65,11 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
+        from pf_trl.hub import one_commit_per_repository
+
         build = build_mixture if request.get("kind") == "mixture" else build_dataset
-        manifest = build(settings, store, job_id, pid, request, tokenizers, work, abandon)
+        with one_commit_per_repository():  # a job reads each Hub repository at one commit
+            manifest = build(settings, store, job_id, pid, request, tokenizers, work, abandon)
         crash_point(settings, "written")
         if not store.finish_success(job_id, pid, manifest, publisher(settings, work / "out",
                                                                      settings.datasets_dir / job_id, work)):
@@ -100,16 +104,23 @@ def build_dataset(settings: Settings, store: JobStore, job_id: str, pid: int, re
     """Tokenize the job's one source into ``work/out``; returns its manifest."""
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
 
-    source = Path(request["source_path"])
-    if not source.exists():
-        raise JobError("invalid_data", f"source {source} disappeared after the request was accepted; POST again")
-    ensure_free_space(settings, request["source_size"])
-    ensure_source_unchanged(source, request["source_sha256"], request.get("source_stat"), f"source {source}")
+    fetch = request.get("hub_fetch")
+    if fetch is not None:  # a Hub source: downloaded here, within hub_max_download_bytes (the commit fixes its bytes)
+        ensure_free_space(settings, request["source_size"])
+        source = fetch_hub_sources(settings, store, job_id, pid, [fetch], abandon)[0]
+        fingerprint = None  # the bytes' own hash, computed by pretokenize for the manifest
+    else:
+        source = Path(request["source_path"])
+        if not source.exists():
+            raise JobError("invalid_data", f"source {source} disappeared after the request was accepted; POST again")
+        ensure_free_space(settings, request["source_size"])
+        ensure_source_unchanged(source, request["source_sha256"], request.get("source_stat"), f"source {source}")
+        fingerprint = request["source_sha256"]
     tok = tokenizer_for(tokenizers, request)
     on_progress = progress_reporter(store, job_id, pid, abandon, delay_s=settings.debug_progress_delay_s)
     return pretokenize(source, work / "out", PretokenizeConfig(**request["options"]), tokenizer=tok,
                        num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
-                       source_fingerprint_value=request["source_sha256"], limits=settings.limits(),
+                       source_fingerprint_value=fingerprint, limits=settings.limits(),
                        image_roots=(str(source.parent), *map(str, settings.data_roots)))
 
 

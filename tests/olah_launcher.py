@@ -16,7 +16,9 @@ request (the test changes it while the server runs):
 
 - ``{"gated": {"ORG/NAME": "TOKEN"}}``: the repository answers 401 without a token and 403 (``GatedRepo``) with
   another token, as the Hub answers for a gated repository;
-- ``{"busy": N}``: the next N file downloads answer 429 with ``Retry-After: 1`` (the Hub's rate limit).
+- ``{"busy": N}``: the next N file downloads answer 429 with ``Retry-After: 1`` (the Hub's rate limit);
+- ``{"unsized": ["ORG/NAME"]}``: the repository's files are served without their size (no ``Content-Length``, no
+  ``X-Linked-Size``, the body chunked), as a server or proxy that does not tell it would.
 
 Not imported by pf-trl or by the test process (it runs in olah's own venv).
 """
@@ -137,7 +139,12 @@ async def hub_access(request, call_next):
                             headers={"x-error-code": "RevisionNotFound", "x-error-message": message})
     if request.method == "GET" and "/resolve/" in request.url.path and _take_busy(rules):
         return JSONResponse({"error": "rate limited"}, status_code=429, headers={"retry-after": "1"})
-    return await call_next(request)
+    response = await call_next(request)
+    if match and "/resolve/" in request.url.path and f"{match.group(2)}/{match.group(3)}" in rules.get("unsized", ()):
+        for name in ("content-length", "x-linked-size"):
+            if name in response.headers:
+                del response.headers[name]
+    return response
 
 
 if __name__ == "__main__":

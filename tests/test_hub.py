@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from hub_server import HubServer, closed_port, olah_or_skip, run
 
+from test_service_support import wait_state
 from tolerances import assert_bit_equal
 
 pytestmark = pytest.mark.slow
@@ -118,6 +119,17 @@ def _custom_code_model(folder: Path) -> Path:
     return folder
 
 
+def _text_rows(n: int) -> str:
+    """About n kB of chat rows."""
+    return "".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                            {"role": "assistant", "content": "word " * 200}]}) + "\n"
+                   for i in range(n))
+
+
+RULES = {"gated": {"org/gated": "good"}, "unsized": ["org/unsized"]}  # the Hub server's access rules
+LIMIT = 2_000_000  # the service's hub_max_download_bytes
+
+
 def _pairs(n: int) -> str:
     words = "the a cat dog runs sleeps blue green red house tree over under with".split()
     rows = [{"prompt": " ".join(words[(i + k) % len(words)] for k in range(4)),
@@ -178,7 +190,13 @@ def hub(tmp_path_factory):
     server.commit("datasets", "org/evil", {"README.md": EVIL_README.format(leak=leak, port=closed_port()),
                                            "data/train.jsonl": _chat(4, "e")}, "a card pointing outside")
     server.commit("datasets", "org/fresh", {"README.md": "# fresh\n", "data/train.jsonl": _chat(6, "f")}, "fresh")
-    server.set_rules(gated={"org/gated": "good"})
+    # over the service's download limit (LIMIT), its size told by the Hub and not told; under it, about 1 MB
+    over = _text_rows(3000)
+    server.commit("datasets", "org/large", {"README.md": "# large\n", "data/train.jsonl": over}, "3 MB")
+    server.commit("datasets", "org/unsized", {"README.md": "# unsized\n", "data/train.jsonl": over}, "3 MB")
+    server.commit("datasets", "org/medium", {"README.md": "# medium\n", "data/train.jsonl": _text_rows(1200)}, "1 MB")
+    server.commit("datasets", "org/racing", {"README.md": "# racing\n", "data/train.jsonl": _chat(6, "r")}, "racing")
+    server.set_rules(**RULES)
     yield {"server": server, "root": root, "model": model, "data": local_data, "v1": v1, "chat_v1": chat_v1,
            "custom": custom, "pairs": local_pairs, "big": big, "leak": leak}
     server.stop()
@@ -195,7 +213,7 @@ def _train(env, out: Path, *args: str) -> list[float]:
 def test_hub_ids_train_to_the_local_copies_losses_with_a_pinned_revision_and_a_config(hub, tmp_path):
     server = hub["server"]
     env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
-    server.set_rules(gated={"org/gated": "good"}, busy=2)  # two 429s: huggingface_hub waits and retries
+    server.set_rules(**RULES, busy=2)  # two 429s: huggingface_hub waits and retries
     from_hub = _train(env, tmp_path / "hub", "--model_name_or_path", "org/tiny", "--model_revision", "v1",
                       "--dataset_name", "org/chat", "--dataset_config", "default", "--dataset_train_split", "train")
     local = _train(env, tmp_path / "local", "--model_name_or_path", str(hub["model"]), "--dataset_name",
@@ -341,32 +359,106 @@ def test_offline_with_nothing_cached_and_an_unreachable_hub_fail_in_one_line(hub
     assert time.perf_counter() - start < 60
 
 
-def test_service_builds_an_allowed_hub_dataset_and_refuses_any_other(hub, tmp_path):
-    from test_service_support import Server, wait_state
+@pytest.fixture(scope="module")
+def service(hub):
+    """One preprocessing service for every service test of this module: it may read org/chat, org/evil, org/fresh
+    and the datasets around its download limit (LIMIT bytes), with its own Hub cache."""
+    from test_service_support import Server
 
-    server = hub["server"]
+    root, server = hub["root"], hub["server"]
     online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
-    service = Server(tmp_path / "cache", [], env={"HF_ENDPOINT": server.url, "PF_SERVICE_HUB_ALLOW": "org/chat",
-                                                  "HF_HUB_DISABLE_TELEMETRY": "1", **online}).start()
-    try:
-        with service.client() as client:
-            body = {"source": {"hub": {"repo_id": "org/chat", "config": "short"}}}
-            r = client.post("/v1/datasets", json=body)
+    started = Server(root / "service-cache", [], env={
+        "HF_ENDPOINT": server.url, "HF_HUB_DISABLE_TELEMETRY": "1", **online,
+        "PF_SERVICE_HUB_ALLOW": "org/chat,org/evil,org/fresh,org/large,org/unsized,org/medium",
+        "PF_SERVICE_HUB_MAX_DOWNLOAD_BYTES": str(LIMIT)}).start()
+    yield {"server": started, "hf": root / "service-cache" / "hf", "cache": root / "service-cache"}  # its HF_HOME
+    started.stop()
+
+
+def _events(client, dataset_id: str) -> list[dict]:
+    """The job's events (its Server-Sent Events stream, read to its terminal event)."""
+    with client.stream("GET", f"/v1/datasets/{dataset_id}/events", timeout=60) as r:
+        return [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+
+
+def test_service_builds_an_allowed_hub_dataset_and_refuses_any_other(hub, service):
+    with service["server"].client() as client:
+        body = {"source": {"hub": {"repo_id": "org/chat", "config": "short"}}}
+        r = client.post("/v1/datasets", json=body)
+        assert r.status_code == 202, r.text
+        status = wait_state(client, r.json()["id"], timeout=180)
+        assert status["state"] == "succeeded", status
+        commit = status["manifest"]["source"]["hub"]["commit"]
+        assert status["manifest"]["source"]["hub"]["repo_id"] == "org/chat"
+        assert status["source"]["path"].startswith(f"hf://datasets/org/chat@{commit}/short/train.jsonl")
+        downloads = [e for e in _events(client, r.json()["id"]) if e["kind"] == "downloading"]  # by the job
+        assert downloads[0]["message"].startswith("downloading 1 file, ") and downloads[-1]["files_done"] == 1
+        again = client.post("/v1/datasets", json=body)  # the same commit: the same dataset, no new job
+        assert again.status_code == 200 and again.json()["id"] == r.json()["id"]
+        # negative controls: a repository hub_allow does not name, and a URL instead of an id
+        refused = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/gated"}}})
+        assert refused.status_code == 403 and "org/gated is not a Hub dataset this service may read" in refused.text
+        url = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "http://evil.example/x"}}})
+        assert url.status_code == 422, url.text
+
+
+def _cached_data(hf: Path, repo: str) -> list[str]:
+    """The data a Hub cache holds of a dataset repository: its snapshot files and blobs beside the README's, and any
+    partial download (huggingface_hub's own file listings, ``trees/``, hold no data)."""
+    folder = hf / "hub" / f"datasets--{repo.replace('/', '--')}"
+    readme = {p.resolve() for p in folder.glob("snapshots/*/README.md")}
+    held = [*folder.glob("snapshots/**/*"), *folder.glob("blobs/*"), *folder.rglob("*.incomplete")]
+    return sorted(str(p) for p in held if p.is_file() and p.name != "README.md" and p.resolve() not in readme)
+
+
+def test_a_hub_source_over_the_download_limit_fails_its_job_in_one_line_and_leaves_nothing_cached(hub, service):
+    """The job downloads a Hub source (the preflight only resolves it and reads its card), within the service's
+    hub_max_download_bytes: over it, known from the Hub's sizes (org/large: nothing downloaded) or counted while
+    downloading (org/unsized: the Hub tells no size), the job fails in one line naming the size, the limit and the
+    setting, and the Hub cache keeps nothing of the data a next job would trust (the same POST fails again the same
+    way). Control: org/medium, under the limit, is downloaded with its progress in the job's events, and built."""
+    hf = service["hf"]
+    with service["server"].client() as client:
+        for repo, over in (("org/large", "are 3,"), ("org/unsized", "are over ")):
+            for attempt in range(2):
+                r = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": repo}}})
+                assert r.status_code == 202, r.text  # accepted at once: the size is the job's business
+                status = wait_state(client, r.json()["id"], timeout=120)
+                error = status["error"]
+                assert status["state"] == "failed" and error["type"] == "too_large", status
+                message = error["message"]
+                assert "\n" not in message, message
+                for word in (repo, over, f"{LIMIT:,} bytes", "hub_max_download_bytes",
+                             "PF_SERVICE_HUB_MAX_DOWNLOAD_BYTES"):
+                    assert word in message, (attempt, message)
+                assert _cached_data(hf, repo) == [], (repo, attempt)
+            kinds = [(e["kind"], e.get("message", "")) for e in _events(client, r.json()["id"])]
+            downloading = [m for k, m in kinds if k == "downloading"]
+            # known sizes: refused before any download; unknown: the download started, then was stopped
+            assert downloading == ([] if repo == "org/large" else
+                                   ["downloading 1 file, 0.0 MB known and 1 of unknown size"]), kinds
+        r = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/medium"}}})
+        assert r.status_code == 202, r.text
+        status = wait_state(client, r.json()["id"], timeout=180)
+        assert status["state"] == "succeeded", status["error"]
+        assert status["manifest"]["counts"]["source_rows"] == 1200
+        steps = [e for e in _events(client, r.json()["id"]) if e["kind"] == "downloading"]
+        size = len(_text_rows(1200).encode())
+        assert steps[0]["message"] == f"downloading 1 file, {size / 1e6:.1f} MB" and steps[0]["bytes_total"] == size
+        assert steps[-1]["bytes_done"] == size and steps[-1]["files_done"] == 1, steps
+        assert _cached_data(hf, "org/medium") != []
+        # a mixture's Hub sources are downloaded by its job too, the limit holding for them together
+        short, chat = {"hub": {"repo_id": "org/chat", "config": "short"}}, {"hub": {"repo_id": "org/chat"}}
+        medium, large = {"hub": {"repo_id": "org/medium"}}, {"hub": {"repo_id": "org/large"}}
+        for sources, state in (([short, chat], "succeeded"), ([medium, large], "failed")):
+            r = client.post("/v1/mixtures", json={"sources": [{"source": source} for source in sources]})
             assert r.status_code == 202, r.text
             status = wait_state(client, r.json()["id"], timeout=180)
-            assert status["state"] == "succeeded", status
-            commit = status["manifest"]["source"]["hub"]["commit"]
-            assert status["manifest"]["source"]["hub"]["repo_id"] == "org/chat"
-            assert status["source"]["path"].startswith(f"hf://datasets/org/chat@{commit}/short/train.jsonl")
-            again = client.post("/v1/datasets", json=body)  # the same commit: the same dataset, no new job
-            assert again.status_code == 200 and again.json()["id"] == r.json()["id"]
-            # negative controls: a repository hub_allow does not name, and a URL instead of an id
-            refused = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/gated"}}})
-            assert refused.status_code == 403 and "hub_allow: org/chat" in refused.text, refused.text
-            url = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "http://evil.example/x"}}})
-            assert url.status_code == 422, url.text
-    finally:
-        service.stop()
+            assert status["state"] == state, status
+            if state == "succeeded":
+                rows = [source["counts"]["source_rows"] for source in status["manifest"]["sources"]]
+                assert rows == [6, 12], status["manifest"]["sources"]
+        assert status["error"]["type"] == "too_large" and "org/medium, org/large" in status["error"]["message"]
 
 
 API = r"""
@@ -386,14 +478,72 @@ print("RESULT " + json.dumps([hub, local]))
 """
 
 
-def test_python_api_takes_hub_ids_as_model_and_train_dataset(hub, tmp_path):
-    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
-    proc = run([sys.executable, "-c", API, str(tmp_path), str(hub["model"]), str(hub["data"] / "data" / "train.jsonl")],
+@pytest.fixture(scope="module")
+def python_api(hub, tmp_path_factory):
+    """One Python process for the Python API's Hub tests: the trainer from Hub ids (API), then pretokenize while
+    main moves (RACING); their RESULT lines."""
+    tmp = tmp_path_factory.mktemp("api")
+    env = hub["server"].env(tmp / "hf", PF_TRL_CACHE=str(tmp / "pf"))
+    proc = run([sys.executable, "-c", API + RACING, str(tmp), str(hub["model"]),
+                str(hub["data"] / "data" / "train.jsonl"), str(hub["server"].repo("datasets", "org/racing"))],
                env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from_hub, local = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def test_python_api_takes_hub_ids_as_model_and_train_dataset(python_api):
+    from_hub, local = python_api[0]
     assert len(from_hub) == 2
     assert_bit_equal(from_hub, local, why=SAME_FILES)
+
+
+RACING = r"""
+import subprocess
+from huggingface_hub import HfApi
+import pf_trl
+from pf_trl.data.local_datasets import dataset_splits
+from pf_trl.hub import one_commit_per_repository, origin_of
+
+mirror, out = sys.argv[4], sys.argv[1] + "/racing"
+real, first, move = HfApi.repo_info, [], [True]
+
+def repo_info(self, repo_id, *args, **kwargs):  # main of org/racing moves right after a call first resolves it
+    info = real(self, repo_id, *args, **kwargs)
+    if repo_id == "org/racing" and move[0]:
+        move[0] = False
+        first.append(info.sha)
+        rows = "".join(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+                                   "content": "a"}]}) + "\n" for _ in range(3 + 3 * len(first)))
+        with open(mirror + "/data/train.jsonl", "a") as fh:
+            fh.write(rows)
+        git = ["git", "-C", mirror, "-c", "user.name=t", "-c", "user.email=t"]
+        subprocess.run(git + ["commit", "-qam", "moved"], check=True)
+    return info
+
+HfApi.repo_info = repo_info
+manifest = pf_trl.pretokenize("org/racing", out, tokenizer="org/tiny", progress=False)
+api = [first[-1], manifest["source"]["hub"]["commit"], manifest["counts"]["source_rows"]]
+move[0] = True  # control: the same read outside a block, main moving again
+read = origin_of(dataset_splits("org/racing", splits=["train"])["train"][0]).commit
+bare = [first[-1], read]
+move[0] = True
+with one_commit_per_repository():
+    read = origin_of(dataset_splits("org/racing", splits=["train"])["train"][0]).commit
+pinned = [first[-1], read]
+print("RESULT " + json.dumps({"api": api, "bare": bare, "pinned": pinned}))
+"""
+
+
+def test_python_pretokenize_reads_a_hub_dataset_at_the_one_commit_it_resolved(python_api):
+    """pf_trl.pretokenize("ORG/NAME") (a Hub dataset id, as `pf-trl pretokenize` takes it) reads the card and the
+    data of the commit it resolved first, though main moves right after: the manifest names that commit and its 6
+    rows. Control: the same resolution outside a one_commit_per_repository block (what the call was missing) reads
+    the data of the moved main, a commit other than the one it resolved; inside one, the resolved commit."""
+    found = python_api[1]
+    resolved, commit, rows = found["api"]
+    assert commit == resolved and rows == 6, found
+    assert found["bare"][0] != found["bare"][1], found  # the control: two commits in one read
+    assert found["pinned"][0] == found["pinned"][1], found
 
 
 # Each step in one process, in order: pf-trl's commands (main) and the Python API; after each, the files of
@@ -653,14 +803,12 @@ def _files_holding(root: Path, marker: bytes) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and not p.is_symlink() and marker in p.read_bytes()]
 
 
-def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service_follows_main(hub, tmp_path):
+def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service_follows_main(hub, service, tmp_path):
     """org/evil's card names an absolute path, a `..` path and a URL to another host: the CLI and the service refuse
     each in one line naming the file, and nothing of the outside file lands in any cache or shard. The service reads
     branches and tags only (refs/pr/N and commits refused by default), and a long-lived service follows `main`: a new
     commit is tokenized anew, the same commit is a cache hit."""
     from pf_trl.data.local_datasets import dataset_splits
-
-    from test_service_support import Server, wait_state
 
     server, leak = hub["server"], str(hub["leak"])
     env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
@@ -683,38 +831,32 @@ def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (argv, err[-2000:])
         for word in ["org/evil", "outside the repository", *words]:
             assert word in lines[0], (argv, lines[0])
-    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
-    service = Server(tmp_path / "cache", [], env={"HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "service-hf"),
-                                                  "PF_SERVICE_HUB_ALLOW": "org/evil,org/fresh",
-                                                  "HF_HUB_DISABLE_TELEMETRY": "1", **online}).start()
-    try:
-        with service.client() as client:
-            for config, word in ((None, leak), ("up", "../../"), ("url", "http://127.0.0.1:")):
-                body = {"source": {"hub": {"repo_id": "org/evil", "revision": "main",
-                                           **({"config": config} if config else {})}}}
-                r = client.post("/v1/datasets", json=body)
-                assert r.status_code == 422 and word in r.text and "outside the repository" in r.text, r.text
-            fresh = {"source": {"hub": {"repo_id": "org/fresh"}}}
-            for revision in ("refs/pr/1", "a" * 40):  # a pull request, a commit: not what the settings allow
-                body = {"source": {"hub": {"repo_id": "org/fresh", "revision": revision}}}
-                r = client.post("/v1/datasets", json=body)
-                assert r.status_code == 403 and "hub_revisions: names" in r.text, r.text
-            first = client.post("/v1/datasets", json=fresh)
-            assert first.status_code == 202, first.text
-            done = wait_state(client, first.json()["id"], timeout=180)
-            assert done["state"] == "succeeded", done
-            server.commit("datasets", "org/fresh", {"data/train.jsonl": _chat(8, "f")}, "two rows more")
-            second = client.post("/v1/datasets", json=fresh)  # the same process, main has moved
-            assert second.status_code == 202 and second.json()["id"] != first.json()["id"], second.text
-            moved = wait_state(client, second.json()["id"], timeout=180)
-            assert moved["state"] == "succeeded", moved
-            commits = [s["manifest"]["source"]["hub"]["commit"] for s in (done, moved)]
-            assert commits[0] != commits[1] and commits[1] == server.repo_head("datasets", "org/fresh")
-            again = client.post("/v1/datasets", json=fresh)  # the same commit: the same dataset, no new job
-            assert again.status_code == 200 and again.json()["id"] == second.json()["id"], again.text
-    finally:
-        service.stop()
+    with service["server"].client() as client:
+        for config, word in ((None, leak), ("up", "../../"), ("url", "http://127.0.0.1:")):
+            body = {"source": {"hub": {"repo_id": "org/evil", "revision": "main",
+                                       **({"config": config} if config else {})}}}
+            r = client.post("/v1/datasets", json=body)
+            assert r.status_code == 422 and word in r.text and "outside the repository" in r.text, r.text
+        fresh = {"source": {"hub": {"repo_id": "org/fresh"}}}
+        for revision in ("refs/pr/1", "a" * 40):  # a pull request, a commit: not what the settings allow
+            body = {"source": {"hub": {"repo_id": "org/fresh", "revision": revision}}}
+            r = client.post("/v1/datasets", json=body)
+            assert r.status_code == 403 and "hub_revisions: names" in r.text, r.text
+        first = client.post("/v1/datasets", json=fresh)
+        assert first.status_code == 202, first.text
+        done = wait_state(client, first.json()["id"], timeout=180)
+        assert done["state"] == "succeeded", done
+        server.commit("datasets", "org/fresh", {"data/train.jsonl": _chat(8, "f")}, "two rows more")
+        second = client.post("/v1/datasets", json=fresh)  # the same process, main has moved
+        assert second.status_code == 202 and second.json()["id"] != first.json()["id"], second.text
+        moved = wait_state(client, second.json()["id"], timeout=180)
+        assert moved["state"] == "succeeded", moved
+        commits = [s["manifest"]["source"]["hub"]["commit"] for s in (done, moved)]
+        assert commits[0] != commits[1] and commits[1] == server.repo_head("datasets", "org/fresh")
+        again = client.post("/v1/datasets", json=fresh)  # the same commit: the same dataset, no new job
+        assert again.status_code == 200 and again.json()["id"] == second.json()["id"], again.text
     assert _files_holding(tmp_path, SECRET.encode()) == []
+    assert _files_holding(service["cache"], SECRET.encode()) == []  # its Hub cache (HF_HOME) included
 
 
 def test_a_hub_cache_that_cannot_be_written_is_named_not_taken_for_a_missing_file(hub, tmp_path):

@@ -88,3 +88,19 @@ def test_the_service_reads_branches_and_tags_unless_its_settings_allow_more(tmp_
     assert wider.hub_revision_refusal("refs/pr/1") is None and wider.hub_revision_refusal("a" * 40)
     with pytest.raises(SettingsError, match="hub_revisions branches"):
         Settings(cache_dir=tmp_path / "c", hub_revisions=["branches"])
+
+
+def test_a_commit_block_inside_another_keeps_the_outer_commits():
+    """`pf-trl pretokenize` runs in a block and calls pf_trl.pretokenize, which opens its own: the inner block must
+    share the outer one's pins (a fresh inner block would resolve the revisions again, at a moved branch)."""
+    from pf_trl import hub
+
+    assert hub._pins() is None
+    with hub.one_commit_per_repository():
+        outer = hub._pins()
+        outer[("dataset", "org/x", None)] = hub.Resolved(commit="a" * 40, files=())
+        with hub.one_commit_per_repository():
+            assert hub._pins() is outer
+            assert hub.resolve("org/x", repo_type="dataset", flag="f").commit == "a" * 40  # no Hub asked
+        assert hub._pins() is outer
+    assert hub._pins() is None

@@ -21,7 +21,13 @@ def pretokenize(source: Any, output_dir: str | Path, config: PretokenizeConfig |
                 **options: Any) -> dict[str, Any]:
     """Tokenize ``source`` into ``output_dir`` with ``engine``; returns the manifest.
 
+    Every Hub repository of one call (a tokenizer by id, a source by Hub dataset id) is read at the one commit its
+    revision named when the call first resolved it (:func:`pf_trl.hub.one_commit_per_repository`), as ``pf-trl
+    pretokenize`` does: a branch that moves meanwhile changes nothing of this call.
+
     Args:
+        source: what :func:`pf_trl.data.pretokenize.pretokenize` takes, or a Hub dataset id (``ORG/NAME``, as ``pf-trl
+            pretokenize SOURCE``): its ``train`` split's file, downloaded alone.
         engine: ``"local"`` or ``"ray"`` (needs ``pf-trl[ray]``; see :mod:`pf_trl.data.ray_engine`).
         ray_workers: with ``engine="ray"``, the Ray workers (default: every CPU of the cluster).
         rows_per_part: with ``engine="ray"``, source rows per part (default ~4 parts per worker).
@@ -32,8 +38,37 @@ def pretokenize(source: Any, output_dir: str | Path, config: PretokenizeConfig |
     Raises:
         PretokenizeError: an unknown engine, an option the engine does not take, or what the engine refuses.
     """
+    from pf_trl.hub import one_commit_per_repository
+
     if engine not in ENGINES:
         raise PretokenizeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    with one_commit_per_repository():
+        return _pretokenize(_hub_source(source), output_dir, config, engine=engine, ray_workers=ray_workers,
+                            rows_per_part=rows_per_part, **options)
+
+
+def _hub_source(source: Any) -> Any:
+    """A Hub dataset id: the one file of its ``train`` split (as ``pf-trl pretokenize SOURCE`` reads it); anything
+    else as it is."""
+    from pf_trl.hub import looks_like_repo_id
+
+    if not isinstance(source, str) or not looks_like_repo_id(source):
+        return source
+    from pf_trl.data.local_datasets import LocalDatasetError, resolve_dataset_name
+
+    try:
+        train = resolve_dataset_name(source, config=None, train_split="train", test_split="test", evaluate=False,
+                                     flag="source").train
+    except LocalDatasetError as exc:
+        raise PretokenizeError(str(exc)) from None
+    if not isinstance(train, str):
+        raise PretokenizeError(f"source {source}: its train split has several files; tokenize them together with "
+                               f"`pf-trl pretokenize {source} OUTPUT_DIR` or a data config (--data_config)")
+    return train
+
+
+def _pretokenize(source: Any, output_dir: str | Path, config: PretokenizeConfig | None, *, engine: str,
+                 ray_workers: int | None, rows_per_part: int | None, **options: Any) -> dict[str, Any]:
     if engine == "local":
         if ray_workers is not None or rows_per_part is not None:
             raise PretokenizeError("ray_workers and rows_per_part apply to engine='ray' only")

@@ -19,6 +19,7 @@ import os
 import posixpath
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +115,24 @@ def check_inside(files: dict[str, list[str]], folder: Path, repo_id: str, flag: 
                                       f"{folder}; a Hub dataset reads only its own files: fix its README `configs:`")
 
 
-def hub_splits(repo_id: str, *, config: str | None, data_dir: str | None, data_files: Any, revision: str | None,
-               splits: Iterable[str] | None, flag: str) -> dict[str, list[str]] | tuple[Path, bool]:
-    """``{split: [local files]}`` of the Hub dataset ``repo_id`` (configuration ``config``) at the commit
-    ``revision`` names now, the files of ``splits`` (None: every split) downloaded and the others listed by their
-    ``hf://`` URL; or, for a dataset saved whole (a pf-trl shards folder, a ``save_to_disk`` folder) or offline (the
-    Hub not read), ``(snapshot folder, offline)``: to be read as a local folder, its files checked with
-    :func:`check_inside`.
+@dataclass(frozen=True)
+class HubSplitFiles:
+    """A configuration's data files as ``datasets`` resolves them at one commit, confined to the repository, before
+    any data file is downloaded: ``files`` their repository paths per split, ``urls`` their ``hf://`` URLs."""
+
+    repo_id: str
+    revision: str | None
+    commit: str
+    files: dict[str, list[str]]
+    urls: dict[str, list[str]]
+
+
+def hub_split_files(repo_id: str, *, config: str | None, data_dir: str | None, data_files: Any,
+                    revision: str | None, flag: str) -> HubSplitFiles | tuple[Path, bool]:
+    """The cheap half of :func:`hub_splits`: the commit ``revision`` names now, the dataset card checked
+    (:func:`check_card`, the README the only file downloaded) and the configuration's files resolved by ``datasets``
+    and confined to the repository; no data file is downloaded. A dataset saved whole, or offline: see
+    :func:`hub_splits`.
 
     Raises:
         pf_trl.hub.HubError: the Hub refused or could not be reached (one line).
@@ -140,12 +152,34 @@ def hub_splits(repo_id: str, *, config: str | None, data_dir: str | None, data_f
     check_card(readme, repo_id, flag, config=config, data_dir=data_dir, data_files=data_files)
     remote = _builder_files(repo_id, found.commit, config=config, data_dir=data_dir, data_files=data_files, flag=flag)
     prefix = f"hf://datasets/{repo_id}@{found.commit}/"
-    wanted = set(remote) if splits is None else set(splits) & set(remote)
-    names = sorted({_confined(url, prefix, repo_id, flag) for split in wanted for url in remote[split]})
+    files = {split: [_confined(url, prefix, repo_id, flag) for url in urls] for split, urls in remote.items()}
+    return HubSplitFiles(repo_id=repo_id, revision=revision, commit=found.commit, files=files, urls=remote)
+
+
+def hub_splits(repo_id: str, *, config: str | None, data_dir: str | None, data_files: Any, revision: str | None,
+               splits: Iterable[str] | None, flag: str) -> dict[str, list[str]] | tuple[Path, bool]:
+    """``{split: [local files]}`` of the Hub dataset ``repo_id`` (configuration ``config``) at the commit
+    ``revision`` names now, the files of ``splits`` (None: every split) downloaded and the others listed by their
+    ``hf://`` URL; or, for a dataset saved whole (a pf-trl shards folder, a ``save_to_disk`` folder) or offline (the
+    Hub not read), ``(snapshot folder, offline)``: to be read as a local folder, its files checked with
+    :func:`check_inside`.
+
+    Raises:
+        pf_trl.hub.HubError: the Hub refused or could not be reached (one line).
+        HubDatasetError: a file outside the repository, or a configuration ``datasets`` cannot resolve (one line).
+    """
+    from pf_trl import hub
+
+    found = hub_split_files(repo_id, config=config, data_dir=data_dir, data_files=data_files, revision=revision,
+                            flag=flag)
+    if not isinstance(found, HubSplitFiles):
+        return found
+    wanted = set(found.files) if splits is None else set(splits) & set(found.files)
+    names = sorted({name for split in wanted for name in found.files[split]})
     folder = Path(hub.snapshot(repo_id, repo_type="dataset", revision=revision, flag=flag, what="files",
                                files=names).folder) if names else None
-    return {split: [str(folder / _confined(url, prefix, repo_id, flag)) if split in wanted and folder else url
-                    for url in urls] for split, urls in remote.items()}
+    return {split: [str(folder / name) for name in found.files[split]] if split in wanted and folder else
+            found.urls[split] for split in found.files}
 
 
 def _builder_files(repo_id: str, commit: str, *, config, data_dir, data_files, flag: str) -> dict[str, list[str]]:

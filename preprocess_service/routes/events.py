@@ -23,8 +23,9 @@ def _event(dataset_id: str, kind: str, event_id: str | None = None, **fields) ->
 
 @router.get("/v1/datasets/{dataset_id}/events", response_class=EventSourceResponse,
             responses={200: {"description": "text/event-stream of DatasetEvent: `event:` is the kind (queued, "
-                             "started, progress, requeued, succeeded, failed, cancelled, deleted), `id:` the "
-                             "resume point, `data:` a DatasetEvent. The stream ends after a terminal event.",
+                             "started, downloading (a Hub source), progress, requeued, succeeded, failed, cancelled, "
+                             "deleted), `id:` the resume point, `data:` a DatasetEvent. The stream ends after a "
+                             "terminal event.",
                              "content": {"text/event-stream": {"schema": DatasetEvent.model_json_schema()}}},
                        404: PROBLEM_RESPONSES[404]})
 async def dataset_events(dataset_id: str, _row: ExistingRow, store: StoreDep, views: ViewsDep,

@@ -266,6 +266,18 @@ class JobStore:
             self._event(db, job_id, "progress", self._row(db, job_id), log=False)
         return True
 
+    def download_progress(self, job_id: str, pid: int, **fields: Any) -> bool:
+        """Record a step of the job's download of its Hub source (a ``downloading`` event with ``fields``: message,
+        bytes and files done and in all); False when the job is no longer ours."""
+        now = time.time()
+        with self.tx() as db:
+            cur = self.execute(db, "UPDATE jobs SET updated_at=?, heartbeat_at=? WHERE id=? AND worker_pid=? AND "
+                               "replica=? AND state='running'", (now, now, job_id, pid, self.replica))
+            if cur.rowcount != 1:
+                return False
+            self._event(db, job_id, "downloading", self._row(db, job_id), log=False, **fields)
+        return True
+
     def heartbeat(self, job_id: str | None, pid: int) -> bool:
         """Worker and job heartbeat; False when ``job_id`` is given and is no longer ours."""
         now = time.time()
