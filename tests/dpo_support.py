@@ -55,7 +55,7 @@ def trainer(cls, rows, tmp_path, *, arch="llama", ref=True, eval_rows=None, peft
     from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
 
-    pf_keys = {"max_tokens_per_batch", "padding_free_mode", "attention_backend"}
+    pf_keys = {"max_tokens_per_batch", "padding_free_mode", "attention_backend", "lm_head_kernel"}
     config_cls = PaddingFreeDPOConfig if pf_keys & set(kw) else DPOConfig
     args = config_cls(**fields(tmp_path / cls.__name__, **kw))
     return cls(model_obj if model_obj is not None else model(arch), ref_model=model(arch, seed=1) if ref else None,

@@ -45,16 +45,17 @@ from pf_trl.attention.precision import autocast_dtype
 from pf_trl.batching.packing import IGNORE_INDEX
 from pf_trl.batching.preference import PACKED_KEY
 from pf_trl.errors import ConfigError, ModelSupportError
+from pf_trl.trainer.dpo_config import LM_HEAD_KERNELS as HEADS
 from pf_trl.trainer.dpo_head import cpu_head_refusal, preference_head
 from pf_trl.trainer.loss import head_transform_from_config
 
-__all__ = ["HEADS", "install_packed_preference_forward", "scored_predictions", "unpack_outputs"]
+__all__ = ["HEADS", "check_head_against_trl", "install_packed_preference_forward", "scored_predictions",
+           "unpack_outputs"]
 
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 _ATTR = "_pf_packed_preference_forward"
 _FIELDS_ATTR = "_pf_head_fields"
 _HEAD_ATTR = "_pf_head"
-HEADS = ("auto", "trl")
 
 
 def scored_predictions(labels: torch.Tensor, layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor,
@@ -219,3 +220,62 @@ def install_packed_preference_forward(model: torch.nn.Module, fields: tuple[str,
     model.forward = types.MethodType(forward, model)
     setattr(model, _ATTR, True)
     return model
+
+
+# relative tolerance of the head check: chunked float32 sums agree to ~1e-6; a lower-precision projection to its ulp
+_CHECK_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
+_CHECKED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
+
+
+def check_head_against_trl(model: torch.nn.Module, *, positions: int = 8, seed: int = 0) -> float | None:
+    """Check, once, that pf-trl's CPU head (:func:`~pf_trl.trainer.dpo_head.preference_head`, with the logit scale and
+    soft-cap :func:`~pf_trl.trainer.loss.head_transform_from_config` reads) computes what TRL's fused head computes on
+    this model: ``positions`` next-token predictions of a random sequence, TRL's forward (``fused_lm_head=True``)
+    against pf-trl's head on the same backbone states, every float field the model's head was asked for.
+
+    Returns the largest relative difference, or ``None`` when pf-trl's head does not score this model here (TRL's head
+    does, so there is nothing to compare). Raises :class:`~pf_trl.errors.ModelSupportError` on a mismatch."""
+    params = list(model.parameters())
+    if not params or any(p.device.type == "meta" for p in params):
+        return None
+    device = params[0].device
+    if _cpu_head_refusal(model, device) is not None:
+        return None
+    head = model.get_output_embeddings()
+    ids = torch.randint(0, int(head.weight.shape[0]), (1, positions + 1), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, output):
+        captured["hidden"] = output.last_hidden_state
+
+    handle = _trl_backbone(model).register_forward_hook(keep)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            trl = model(input_ids=ids, labels=ids, fused_lm_head=True)  # no packed row: TRL's own forward and head
+            scale, softcap = head_transform_from_config(model.config)
+            mine = preference_head(head, captured["hidden"][0, :-1].to(head.weight.device), ids[0, 1:].to(
+                head.weight.device), scale=scale, softcap=softcap, fields=getattr(model, _FIELDS_ATTR, ("log_probs",)))
+    finally:
+        handle.remove()
+        model.train(was_training)
+    rtol = _CHECK_RTOL.get(captured["hidden"].dtype, 2e-2)
+    worst, field = 0.0, "log_probs"
+    for name, value in mine.items():
+        theirs = getattr(trl, name, None)
+        if name not in _CHECKED_FIELDS or theirs is None:
+            continue
+        theirs = theirs[0].to(value.device, torch.float32)
+        diff = float(((value - theirs).abs() / theirs.abs().clamp(min=1.0)).max())
+        if diff > worst:
+            worst, field = diff, name
+    if worst > rtol:
+        text = model.config.get_text_config()
+        raise ModelSupportError(
+            f"pf-trl's CPU LM head disagrees with TRL's fused head on model type "
+            f"{getattr(text, 'model_type', type(model).__name__)!r} ({field}: relative difference {worst:.3g} > "
+            f"{rtol:g}; pf-trl reads logit scale {scale:g}, soft-cap {softcap} from its config): set "
+            "lm_head_kernel='trl' (--lm_head_kernel trl) to score with TRL's head, and report the model type to pf-trl")
+    return worst

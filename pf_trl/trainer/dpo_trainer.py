@@ -37,7 +37,7 @@ from pf_trl.errors import ConfigError
 from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.dpo_config import check_pf_fields
-from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+from pf_trl.trainer.dpo_forward import check_head_against_trl, install_packed_preference_forward
 from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
 from pf_trl.trainer.gather import gather_uneven_first_dim
 from pf_trl.trainer.preference.budget import PairBudgetMixin, refuse_over_budget_pairs, refuse_streamed_under_budget
@@ -103,6 +103,10 @@ class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
         self._pf_enable(transformers_model(self.model), self._pf_policy_fields())
         if self.ref_model is not None:
             self._pf_enable(self.accelerator.unwrap_model(self.ref_model), ("log_probs",))
+        # pf-trl's CPU head copies TRL's logit-scale / soft-cap rules: checked against TRL's head on this model, once
+        self.pf_head_check = check_head_against_trl(transformers_model(self.model))
+        if self.ref_model is not None:
+            check_head_against_trl(self.accelerator.unwrap_model(self.ref_model))
         self._pf_init_metrics()
         from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback
 
@@ -121,7 +125,7 @@ class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
 
         enable_padding_free(model, mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
                             allow_unverified=getattr(self.args, "allow_unverified", False))
-        install_packed_preference_forward(model, fields)
+        install_packed_preference_forward(model, fields, head=getattr(self.args, "lm_head_kernel", "auto"))
 
     # ------------------------------------------------------------------ data
 
