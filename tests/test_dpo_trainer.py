@@ -245,13 +245,10 @@ def test_token_budget_step_gradient_is_the_mean_over_its_pairs(tmp_path):
     worst = max(float((whole[n] - budget[n]).abs().max()) / float(whole[n].abs().max()) for n in whole)
     assert worst < S.GRAD_RTOL
     # control: TRL's normalisation (each micro-batch's mean, divided by the accumulation steps) is not the pair mean
-    plain = S.trainer(PaddingFreeDPOTrainer, rows, tmp_path, max_tokens_per_batch=160, per_device_train_batch_size=1,
-                      **common)
-    plain.pf_token_budget = budget_tokens
-    plain.args.gradient_accumulation_steps = len(counts)
-    plain.loss_is_scaled_for_ga = False
-    plain._get_num_items_in_batch = lambda batch_samples, device: None
-    unweighted = _step_gradient(plain)
+    # (the same trainer trained again: learning rate 0 left its weights as they were)
+    pf.loss_is_scaled_for_ga = False
+    pf._get_num_items_in_batch = lambda batch_samples, device: None
+    unweighted = _step_gradient(pf)
     assert max(float((whole[n] - unweighted[n]).abs().max()) / float(whole[n].abs().max()) for n in whole) > 1e-3
 
 
@@ -322,8 +319,8 @@ def test_weighted_preference_optimization_equals_trl(tmp_path):
     ref = S.one_step(trl, [0, 1, 2])
     assert S.differences(ref, S.one_step(pf, [0, 1, 2])) == []
     # control: without the WPO weights (log_sum_sq_probs) the loss differs
-    unweighted = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3)
-    assert S.differences(ref, S.one_step(unweighted, [0, 1, 2]))
+    pf.use_weighting = False
+    assert S.differences(ref, S.one_step(pf, [0, 1, 2]))
 
 
 def _budget_trainer(tmp_path, **kw):
@@ -335,13 +332,15 @@ def _budget_trainer(tmp_path, **kw):
 
 @pytest.mark.slow
 def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
-    per_epoch = len(_budget_trainer(tmp_path / "probe").get_train_dataloader())
+    kw = dict(max_steps=1, save_strategy="steps", save_steps=1, save_only_model=False)
+    whole = _budget_trainer(tmp_path / "whole", **kw)
+    per_epoch = len(whole.get_train_dataloader())
     assert per_epoch >= 2
     # a checkpoint one step into the second epoch, two steps after it (the second into the third epoch when an epoch
     # has two micro-batches): the restored epoch, the skipped batches and the next epoch's shuffle all count
     saved, steps = per_epoch + 1, per_epoch + 3
-    kw = dict(max_steps=steps, save_strategy="steps", save_steps=saved, save_only_model=False)
-    whole = _budget_trainer(tmp_path / "whole", **kw)
+    kw.update(max_steps=steps, save_steps=saved)
+    whole.args.max_steps, whole.args.save_steps = steps, saved
     whole.train()
     losses = [h["loss"] for h in whole.state.log_history if "loss" in h]
     assert len(losses) == steps
@@ -388,9 +387,9 @@ def test_truncation_through_the_trainer_equals_trl(tmp_path):
     assert batch["pf_packed_row"].max_length == 14  # some sequence was cut to max_length
     expected = S.one_step(trl, range(4))
     assert S.differences(expected, S.one_step(pf, range(4))) == []
-    # control: the other truncation mode (TRL's default) scores other tokens
-    assert S.differences(expected, S.one_step(S.trainer(PaddingFreeDPOTrainer, rows, tmp_path / "other",
-                                                        **dict(kw, truncation_mode="keep_start")), range(4)))
+    # control: the other truncation mode (TRL's default, in the collator the config built) scores other tokens
+    pf.data_collator.inner.truncation_mode = "keep_start"
+    assert S.differences(expected, S.one_step(pf, range(4)))
 
 
 @pytest.mark.slow
