@@ -235,8 +235,9 @@ def check_head_against_trl(model: torch.nn.Module, *, positions: int = 8, seed: 
     if _cpu_head_refusal(model, device) is not None:
         return None
     head = model.get_output_embeddings()
-    ids = torch.randint(0, int(head.weight.shape[0]), (1, positions + 1), generator=torch.Generator().manual_seed(seed))
-    ids = ids.to(device)
+    # ids below 32000: the added tokens of vision-language models (image / video placeholders) sit above it
+    vocab = min(int(head.weight.shape[0]), 32000)
+    ids = torch.randint(0, vocab, (1, positions + 1), generator=torch.Generator().manual_seed(seed)).to(device)
     captured: dict[str, torch.Tensor] = {}
 
     def keep(module, args, output):
