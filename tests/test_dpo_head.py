@@ -135,7 +135,6 @@ def _granite():
 def _granite_trainer(tmp_path, **kw):
     import datasets
 
-    from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
     from tests import dpo_support as S
@@ -143,7 +142,7 @@ def _granite_trainer(tmp_path, **kw):
     args = PaddingFreeDPOConfig(**S.fields(tmp_path, per_device_train_batch_size=2, **kw))
     rows = datasets.Dataset.from_list(S.pairs(2))
     return PaddingFreeDPOTrainer(_granite(), ref_model=_granite(), args=args, train_dataset=rows,
-                                 processing_class=load_tokenizer())
+                                 processing_class=S.tokenizer())
 
 
 def test_head_check_against_trls_head_on_the_model_at_hand(monkeypatch):

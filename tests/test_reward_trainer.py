@@ -29,7 +29,6 @@ def reward_model(seed: int = 0):
 def build(cls, rows, tmp_path, *, eval_rows=None, model=None, **kw):
     from trl import RewardConfig
 
-    from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.trainer.preference.reward_config import PaddingFreeRewardConfig
 
     config_cls = PaddingFreeRewardConfig if PF_KEYS & set(kw) else RewardConfig
@@ -37,7 +36,7 @@ def build(cls, rows, tmp_path, *, eval_rows=None, model=None, **kw):
     return cls(model if model is not None else reward_model(), args=args,
                train_dataset=datasets.Dataset.from_list(rows),
                eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-               processing_class=load_tokenizer())
+               processing_class=S.tokenizer())
 
 
 @pytest.fixture(scope="module")

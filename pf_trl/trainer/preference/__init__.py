@@ -2,7 +2,8 @@
 :class:`~pf_trl.trainer.preference.reward_trainer.PaddingFreeRewardTrainer` (TRL's ``RewardTrainer``) and its
 :class:`~pf_trl.trainer.preference.reward_config.PaddingFreeRewardConfig`.
 
-- :mod:`~pf_trl.trainer.preference.collate`: TRL's padded collator plus the batch's packed row;
+- :mod:`~pf_trl.trainer.preference.config_fields`: the padding-free config fields, declared once for every trainer;
+- :mod:`~pf_trl.trainer.preference.collate`: TRL's padded collator plus the batch's packed row (DPO and reward);
 - :mod:`~pf_trl.trainer.preference.budget`: token budgets of whole pairs (sampler, loss weighting, refusals);
 - :mod:`~pf_trl.trainer.preference.reward_forward`: a sequence-classification model scored on the packed row.
 """
