@@ -5,12 +5,13 @@ Public API (imported lazily so that ``import pf_trl`` stays cheap and the sample
 - data: :func:`pretokenize`, :class:`PretokenizeConfig`, :func:`load_shards`, :func:`load_tokenizer`; mixtures:
   :class:`DataConfig`, :class:`MixtureSource`, :func:`read_data_config`, :func:`load_mixture`
 - batching: :class:`TokenBudgetBatchSampler`, :class:`MixtureBatchSampler`, :class:`StreamPacker`,
-  :class:`PaddingFreeCollator`, :class:`PackedPreferenceCollator`
+  :class:`PaddingFreeCollator`
 - attention: :func:`enable_padding_free`, :func:`varlen_attention`
 - training: :class:`PaddingFreeConfig`, :class:`PaddingFreeSFTTrainer`; preference training:
   :class:`PaddingFreeDPOConfig`, :class:`PaddingFreeDPOTrainer`, :class:`PaddingFreeRewardConfig`,
-  :class:`PaddingFreeRewardTrainer`, :class:`PaddingFreeKTOConfig`, :class:`PaddingFreeKTOTrainer`; reinforcement
-  learning: :class:`PaddingFreeGRPOConfig`, :class:`PaddingFreeGRPOTrainer`, :class:`PaddingFreeRLOOConfig`,
+  :class:`PaddingFreeRewardTrainer`, :class:`PackedPreferenceCollator` (their collator), :class:`PaddingFreeKTOConfig`,
+  :class:`PaddingFreeKTOTrainer`; reinforcement learning: :class:`PaddingFreeGRPOConfig`,
+  :class:`PaddingFreeGRPOTrainer`, :class:`PaddingFreeRLOOConfig`,
   :class:`PaddingFreeRLOOTrainer`
 - errors: :class:`PfTrlError`, the root of every exception pf-trl raises on purpose (``pf_trl.errors``)
 """
@@ -45,7 +46,7 @@ _EXPORTS = {
     "PaddingFreeRewardTrainer": "pf_trl.trainer.preference",
     "PaddingFreeKTOConfig": "pf_trl.trainer.preference",
     "PaddingFreeKTOTrainer": "pf_trl.trainer.preference",
-    "PackedPreferenceCollator": "pf_trl.batching.preference",
+    "PackedPreferenceCollator": "pf_trl.trainer.preference.collate",
     "PaddingFreeGRPOConfig": "pf_trl.trainer.rl",
     "PaddingFreeGRPOTrainer": "pf_trl.trainer.rl",
     "PaddingFreeRLOOConfig": "pf_trl.trainer.rl",

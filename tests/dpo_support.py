@@ -47,21 +47,33 @@ def fields(tmp_path, **kw) -> dict:
     return base
 
 
+_TOKENIZER = []
+
+
+def tokenizer():
+    """The shipped tokenizer, loaded once per process (about 0.5 s of CPU a load). The trainers share it: the only
+    change TRL makes to it, pad = EOS when it has no pad token, is the same for every trainer here."""
+    if not _TOKENIZER:
+        from pf_trl.data.tokenizer import load_tokenizer
+
+        _TOKENIZER.append(load_tokenizer())
+    return _TOKENIZER[0]
+
+
 def trainer(cls, rows, tmp_path, *, arch="llama", ref=True, eval_rows=None, peft_config=None, model_obj=None, **kw):
     """``cls`` (TRL's DPOTrainer or PaddingFreeDPOTrainer) on ``rows``, with a DPOConfig of ``fields``; ``ref``: a
     separate reference model (seed 1) or TRL's default (None)."""
     from trl import DPOConfig
 
-    from pf_trl.data.tokenizer import load_tokenizer
     from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
 
-    pf_keys = {"max_tokens_per_batch", "padding_free_mode", "attention_backend"}
+    pf_keys = {"max_tokens_per_batch", "padding_free_mode", "attention_backend", "lm_head_kernel"}
     config_cls = PaddingFreeDPOConfig if pf_keys & set(kw) else DPOConfig
     args = config_cls(**fields(tmp_path / cls.__name__, **kw))
     return cls(model_obj if model_obj is not None else model(arch), ref_model=model(arch, seed=1) if ref else None,
                args=args, train_dataset=datasets.Dataset.from_list(rows),
                eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-               processing_class=load_tokenizer(), peft_config=peft_config)
+               processing_class=tokenizer(), peft_config=peft_config)
 
 
 def one_step(t, indices, *, mutate=None, backward=True):

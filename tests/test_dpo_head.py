@@ -116,3 +116,67 @@ def test_refusals_send_other_heads_to_trls_kernel():
     assert cpu_head_refusal(head.to(torch.bfloat16), torch.device("cpu")) is None
     assert "device" in cpu_head_refusal(head, torch.device("meta"))
     assert "plain nn.Linear" in cpu_head_refusal(torch.nn.Sequential(head), torch.device("cpu"))
+
+
+def _granite():
+    """A tiny Granite: TRL's head divides its logits by ``logits_scaling`` (scale 4 here, so the logits are far from
+    zero and a forgotten scale shows in every log-probability)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.dpo_support import TINY
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("granite", vocab_size=32000, max_position_embeddings=512, logits_scaling=0.25,
+                                  **TINY)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def _granite_trainer(tmp_path, **kw):
+    import datasets
+
+    from pf_trl.trainer.dpo_config import PaddingFreeDPOConfig
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+    from tests import dpo_support as S
+
+    args = PaddingFreeDPOConfig(**S.fields(tmp_path, per_device_train_batch_size=2, **kw))
+    rows = datasets.Dataset.from_list(S.pairs(2))
+    return PaddingFreeDPOTrainer(_granite(), ref_model=_granite(), args=args, train_dataset=rows,
+                                 processing_class=S.tokenizer())
+
+
+def test_head_check_against_trls_head_on_the_model_at_hand(monkeypatch):
+    """:func:`check_head_against_trl` compares pf-trl's head with TRL's fused head on a few positions of the model:
+    it passes on Granite's scaled head and refuses, naming the model type and the fix, when pf-trl reads the
+    transform wrong (the negative control); with TRL's head asked for there is nothing to check."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    import pf_trl.trainer.dpo_forward as dpo_forward
+    from pf_trl.errors import ModelSupportError
+
+    model = _granite()
+    fields = ("log_probs", "entropy", "mean_logits", "is_top1")
+    add_fused_lm_head(model, outputs=fields)  # as TRL's DPOTrainer installs it
+    dpo_forward.install_packed_preference_forward(model, fields)
+    assert dpo_forward.check_head_against_trl(model) < 1e-5
+    # control: pf-trl forgets Granite's logits_scaling
+    monkeypatch.setattr(dpo_forward, "head_transform_from_config", lambda config: (1.0, None))
+    with pytest.raises(ModelSupportError, match=r"model type 'granite' \(log_probs: .*lm_head_kernel='trl'"):
+        dpo_forward.check_head_against_trl(model)
+    dpo_forward.install_packed_preference_forward(model, fields, head="trl")
+    assert dpo_forward.check_head_against_trl(model) is None
+
+
+@pytest.mark.slow
+def test_the_trainer_checks_its_head_when_built_and_lm_head_kernel_trl_is_the_fix(tmp_path, monkeypatch):
+    """PaddingFreeDPOTrainer runs the check when it is built (a head transform pf-trl reads wrong is refused before
+    any training); ``lm_head_kernel='trl'``, the fix the refusal names, gives both models TRL's head."""
+    import pf_trl.trainer.dpo_forward as dpo_forward
+    from pf_trl.errors import ModelSupportError
+
+    monkeypatch.setattr(dpo_forward, "head_transform_from_config", lambda config: (1.0, None))
+    with pytest.raises(ModelSupportError, match=r"model type 'granite'"):
+        _granite_trainer(tmp_path / "wrong")
+    fixed = _granite_trainer(tmp_path / "fixed", lm_head_kernel="trl")
+    assert fixed.pf_head_check is None
+    assert fixed.model._pf_head == fixed.ref_model._pf_head == "trl"

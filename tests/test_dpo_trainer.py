@@ -29,34 +29,36 @@ def llama_pair(tmp_path_factory):
 def test_packed_row_has_no_padding(llama_pair):
     _, pf = llama_pair
     batch = pf.data_collator([pf.train_dataset[i] for i in range(4)])
-    layout = batch["pf_packed"]
-    assert layout["input_ids"].shape == (1, int(batch["attention_mask"].sum()))  # real tokens only
-    assert layout["num_pairs"] == 4 and layout["cu_seq_lens_q"].numel() == 9  # 8 sequences: 4 chosen, 4 rejected
-    assert int((layout["position_ids"] == 0).sum()) == 8
+    row = batch["pf_packed_row"]
+    assert row.input_ids.shape == (1, int(batch["attention_mask"].sum()))  # real tokens only
+    assert pf._pf_batch_pairs(batch) == 4 and row.cu_seq_lens.numel() == 9  # 8 sequences: 4 chosen, 4 rejected
+    assert int((row.position_ids == 0).sum()) == 8
+    assert pf.pf_head_check is not None and pf.pf_head_check < 1e-5  # pf-trl's head was checked against TRL's
 
 
 def test_step_equals_trl_and_controls_fail(llama_pair):
+    from dataclasses import replace
+
     trl, pf = llama_pair
     ref = S.one_step(trl, [0, 1, 2, 3])
     assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3])) == []
 
     def see_each_other(batch):  # one position run over the whole row: the packed sequences attend to each other
-        layout = batch["pf_packed"]
-        layout["position_ids"] = torch.arange(layout["input_ids"].shape[1]).unsqueeze(0)
-        total = torch.tensor([0, layout["input_ids"].shape[1]], dtype=torch.int32)
-        layout.update(cu_seq_lens_q=total, cu_seq_lens_k=total.clone(), max_length_q=int(total[1]),
-                      max_length_k=int(total[1]))
+        row = batch["pf_packed_row"]
+        total = row.num_tokens
+        batch["pf_packed_row"] = replace(row, position_ids=torch.arange(total).unsqueeze(0),
+                                         cu_seq_lens=torch.tensor([0, total], dtype=torch.int32), lengths=(total,))
 
     assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3], mutate=see_each_other))
 
     def split_pair(batch):  # pair 0's rejected scored as pair 1's: the pairs' sequences no longer line up
-        layout = batch["pf_packed"]
+        row = batch["pf_packed_row"]
         width = batch["input_ids"].shape[1] - 1
-        dst = layout["shift_dst"].clone()
+        dst = row.shift_dst.clone()
         a, b = (dst // width == 4), (dst // width == 5)
         dst[a] += width
         dst[b] -= width
-        layout["shift_dst"] = dst
+        batch["pf_packed_row"] = replace(row, shift_dst=dst)
 
     assert S.differences(ref, S.one_step(pf, [0, 1, 2, 3], mutate=split_pair))
 
@@ -234,7 +236,7 @@ def test_token_budget_step_gradient_is_the_mean_over_its_pairs(tmp_path):
     longest = int(pf._pf_pair_lengths(pf.train_dataset).max())
     for budget_tokens in (longest, int(1.3 * longest), int(1.7 * longest), 2 * longest, 3 * longest):
         pf.pf_token_budget = budget_tokens
-        counts = [b["pf_packed"]["num_pairs"] for b in pf.get_train_dataloader()]
+        counts = [pf._pf_batch_pairs(b) for b in pf.get_train_dataloader()]
         if len(set(counts)) > 1:
             break
     assert sum(counts) == 7 and len(set(counts)) > 1  # whole pairs, an uneven number per micro-batch
@@ -243,13 +245,10 @@ def test_token_budget_step_gradient_is_the_mean_over_its_pairs(tmp_path):
     worst = max(float((whole[n] - budget[n]).abs().max()) / float(whole[n].abs().max()) for n in whole)
     assert worst < S.GRAD_RTOL
     # control: TRL's normalisation (each micro-batch's mean, divided by the accumulation steps) is not the pair mean
-    plain = S.trainer(PaddingFreeDPOTrainer, rows, tmp_path, max_tokens_per_batch=160, per_device_train_batch_size=1,
-                      **common)
-    plain.pf_token_budget = budget_tokens
-    plain.args.gradient_accumulation_steps = len(counts)
-    plain.loss_is_scaled_for_ga = False
-    plain._get_num_items_in_batch = lambda batch_samples, device: None
-    unweighted = _step_gradient(plain)
+    # (the same trainer trained again: learning rate 0 left its weights as they were)
+    pf.loss_is_scaled_for_ga = False
+    pf._get_num_items_in_batch = lambda batch_samples, device: None
+    unweighted = _step_gradient(pf)
     assert max(float((whole[n] - unweighted[n]).abs().max()) / float(whole[n].abs().max()) for n in whole) > 1e-3
 
 
@@ -320,8 +319,8 @@ def test_weighted_preference_optimization_equals_trl(tmp_path):
     ref = S.one_step(trl, [0, 1, 2])
     assert S.differences(ref, S.one_step(pf, [0, 1, 2])) == []
     # control: without the WPO weights (log_sum_sq_probs) the loss differs
-    unweighted = S.trainer(PaddingFreeDPOTrainer, ROWS, tmp_path, per_device_train_batch_size=3)
-    assert S.differences(ref, S.one_step(unweighted, [0, 1, 2]))
+    pf.use_weighting = False
+    assert S.differences(ref, S.one_step(pf, [0, 1, 2]))
 
 
 def _budget_trainer(tmp_path, **kw):
@@ -333,13 +332,15 @@ def _budget_trainer(tmp_path, **kw):
 
 @pytest.mark.slow
 def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
-    per_epoch = len(_budget_trainer(tmp_path / "probe").get_train_dataloader())
+    kw = dict(max_steps=1, save_strategy="steps", save_steps=1, save_only_model=False)
+    whole = _budget_trainer(tmp_path / "whole", **kw)
+    per_epoch = len(whole.get_train_dataloader())
     assert per_epoch >= 2
     # a checkpoint one step into the second epoch, two steps after it (the second into the third epoch when an epoch
     # has two micro-batches): the restored epoch, the skipped batches and the next epoch's shuffle all count
     saved, steps = per_epoch + 1, per_epoch + 3
-    kw = dict(max_steps=steps, save_strategy="steps", save_steps=saved, save_only_model=False)
-    whole = _budget_trainer(tmp_path / "whole", **kw)
+    kw.update(max_steps=steps, save_steps=saved)
+    whole.args.max_steps, whole.args.save_steps = steps, saved
     whole.train()
     losses = [h["loss"] for h in whole.state.log_history if "loss" in h]
     assert len(losses) == steps
@@ -377,19 +378,18 @@ def test_eval_under_a_token_budget_gives_trls_eval_metrics(tmp_path):
 def test_truncation_through_the_trainer_equals_trl(tmp_path):
     from trl import DPOTrainer
 
-    from pf_trl.batching.preference import PACKED_KEY
     from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
 
     rows = S.pairs(4, seed=2, long=30)
     kw = dict(per_device_train_batch_size=4, max_length=14, truncation_mode="keep_end")  # keep_start: the control
     trl, pf = S.trainer(DPOTrainer, rows, tmp_path, **kw), S.trainer(PaddingFreeDPOTrainer, rows, tmp_path, **kw)
     batch = pf.data_collator([pf.train_dataset[i] for i in range(4)])
-    assert max(batch[PACKED_KEY]["cu_seq_lens_q"].diff().tolist()) == 14  # some sequence was cut to max_length
+    assert batch["pf_packed_row"].max_length == 14  # some sequence was cut to max_length
     expected = S.one_step(trl, range(4))
     assert S.differences(expected, S.one_step(pf, range(4))) == []
-    # control: the other truncation mode (TRL's default) scores other tokens
-    assert S.differences(expected, S.one_step(S.trainer(PaddingFreeDPOTrainer, rows, tmp_path / "other",
-                                                        **dict(kw, truncation_mode="keep_start")), range(4)))
+    # control: the other truncation mode (TRL's default, in the collator the config built) scores other tokens
+    pf.data_collator.inner.truncation_mode = "keep_start"
+    assert S.differences(expected, S.one_step(pf, range(4)))
 
 
 @pytest.mark.slow

@@ -88,12 +88,12 @@ def test_sft_accumulation_on_transformers_before_5_19(tmp_path, monkeypatch, sam
                                  use_cpu=True, dataloader_num_workers=0, **extra)
         return PaddingFreeSFTTrainer(model, args=args, train_dataset=ds, processing_class=tokenizer)
 
-    current = _first_step_gradient(build(tmp_path / "now"))
+    now = build(tmp_path / "now")
+    current = _first_step_gradient(now)
     old = _build_as_before_5_19(monkeypatch, lambda: build(tmp_path / "old"))
     assert old.compute_loss_func is None  # TRL's marker string is not left where pf-trl's compute_loss calls it
     assert _worst(current, _first_step_gradient(old)) < 1e-6
     # control: without the bridge (the attribute unseen, as when it was set after Trainer.__init__) the older rule
-    # divides by the accumulation steps once more
-    unseen = build(tmp_path / "unseen")
-    unseen.loss_is_scaled_for_ga = None
-    assert _worst(current, _first_step_gradient(unseen)) > 0.3
+    # divides by the accumulation steps once more (the first trainer trained again: learning rate 0 kept its weights)
+    now.loss_is_scaled_for_ga = None
+    assert _worst(current, _first_step_gradient(now)) > 0.3

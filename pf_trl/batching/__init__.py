@@ -5,7 +5,7 @@
 - ``stream_sampler``: :class:`StreamPacker`, packing a stream to the token budget
 - ``packing``: how a packed row marks its examples (``cu_seqlens``, ``position_ids``, segment ids, the label shift)
 - ``collator``: :class:`PaddingFreeCollator`, features in, one packed row out
-- ``preference``: :class:`PackedPreferenceCollator`, preference pairs in, one packed row of their sequences out
+- ``preference``: :func:`pair_lengths`, the packed tokens of each preference pair (what token budgets plan with)
 
 This package imports nothing itself, so the sampler stays importable without torch.
 """

@@ -2,11 +2,11 @@
 
 TRL's DPOTrainer scores its padded ``[2n, L]`` batch with ``model(..., labels=labels, fused_lm_head=True)``
 (``trl.trainer.utils.add_fused_lm_head``: per-token log-probabilities computed in vocabulary tiles, never the full
-logits). :func:`install_packed_preference_forward` wraps that forward: when the batch carries its packed row
-(:data:`~pf_trl.batching.preference.PACKED_KEY`, from :class:`~pf_trl.batching.preference.PackedPreferenceCollator`),
-the backbone runs the ``[1, T]`` row instead (no pad token, ``position_ids`` restarting per sequence, varlen attention
-through :func:`pf_trl.attention.enable_padding_free`), and the head scores only the predictions whose label TRL keeps
-(the completion tokens):
+logits). :func:`install_packed_preference_forward` wraps that forward: when the batch carries its packed row (a
+:class:`~pf_trl.trainer.packed.PackedRow` under :data:`~pf_trl.trainer.preference.collate.PACKED_ROW_KEY`, from
+:class:`~pf_trl.trainer.preference.collate.PackedRowCollator`), the backbone runs the ``[1, T]`` row instead (no pad
+token, ``position_ids`` restarting per sequence, varlen attention through :func:`pf_trl.attention.enable_padding_free`),
+and the head scores only the predictions whose label TRL keeps (the completion tokens):
 
 - on CPU, with a plain linear head (:func:`~pf_trl.trainer.dpo_head.cpu_head_refusal`), pf-trl's head
   :func:`~pf_trl.trainer.dpo_head.preference_head` computes TRL's fields from those hidden states, in the dtype TRL's
@@ -37,35 +37,37 @@ import contextlib
 import functools
 import types
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from pf_trl.attention.precision import autocast_dtype
 from pf_trl.batching.packing import IGNORE_INDEX
-from pf_trl.batching.preference import PACKED_KEY
 from pf_trl.errors import ConfigError, ModelSupportError
+from pf_trl.trainer.dpo_config import LM_HEAD_KERNELS as HEADS
 from pf_trl.trainer.dpo_head import cpu_head_refusal, preference_head
 from pf_trl.trainer.loss import head_transform_from_config
+from pf_trl.trainer.packed import PackedRow
+from pf_trl.trainer.preference.collate import PACKED_ROW_KEY
 
-__all__ = ["HEADS", "install_packed_preference_forward", "scored_predictions", "unpack_outputs"]
+__all__ = ["HEADS", "check_head_against_trl", "install_packed_preference_forward", "scored_predictions",
+           "unpack_outputs"]
 
 _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 _ATTR = "_pf_packed_preference_forward"
 _FIELDS_ATTR = "_pf_head_fields"
 _HEAD_ATTR = "_pf_head"
-HEADS = ("auto", "trl")
 
 
-def scored_predictions(labels: torch.Tensor, layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor]:
+def scored_predictions(labels: torch.Tensor, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The next-token predictions TRL's head scores in the padded ``labels`` (``[2n, L]``, ``-100`` where TRL does
     not score): for each, its position in the packed row (the hidden state that predicts it), its position in TRL's
     shifted ``[2n, L - 1]`` outputs (flattened) and its target token id."""
-    src, dst = layout["shift_src"], layout["shift_dst"]
+    src, dst = row.shift_src, row.shift_dst
     # the target of packed position p is the token at p + 1 of the same sequence; token_index maps packed positions
     # to the flattened padded batch, where TRL's labels live
-    targets = labels.reshape(-1).index_select(0, layout["token_index"].index_select(0, src + 1))
+    targets = labels.reshape(-1).index_select(0, row.token_index.index_select(0, src + 1))
     keep = targets != IGNORE_INDEX
     return src[keep], dst[keep], targets[keep]
 
@@ -129,14 +131,6 @@ def _narrowed(backbone: torch.nn.Module, positions: torch.Tensor, capture: dict[
         handle.remove()
 
 
-def _backbone_call(packed_ids: torch.Tensor, layout: dict[str, Any], kwargs: dict[str, Any],
-                   device: torch.device) -> dict[str, Any]:
-    """The keyword arguments of the packed row's call (what TRL's head passes on to the backbone, on the packed row)."""
-    return dict(input_ids=packed_ids.to(device), position_ids=layout["position_ids"].to(device),
-                cu_seq_lens_q=layout["cu_seq_lens_q"], cu_seq_lens_k=layout["cu_seq_lens_k"],
-                max_length_q=layout["max_length_q"], max_length_k=layout["max_length_k"], **kwargs)
-
-
 def _cpu_head_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
     """Why pf-trl's CPU head does not score this call (``None``: it does); TRL's own head scores it then."""
     if getattr(model, _HEAD_ATTR, "auto") == "trl":
@@ -167,22 +161,22 @@ def _pf_head_outputs(model: torch.nn.Module, outputs: Any, capture: dict[str, An
     return outputs
 
 
-def _packed_call(model: torch.nn.Module, inner, kwargs: dict[str, Any], layout: dict[str, Any]):
+def _packed_call(model: torch.nn.Module, inner, kwargs: dict[str, Any], row: PackedRow):
     input_ids = kwargs.pop("input_ids")
     kwargs.pop("attention_mask", None)
     labels = kwargs.pop("labels")
     rows, width = input_ids.shape
     device = input_ids.device
-    src, dst, targets = scored_predictions(labels, layout)
-    packed_ids = layout.get("input_ids")
-    if packed_ids is None:
-        packed_ids = input_ids.reshape(-1).index_select(0, layout["token_index"]).unsqueeze(0)
-    call = _backbone_call(packed_ids, layout, kwargs, device)
-    # TRL's forward runs as always (under whatever autocast wraps it; its router loss); its head sees the K scored
-    # positions, or none when pf-trl's head scores them
+    row = row.to(device)
+    if row.input_ids is None:
+        row = replace(row, input_ids=row.gather(input_ids).unsqueeze(0))
+    src, dst, targets = scored_predictions(labels, row)
+    # TRL's forward runs as always (under whatever autocast wraps it; its router loss) on the packed row; its head
+    # sees the K scored positions, or none when pf-trl's head scores them
     capture = {} if _cpu_head_refusal(model, device) is None else None
-    with _narrowed(_trl_backbone(model), src.to(device), capture):
-        outputs = inner(shift_labels=(targets if capture is None else targets[:0]).unsqueeze(0), **call)
+    with _narrowed(_trl_backbone(model), src, capture):
+        outputs = inner(shift_labels=(targets if capture is None else targets[:0]).unsqueeze(0), **row.model_kwargs(),
+                        **kwargs)
     if capture is not None:
         outputs = _pf_head_outputs(model, outputs, capture, targets)
     return unpack_outputs(outputs, dst, rows, width)
@@ -211,11 +205,71 @@ def install_packed_preference_forward(model: torch.nn.Module, fields: tuple[str,
 
     @functools.wraps(inner)
     def forward(self, *args, **kwargs):
-        layout = kwargs.pop(PACKED_KEY, None)
-        if layout is None or args or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
+        row = kwargs.pop(PACKED_ROW_KEY, None)
+        if row is None or args or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
             return inner(*args, **kwargs)
-        return _packed_call(self, inner, kwargs, layout)
+        return _packed_call(self, inner, kwargs, row)
 
     model.forward = types.MethodType(forward, model)
     setattr(model, _ATTR, True)
     return model
+
+
+# relative tolerance of the head check: chunked float32 sums agree to ~1e-6; a lower-precision projection to its ulp
+_CHECK_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
+_CHECKED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
+
+
+def check_head_against_trl(model: torch.nn.Module, *, positions: int = 8, seed: int = 0) -> float | None:
+    """Check, once, that pf-trl's CPU head (:func:`~pf_trl.trainer.dpo_head.preference_head`, with the logit scale and
+    soft-cap :func:`~pf_trl.trainer.loss.head_transform_from_config` reads) computes what TRL's fused head computes on
+    this model: ``positions`` next-token predictions of a random sequence, TRL's forward (``fused_lm_head=True``)
+    against pf-trl's head on the same backbone states, every float field the model's head was asked for.
+
+    Returns the largest relative difference, or ``None`` when pf-trl's head does not score this model here (TRL's head
+    does, so there is nothing to compare). Raises :class:`~pf_trl.errors.ModelSupportError` on a mismatch."""
+    params = list(model.parameters())
+    if not params or any(p.device.type == "meta" for p in params):
+        return None
+    device = params[0].device
+    if _cpu_head_refusal(model, device) is not None:
+        return None
+    head = model.get_output_embeddings()
+    # ids below 32000: the added tokens of vision-language models (image / video placeholders) sit above it
+    vocab = min(int(head.weight.shape[0]), 32000)
+    ids = torch.randint(0, vocab, (1, positions + 1), generator=torch.Generator().manual_seed(seed)).to(device)
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, output):
+        captured["hidden"] = output.last_hidden_state
+
+    handle = _trl_backbone(model).register_forward_hook(keep)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            trl = model(input_ids=ids, labels=ids, fused_lm_head=True)  # no packed row: TRL's own forward and head
+            scale, softcap = head_transform_from_config(model.config)
+            mine = preference_head(head, captured["hidden"][0, :-1].to(head.weight.device), ids[0, 1:].to(
+                head.weight.device), scale=scale, softcap=softcap, fields=getattr(model, _FIELDS_ATTR, ("log_probs",)))
+    finally:
+        handle.remove()
+        model.train(was_training)
+    rtol = _CHECK_RTOL.get(captured["hidden"].dtype, 2e-2)
+    worst, field = 0.0, "log_probs"
+    for name, value in mine.items():
+        theirs = getattr(trl, name, None)
+        if name not in _CHECKED_FIELDS or theirs is None:
+            continue
+        theirs = theirs[0].to(value.device, torch.float32)
+        diff = float(((value - theirs).abs() / theirs.abs().clamp(min=1.0)).max())
+        if diff > worst:
+            worst, field = diff, name
+    if worst > rtol:
+        text = model.config.get_text_config()
+        raise ModelSupportError(
+            f"pf-trl's CPU LM head disagrees with TRL's fused head on model type "
+            f"{getattr(text, 'model_type', type(model).__name__)!r} ({field}: relative difference {worst:.3g} > "
+            f"{rtol:g}; pf-trl reads logit scale {scale:g}, soft-cap {softcap} from its config): set "
+            "lm_head_kernel='trl' (--lm_head_kernel trl) to score with TRL's head, and report the model type to pf-trl")
+    return worst

@@ -3,7 +3,7 @@
 What changes against ``trl.DPOTrainer`` (everything else, including the data preparation, the reference model, the
 loss types and the metrics, is TRL's own code):
 
-- batches: :class:`~pf_trl.batching.preference.PackedPreferenceCollator` wraps TRL's preference collator; the policy
+- batches: :class:`~pf_trl.trainer.preference.collate.PackedRowCollator` wraps TRL's preference collator; the policy
   and the reference model run one packed row per micro-batch (prompt+chosen and prompt+rejected of every pair as
   separate sequences, ``position_ids`` restarting, no pad token) through :mod:`pf_trl.trainer.dpo_forward`, and the
   per-token outputs of TRL's fused LM head land where TRL's loss code reads them. The attention isolates the sequences
@@ -31,16 +31,17 @@ import numpy as np
 import torch
 from trl import DPOTrainer
 
-from pf_trl.batching.preference import PACKED_KEY, PackedPreferenceCollator, pair_lengths
+from pf_trl.batching.preference import pair_lengths
 from pf_trl.batching.sampler import TokenBudgetBatchSampler
 from pf_trl.errors import ConfigError
 from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
 from pf_trl.trainer.dpo_config import check_pf_fields
-from pf_trl.trainer.dpo_forward import install_packed_preference_forward
+from pf_trl.trainer.dpo_forward import check_head_against_trl, install_packed_preference_forward
 from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
 from pf_trl.trainer.gather import gather_uneven_first_dim
 from pf_trl.trainer.preference.budget import PairBudgetMixin, refuse_over_budget_pairs, refuse_streamed_under_budget
+from pf_trl.trainer.preference.collate import PACKED_ROW_KEY, PackedRowCollator
 
 __all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
 
@@ -99,10 +100,14 @@ class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
                          **kwargs)
         # TRL's collator made the precomputed reference log-probs during __init__ (padded, once); from here on every
         # forward of training, evaluation and later precomputes runs the packed row
-        self.data_collator = PackedPreferenceCollator(self.data_collator)
+        self.data_collator = PackedRowCollator(self.data_collator)
         self._pf_enable(transformers_model(self.model), self._pf_policy_fields())
         if self.ref_model is not None:
             self._pf_enable(self.accelerator.unwrap_model(self.ref_model), ("log_probs",))
+        # pf-trl's CPU head copies TRL's logit-scale / soft-cap rules: checked against TRL's head on this model, once
+        self.pf_head_check = check_head_against_trl(transformers_model(self.model))
+        if self.ref_model is not None:
+            check_head_against_trl(self.accelerator.unwrap_model(self.ref_model))
         self._pf_init_metrics()
         from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback
 
@@ -121,7 +126,7 @@ class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
 
         enable_padding_free(model, mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
                             allow_unverified=getattr(self.args, "allow_unverified", False))
-        install_packed_preference_forward(model, fields)
+        install_packed_preference_forward(model, fields, head=getattr(self.args, "lm_head_kernel", "auto"))
 
     # ------------------------------------------------------------------ data
 
@@ -140,24 +145,23 @@ class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
         return prepared
 
     def _pf_batch_pairs(self, batch: dict[str, Any]) -> int:
-        return int(batch[PACKED_KEY]["num_pairs"])
+        return int(batch["input_ids"].shape[0]) // 2  # TRL's rows: the chosen of every pair, then the rejected
 
     # ------------------------------------------------------------------ loss (the budget's dataloader and pair
     # count: PairBudgetMixin)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        layout = inputs.get(PACKED_KEY)
-        if layout is not None and self.model.training:
-            self._pf_observe_packed(inputs, layout)
+        row = inputs.get(PACKED_ROW_KEY)
+        if row is not None and self.model.training:
+            self._pf_observe_packed(inputs, row)
         result = DPOTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs)
-        if layout is None:
+        if row is None:
             return result
-        return self._pf_weight_loss(result, int(layout["num_pairs"]), num_items_in_batch)
+        return self._pf_weight_loss(result, self._pf_batch_pairs(inputs), num_items_in_batch)
 
-    def _pf_observe_packed(self, inputs: dict[str, Any], layout: dict[str, Any]) -> None:
-        ids = layout["input_ids"]
+    def _pf_observe_packed(self, inputs: dict[str, Any], row) -> None:
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
-        packed = {"input_ids": ids, "position_ids": layout["position_ids"], "labels": labels}
-        self._pf_meter.observe(packed, int(ids.numel()))
+        packed = {"input_ids": row.input_ids, "position_ids": row.position_ids, "labels": labels}
+        self._pf_meter.observe(packed, row.num_tokens)
 
     # resume: PairBudgetMixin.train records the checkpoint the sampler state is restored from

@@ -4,7 +4,8 @@
 :class:`~pf_trl.trainer.preference.kto_trainer.PaddingFreeKTOTrainer` (TRL's ``KTOTrainer``) and its
 :class:`~pf_trl.trainer.preference.kto_config.PaddingFreeKTOConfig`.
 
-- :mod:`~pf_trl.trainer.preference.collate`: TRL's padded collator plus the batch's packed row;
+- :mod:`~pf_trl.trainer.preference.config_fields`: the padding-free config fields, declared once for every trainer;
+- :mod:`~pf_trl.trainer.preference.collate`: TRL's padded collator plus the batch's packed row (DPO and reward);
 - :mod:`~pf_trl.trainer.preference.budget`: token budgets of whole pairs (sampler, loss weighting, refusals);
 - :mod:`~pf_trl.trainer.preference.reward_forward`: a sequence-classification model scored on the packed row;
 - :mod:`~pf_trl.trainer.preference.self_packed_forward`: a causal LM's fused-head calls each packing their own padded

@@ -1,4 +1,5 @@
-"""TRL's padded preference batch plus its packed row: the collator of the padding-free preference trainers."""
+"""TRL's padded preference batch plus its packed row: the collator of the padding-free preference trainers (DPO,
+reward)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from pf_trl.errors import PackingError
 from pf_trl.trainer.packed import pack_padded
 
-__all__ = ["PACKED_ROW_KEY", "PackedRowCollator"]
+__all__ = ["PACKED_ROW_KEY", "PackedPreferenceCollator", "PackedRowCollator"]
 
 # the batch key of the :class:`~pf_trl.trainer.packed.PackedRow` (the model's forward pops it)
 PACKED_ROW_KEY = "pf_packed_row"
@@ -28,3 +29,7 @@ class PackedRowCollator:
         batch = self.inner(list(examples))
         batch[PACKED_ROW_KEY] = pack_padded(batch["attention_mask"], batch["input_ids"])
         return batch
+
+
+# the public name of the preference trainers' collator (pf_trl.PackedPreferenceCollator)
+PackedPreferenceCollator = PackedRowCollator
