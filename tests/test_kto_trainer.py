@@ -93,6 +93,7 @@ def test_training_logs_equal_trl_on_packed_rows(runs):
     for step, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
         assert_same_metrics(mine, {k: v for k, v in theirs.items() if k in keys}, f"log {step}")
     assert got[0]["padding_share"] == 0 and got[0]["tokens_per_step_mean"] == expected[0]["num_tokens"]
+    assert pf.pf_head_check is not None and pf.pf_head_check < 1e-4  # pf-trl's CPU head checked against TRL's at start
     # every forward was one packed row holding exactly the batch's real tokens: per step the KL completions and the
     # completions, on the policy then on the reference
     data = pf.train_dataset

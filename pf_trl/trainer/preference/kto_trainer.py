@@ -27,6 +27,7 @@ from trl import KTOTrainer
 from pf_trl.errors import ConfigError
 from pf_trl.trainer.accounting import TokenAccountingMixin
 from pf_trl.trainer.adapters import transformers_model
+from pf_trl.trainer.dpo_forward import check_head_against_trl
 from pf_trl.trainer.packed import pack_padded
 from pf_trl.trainer.preference.kto_config import check_kto_fields
 from pf_trl.trainer.preference.self_packed_forward import install_self_packed_forward
@@ -84,6 +85,10 @@ class PaddingFreeKTOTrainer(TokenAccountingMixin, KTOTrainer):
             enable_padding_free(model, mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
                                 allow_unverified=getattr(self.args, "allow_unverified", False))
             install_self_packed_forward(model, fields)
+            # pf-trl's CPU head copies TRL's logit-scale / soft-cap rules: checked against TRL's head on this model
+            check = check_head_against_trl(model)
+            if fields is _POLICY_FIELDS:
+                self.pf_head_check = check
             self._pf_packed_models.add(id(model))
 
     def compute_ref_log_probs(self, model, inputs):

@@ -6,7 +6,7 @@ mismatched KL completions (another ``[B, L']`` batch), on the policy and on the 
 batch in its reference precompute (``compute_ref_log_probs``). :func:`install_self_packed_forward` wraps the forward
 that :func:`pf_trl.trainer.dpo_forward.install_packed_preference_forward` already gives a model (the backbone on one
 packed row, the head on the scored tokens only, every per-token field placed back in TRL's ``[B, L - 1]`` layout): a
-fused-head call with ``labels`` and an ``attention_mask`` but no packed layout gets the layout of its own
+fused-head call with ``labels`` and an ``attention_mask`` but no packed row gets the row of its own
 ``attention_mask`` (:func:`pf_trl.trainer.packed.pack_padded`), so every such call runs packed and TRL's loss and
 metric code reads what it reads in a padded run. Any other call (no fused head, e.g. the logits TRL recomputes for
 ``compute_metrics``) runs the forward as it was.
@@ -16,25 +16,16 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any
 
 import torch
 
-from pf_trl.batching.preference import PACKED_KEY
 from pf_trl.trainer.dpo_forward import install_packed_preference_forward
-from pf_trl.trainer.packed import PackedRow, pack_padded
+from pf_trl.trainer.packed import pack_padded
+from pf_trl.trainer.preference.collate import PACKED_ROW_KEY
 
-__all__ = ["install_self_packed_forward", "preference_layout"]
+__all__ = ["install_self_packed_forward"]
 
 _ATTR = "_pf_self_packed_forward"
-
-
-def preference_layout(row: PackedRow) -> dict[str, Any]:
-    """``row`` as the layout dict :mod:`pf_trl.trainer.dpo_forward` reads (:mod:`pf_trl.batching.preference`'s
-    format: ``input_ids``, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``token_index``,
-    ``shift_src``, ``shift_dst``)."""
-    return {"input_ids": row.input_ids, "token_index": row.token_index, "shift_src": row.shift_src,
-            "shift_dst": row.shift_dst, **row.attention_kwargs()}
 
 
 def install_self_packed_forward(model: torch.nn.Module, fields: tuple[str, ...] = ("log_probs",),
@@ -51,9 +42,9 @@ def install_self_packed_forward(model: torch.nn.Module, fields: tuple[str, ...] 
     @functools.wraps(inner)
     def forward(self, *args, **kwargs):
         mask = kwargs.get("attention_mask")
-        if (not args and PACKED_KEY not in kwargs and kwargs.get("fused_lm_head") and kwargs.get("labels") is not None
-                and mask is not None and kwargs.get("input_ids") is not None):
-            kwargs[PACKED_KEY] = preference_layout(pack_padded(mask, kwargs["input_ids"]))
+        if (not args and PACKED_ROW_KEY not in kwargs and kwargs.get("fused_lm_head")
+                and kwargs.get("labels") is not None and mask is not None and kwargs.get("input_ids") is not None):
+            kwargs[PACKED_ROW_KEY] = pack_padded(mask, kwargs["input_ids"])
         return inner(*args, **kwargs)
 
     model.forward = types.MethodType(forward, model)
