@@ -2,41 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trl import DPOConfig
 
 from pf_trl.errors import ConfigError
 from pf_trl.trainer.preference.config_fields import (
+    LM_HEAD_KERNELS,
     PREFERENCE_MODES,
+    FusedHeadFields,
     PaddingFreePreferenceFields,
+    check_head_kernel,
     check_preference_fields,
 )
 
 __all__ = ["DPO_MODES", "LM_HEAD_KERNELS", "PaddingFreeDPOConfig", "budget_refused_losses"]
 
 DPO_MODES = PREFERENCE_MODES
-# 'auto': pf-trl's CPU head where it applies (pf_trl.trainer.dpo_head), else TRL's; 'trl': TRL's fused head always
-LM_HEAD_KERNELS = ("auto", "trl")
 # loss types that are not a mean of per-pair terms: under a token budget their value depends on which pairs share a
 # micro-batch (aot / aot_unpaired sort the micro-batch's pairs, sft is a token mean over the micro-batch)
 _BATCH_COUPLED_LOSSES = ("aot", "aot_unpaired", "sft")
 
 
 @dataclass
-class PaddingFreeDPOConfig(PaddingFreePreferenceFields, DPOConfig):
+class PaddingFreeDPOConfig(FusedHeadFields, PaddingFreePreferenceFields, DPOConfig):
     """:class:`trl.DPOConfig` plus the padding-free options of
     :class:`~pf_trl.trainer.preference.config_fields.PaddingFreePreferenceFields` and ``lm_head_kernel``. Every
     ``DPOConfig`` field keeps TRL's meaning; a plain ``DPOConfig`` given to
     :class:`~pf_trl.trainer.dpo_trainer.PaddingFreeDPOTrainer` trains with these defaults (fixed
     ``per_device_train_batch_size`` pairs per micro-batch, transformers' native packed attention)."""
-
-    lm_head_kernel: str = field(
-        default="auto",
-        metadata={"help": "Which head scores the completion tokens: 'auto' (pf-trl's CPU head where it applies, "
-                  "checked against TRL's head at start-up; TRL's fused head elsewhere) or 'trl' (TRL's fused head "
-                  "always).", "choices": list(LM_HEAD_KERNELS)},
-    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -46,9 +40,7 @@ class PaddingFreeDPOConfig(PaddingFreePreferenceFields, DPOConfig):
 def check_pf_fields(args) -> None:
     """Refuse bad pf-trl fields of ``args`` (a PaddingFreeDPOConfig, or a DPOConfig: defaults), in one line each."""
     check_preference_fields(args, "DPOTrainer")
-    kernel = getattr(args, "lm_head_kernel", "auto")
-    if kernel not in LM_HEAD_KERNELS:
-        raise ConfigError(f"lm_head_kernel must be one of {', '.join(LM_HEAD_KERNELS)}, got {kernel!r}")
+    check_head_kernel(args)
     budget = getattr(args, "max_tokens_per_batch", None)
     refused = budget_refused_losses(args.loss_type) if budget is not None else []
     if refused:

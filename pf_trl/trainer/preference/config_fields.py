@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 
 from pf_trl.errors import ConfigError
 
-__all__ = ["PREFERENCE_MODES", "PaddingFreePreferenceFields", "check_preference_fields"]
+__all__ = ["LM_HEAD_KERNELS", "PREFERENCE_MODES", "FusedHeadFields", "PaddingFreePreferenceFields",
+           "check_head_kernel", "check_preference_fields"]
 
 PREFERENCE_MODES = ("huggingface", "internal")
+# 'auto': pf-trl's CPU head where it applies (pf_trl.trainer.dpo_head), else TRL's; 'trl': TRL's fused head always
+LM_HEAD_KERNELS = ("auto", "trl")
 
 
 @dataclass
@@ -39,6 +42,26 @@ class PaddingFreePreferenceFields:
                   "Set: pairs are bin-packed under the budget (rank-balanced, deterministic, resumable) and the loss "
                   "of an optimizer step is the mean over all its pairs."},
     )
+
+
+@dataclass
+class FusedHeadFields:
+    """The head option of the preference trainers whose loss reads TRL's fused LM head (DPO, KTO); mixed in before
+    :class:`PaddingFreePreferenceFields`."""
+
+    lm_head_kernel: str = field(
+        default="auto",
+        metadata={"help": "Which head scores the completion tokens: 'auto' (pf-trl's CPU head where it applies, "
+                  "checked against TRL's head at start-up; TRL's fused head elsewhere) or 'trl' (TRL's fused head "
+                  "always).", "choices": list(LM_HEAD_KERNELS)},
+    )
+
+
+def check_head_kernel(args) -> None:
+    """Refuse a bad ``lm_head_kernel`` of ``args`` (a config with :class:`FusedHeadFields`, or TRL's: the default)."""
+    kernel = getattr(args, "lm_head_kernel", "auto")
+    if kernel not in LM_HEAD_KERNELS:
+        raise ConfigError(f"lm_head_kernel must be one of {', '.join(LM_HEAD_KERNELS)}, got {kernel!r}")
 
 
 def check_preference_fields(args, padded_trainer: str) -> None:

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from trl import KTOConfig
 
 from pf_trl.errors import ConfigError
-from pf_trl.trainer.preference.config_fields import PaddingFreePreferenceFields, check_preference_fields
+from pf_trl.trainer.preference.config_fields import (
+    FusedHeadFields,
+    PaddingFreePreferenceFields,
+    check_head_kernel,
+    check_preference_fields,
+)
 
 __all__ = ["PaddingFreeKTOConfig", "check_kto_fields"]
 
@@ -16,9 +21,10 @@ _NO_KL_LOSSES = ("apo_zero_unpaired",)
 
 
 @dataclass
-class PaddingFreeKTOConfig(PaddingFreePreferenceFields, KTOConfig):
+class PaddingFreeKTOConfig(FusedHeadFields, PaddingFreePreferenceFields, KTOConfig):
     """:class:`trl.KTOConfig` plus the padding-free options of
-    :class:`~pf_trl.trainer.preference.config_fields.PaddingFreePreferenceFields`; every ``KTOConfig`` field keeps
+    :class:`~pf_trl.trainer.preference.config_fields.PaddingFreePreferenceFields` and ``lm_head_kernel``
+    (:class:`~pf_trl.trainer.preference.config_fields.FusedHeadFields`); every ``KTOConfig`` field keeps
     TRL's meaning. A plain ``KTOConfig`` given to :class:`~pf_trl.trainer.preference.kto_trainer.PaddingFreeKTOTrainer`
     trains with these defaults (TRL's batches, transformers' native packed attention)."""
 
@@ -37,6 +43,7 @@ class PaddingFreeKTOConfig(PaddingFreePreferenceFields, KTOConfig):
 def check_kto_fields(args) -> None:
     """Refuse bad pf-trl fields of ``args`` (a PaddingFreeKTOConfig, or a KTOConfig: defaults), one line each."""
     check_preference_fields(args, "KTOTrainer")
+    check_head_kernel(args)
     budget = getattr(args, "max_tokens_per_batch", None)
     if budget is None:
         return

@@ -84,7 +84,7 @@ class PaddingFreeKTOTrainer(TokenAccountingMixin, KTOTrainer):
 
             enable_padding_free(model, mode=self.pf_mode, backend=getattr(self.args, "attention_backend", "auto"),
                                 allow_unverified=getattr(self.args, "allow_unverified", False))
-            install_self_packed_forward(model, fields)
+            install_self_packed_forward(model, fields, head=getattr(self.args, "lm_head_kernel", "auto"))
             # pf-trl's CPU head copies TRL's logit-scale / soft-cap rules: checked against TRL's head on this model
             check = check_head_against_trl(model)
             if fields is _POLICY_FIELDS:
