@@ -4,15 +4,16 @@ written as a dataset of many parts (:mod:`pf_trl.data.parts`).
 How a run goes:
 
 1. The driver opens the source with the single-process engine's reader (:func:`pf_trl.data.pretokenize.load_source`:
-   the same parser, schema and row order), its datasets cache inside DEST (``DEST/.work``), resolves the input
-   format and cuts the rows into fixed ranges (``rows_per_part``). The plan (``DEST/pf_plan.json``: ranges, source
-   checksum, tokenizer, options) is written whole to a temporary name and renamed, never visible half-written.
+   the same parser, schema and row order), its datasets cache inside a folder DEST (``DEST/.work``; a bucket DEST:
+   the node's staging), resolves the input format and cuts the rows into fixed ranges (``rows_per_part``). The plan
+   (``pf_plan.json``: ranges, source checksum, tokenizer, options) is written whole, never visible half-written.
 2. One Ray Data task per range not yet committed: ``map_batches`` with a callable class, so each worker loads the
    tokenizer and memory-maps the source once, then tokenizes its ranges with the single-process engine's code
-   (:class:`pf_trl.data.pretokenize._ChunkJob`, :func:`~pf_trl.data.pretokenize.summarize_tokenized`) and writes
-   the part ``part-<first source row, 12 digits>`` into a temporary sibling, its manifest last, then renames it
-   into place. A part's name comes from its rows, so a retried task (its worker died) writes the same part once:
-   the first complete copy wins, a later one is discarded.
+   (:class:`pf_trl.data.pretokenize._ChunkJob`, :func:`~pf_trl.data.pretokenize.summarize_tokenized`), writes the
+   part into a local folder of this attempt, its manifest last, and commits it
+   (:mod:`pf_trl.data.ray_destinations`: renamed to ``part-<first source row, 12 digits>`` in a folder, or uploaded
+   into an attempt folder of a bucket, its manifest last). A part is known by its rows, so a retried task (its
+   worker died) adds no second copy: the first committed attempt is the part.
 3. The dataset's manifest, written last, lists the parts in source order: the rows are those the single-process
    engine writes, in the same order, with the same identity (tokenizer, input format, source checksum).
 
