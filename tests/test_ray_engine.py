@@ -53,13 +53,24 @@ def s3(tmp_path_factory):
     server.stop()
 
 
+def _node_cache(path: Path) -> str:
+    """A node cache of its own for remote data and staging, sharing this machine's converted tokenizers (converting
+    the embedded one again costs seconds and shows nothing here)."""
+    from pf_trl.data.tokenizer import cache_root
+
+    path.mkdir(parents=True, exist_ok=True)
+    (cache_root() / "tokenizers").mkdir(parents=True, exist_ok=True)
+    (path / "tokenizers").symlink_to(cache_root() / "tokenizers")
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def cluster(s3, tmp_path_factory):
     """A local Ray of 2 CPUs started in this process, with the S3 environment and a node cache of its own (its
     workers inherit them); its GCS address is the RAY_ADDRESS of the CLI subprocess."""
     from pf_trl.storage import filesystem
 
-    env = {**s3.env(), "PF_TRL_CACHE": str(tmp_path_factory.mktemp("node"))}
+    env = {**s3.env(), "PF_TRL_CACHE": _node_cache(tmp_path_factory.mktemp("cluster") / "node")}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     filesystem.forget_filesystems()
@@ -247,7 +258,7 @@ def test_a_bucket_run_killed_resumes_from_committed_parts_loses_no_row_and_train
     _same_as_local(local_path(uri), source / "local")
     # the trainer reads the parts from the bucket as they download (a node cache of its own): the losses of the
     # single-process dataset, bit for bit (same rows, same batches, same ops)
-    monkeypatch.setenv("PF_TRL_CACHE", str(tmp_path / "trainer-node"))
+    monkeypatch.setenv("PF_TRL_CACHE", _node_cache(tmp_path / "trainer-node"))
     losses = {}
     for name, data in (("bucket", uri), ("local", str(source / "local"))):
         out = tmp_path / f"run-{name}"
