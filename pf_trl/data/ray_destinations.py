@@ -246,7 +246,10 @@ class BucketParts:
         return found
 
     def committed(self, start: int, plan_id: str) -> str | None:
-        return self.committed_parts(plan_id).get(start)  # the writer folder is this plan's alone
+        """None: a worker does not list the bucket before each part (a listing per part is quadratic in the parts).
+        A retried attempt whose first attempt had committed adds a second copy; the dataset lists one and the other
+        is deleted (:meth:`finish`)."""
+        return None
 
     def attempt_dir(self, start: int) -> Path:
         from pf_trl.storage.cache import staging_dir
@@ -271,15 +274,17 @@ class BucketParts:
         from pf_trl.data.row_layout import LENGTHS_FILE
         from pf_trl.data.shards import read_manifest
         from pf_trl.storage.datasets import FILES_KEY
-        from pf_trl.storage.filesystem import download, list_files, remove, upload, write_bytes
+        from pf_trl.storage.filesystem import call, filesystem, list_files, remove, upload, write_bytes
 
         files = self._files()
         with tempfile.TemporaryDirectory(prefix="ray-commit-") as tmp:
             local = Path(tmp)
+            wanted = [(name, file) for name in names for file in (MANIFEST_FILE, LENGTHS_FILE)]
             for name in names:
                 (local / name).mkdir()
-                for file in (MANIFEST_FILE, LENGTHS_FILE):
-                    download(files.join(name, file), local / name / file)
+            fs = filesystem(files)
+            call(files, f"downloading the manifests and lengths of {len(names)} parts",  # one batch, concurrent
+                 lambda: fs.get([files.join(n, f).path for n, f in wanted], [str(local / n / f) for n, f in wanted]))
             _part_examples([read_manifest(local / n) for n in names])
             manifest = write_parts_manifest(local, names, fields)
             upload(local / LENGTHS_FILE, files.join(LENGTHS_FILE))
