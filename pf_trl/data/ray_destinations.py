@@ -239,10 +239,10 @@ class BucketParts:
         found: dict[int, str] = {}
         for path in sorted(list_files(self._files())):
             folder, _, file = path.partition("/")
-            if file != MANIFEST_FILE or not folder.startswith(PART_PREFIX):
-                continue
-            start = int(folder[len(PART_PREFIX):].split("-")[0])
-            found.setdefault(start, folder)
+            first_row = folder[len(PART_PREFIX):].split("-")[0]
+            if file != MANIFEST_FILE or not folder.startswith(PART_PREFIX) or not first_row.isdigit():
+                continue  # not a committed attempt of this engine
+            found.setdefault(int(first_row), folder)
         return found
 
     def committed(self, start: int, plan_id: str) -> str | None:
