@@ -2,8 +2,8 @@
 store, its own short temp dir; stopped with ray.shutdown(), never `ray stop`) and a real S3 server (SeaweedFS,
 tests/s3_server.py) its workers reach through the AWS environment, as a cluster's pods do:
 
-- a folder DEST: the rows of the single-process engine in source order with the same identity; refusals as the
-  default engine's;
+- a folder DEST: the rows of the single-process engine in source order with the same identity, the workers
+  SIGKILLed mid-part (retried by Ray, every row once); refusals as the default engine's;
 - a bucket DEST, in one run: the job's driver interrupted (Ctrl-C, its workers frozen first) once parts are
   committed, submitted again (resumed from its committed parts, an uncommitted attempt neither listed nor kept),
   a worker SIGKILLed mid-part in the resumed run (retried by Ray, every row once), the result trained on from the
@@ -142,13 +142,46 @@ def _ray_workers_of_this_cluster() -> list[int]:
     return found
 
 
+def _run_killing_the_workers_mid_part(argv: list[str], attempts: Path) -> tuple[int, list[int]]:
+    """``pf-trl ARGV`` in this process (a thread), this cluster's PartWriter workers SIGKILLed as soon as a part is
+    being written (an attempt folder in ``attempts``); ``(exit status, the pids killed)``. Ray restarts the workers
+    and retries their parts."""
+    from pf_trl.cli.main import main
+
+    result: dict = {}
+
+    def run():
+        try:
+            result["rc"] = main(argv)
+        except BaseException as exc:  # asserted below
+            result["rc"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    killed: list[int] = []
+    while not killed and thread.is_alive():
+        if list(attempts.glob(".part-*.tmp-*")):  # a worker is writing a part right now
+            for pid in _ray_workers_of_this_cluster():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        thread.join(0.005)  # waits on the run itself between looks
+    thread.join(timeout=300)
+    assert killed, "no worker was caught mid-part"
+    assert not thread.is_alive(), "the run did not end"
+    for pid in killed:  # gone, not left running beside their replacements
+        assert not Path(f"/proc/{pid}").exists() or "PartWriter" not in Path(f"/proc/{pid}/cmdline").read_text()
+    return result.get("rc"), killed
+
+
 @pytest.mark.slow
-def test_a_folder_dest_holds_the_rows_of_one_process(cluster, source, tmp_path, capsys):
+def test_a_folder_dest_holds_the_rows_of_one_process_a_killed_worker_loses_no_row(cluster, source, tmp_path, capsys):
     from pf_trl.cli.main import main
 
     dest = tmp_path / "ray"
-    assert main(["pretokenize", str(source / "rows.jsonl"), str(dest), *FLAGS, "--engine", "ray",
-                 "--rows_per_part", str(PER_PART)]) == 0
+    # the workers SIGKILLed mid-part: Ray retries their parts, each written once (the first rename wins)
+    rc, _ = _run_killing_the_workers_mid_part(["pretokenize", str(source / "rows.jsonl"), str(dest), *FLAGS,
+                                               "--engine", "ray", "--rows_per_part", str(PER_PART)], dest)
+    assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     m = _same_as_local(dest, source / "local")
     assert summary["counts"] == m["counts"] and m["counts"]["dropped_too_long"] > 0
@@ -231,27 +264,8 @@ def test_a_bucket_run_interrupted_resumes_from_committed_parts_loses_no_row_and_
         pretokenize(source / "rows.jsonl", uri, PretokenizeConfig(max_seq_len=32, truncation="drop"), engine="ray",
                     rows_per_part=PER_PART)
     # submitted again (in this process: the same CLI, the same cluster), a worker SIGKILLed mid-part
-    staging = Path(os.environ["PF_TRL_CACHE"]) / "staging"
-    result: dict = {}
-
-    def run():
-        try:
-            result["rc"] = main(argv)
-        except BaseException as exc:  # asserted below
-            result["rc"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    killed: list[int] = []
-    while not killed and thread.is_alive():
-        if list(staging.glob(".part-*.tmp-*")):  # a worker is writing a part right now
-            for pid in _ray_workers_of_this_cluster():
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-        thread.join(0.005)
-    thread.join(timeout=300)
-    assert killed, "no worker was caught mid-part"
-    assert result.get("rc") == 0, result
+    rc, _ = _run_killing_the_workers_mid_part(argv, Path(os.environ["PF_TRL_CACHE"]) / "staging")
+    assert rc == 0
     manifest = json.loads(fs.cat(f"{prefix}/pf_manifest.json"))
     names = [p["name"] for p in manifest["parts"]]
     assert _part_rows(manifest) == EVERY_PART and manifest["storage_files_prefix"] == plan["writer"]

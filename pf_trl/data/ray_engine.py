@@ -233,15 +233,21 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
     source_record = {"path": describe_source(source), "sha256": source_sha, "input_format": input_format}
     errors: dict[str, str] = {}
     if pending:
+        import contextlib
+        import sys
+
         import ray.data
 
         items = ray.data.from_items([{"start": a, "stop": b} for a, b in pending], override_num_blocks=len(pending))
-        results = items.map_batches(
-            PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers, len(pending))), num_cpus=1,
-            fn_constructor_kwargs={"source": given_source, "dest": dest, "tokenizer": tokenizer,
-                                   "input_format": input_format, "config": config, "source_record": source_record,
-                                   "plan_id": plan_id},
-        ).take_all()
+        # Ray prints the cluster's error messages (a worker that died: the faults this engine rides out) on the
+        # driver's stdout; they go to stderr, so that stdout holds only what pf-trl prints (the CLI's JSON summary)
+        with contextlib.redirect_stdout(sys.stderr):
+            results = items.map_batches(
+                PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers, len(pending))),
+                num_cpus=1, fn_constructor_kwargs={"source": given_source, "dest": dest, "tokenizer": tokenizer,
+                                                   "input_format": input_format, "config": config,
+                                                   "source_record": source_record, "plan_id": plan_id},
+            ).take_all()
         errors = {r["name"]: r["error"] for r in results if r["error"]}
     if errors:
         first = min(errors)  # the refusal of the earliest rows, as the single-process engine reports the first row
