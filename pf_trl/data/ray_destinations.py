@@ -132,9 +132,9 @@ class FolderParts:
         """``{first source row: part}`` of every committed part of this plan."""
         found = {}
         for path in self.out.glob(f"{PART_PREFIX}*"):
-            start = int(path.name[len(PART_PREFIX):])
-            if self.committed(start, plan_id):
-                found[start] = path.name
+            first_row = path.name[len(PART_PREFIX):]
+            if first_row.isdigit() and self.committed(int(first_row), plan_id):
+                found[int(first_row)] = path.name
         return found
 
     def attempt_dir(self, start: int) -> Path:
