@@ -4,13 +4,10 @@ tests/s3_server.py) its workers reach through the AWS environment, as a cluster'
 
 - a folder DEST: the rows of the single-process engine in source order with the same identity; refusals as the
   default engine's;
-- a bucket DEST, in one run: the job's driver interrupted (Ctrl-C, its workers frozen first) once parts are
-  committed, submitted again (resumed from its committed parts, an uncommitted attempt neither listed nor kept),
-  a worker SIGKILLed mid-part in the resumed run (retried by Ray, every row once), the result trained on from the
-  bucket through the read-ahead to the losses of the single-process dataset.
-
-Every run is the CLI in this process, on the one cluster (a second driver process joining through RAY_ADDRESS costs
-tens of seconds of start-up on a busy machine).
+- a bucket DEST, in one run: the job (a CLI process of its own joining through RAY_ADDRESS) killed once parts are
+  committed (its workers frozen first), submitted again (resumed from its committed parts, an uncommitted attempt
+  neither listed nor kept), a worker SIGKILLed mid-part in the resumed run (retried by Ray, every row once), the
+  result trained on from the bucket through the read-ahead to the losses of the single-process dataset.
 
 Run as its own suite: `pytest -m ray tests/test_ray_engine.py` (scripts/test.sh installs pf-trl[ray] for it).
 """
@@ -21,6 +18,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -68,7 +67,7 @@ def _node_cache(path: Path) -> str:
 @pytest.fixture(scope="module")
 def cluster(s3, tmp_path_factory):
     """A local Ray of 2 CPUs started in this process, with the S3 environment and a node cache of its own (its
-    workers inherit them)."""
+    workers inherit them); its GCS address is the RAY_ADDRESS of the CLI subprocess."""
     from pf_trl.storage import filesystem
 
     env = {**s3.env(), "PF_TRL_CACHE": _node_cache(tmp_path_factory.mktemp("cluster") / "node")}
@@ -213,10 +212,10 @@ def _wait_until(condition, what: str, timeout_s: float = 240.0):
 @pytest.mark.slow
 def test_a_bucket_run_interrupted_resumes_from_committed_parts_loses_no_row_and_trains(cluster, source, s3, tmp_path,
                                                                                       monkeypatch, capsys):
-    """`pf-trl pretokenize ... s3://... --engine ray` interrupted (its driver, once parts are committed; its workers
-    frozen first so that the interruption is deterministic), then submitted again: the committed parts kept, an
-    uncommitted attempt neither listed nor kept; a worker SIGKILLed mid-part in the resumed run is retried; the result
-    trains from the bucket (read-ahead) to the losses of the single-process dataset."""
+    """`pf-trl pretokenize ... s3://... --engine ray` as a job of its own on the cluster (RAY_ADDRESS), killed once
+    parts are committed (its workers frozen first, so that no part is committed meanwhile), then submitted again: the
+    committed parts kept, an uncommitted attempt neither listed nor kept; a worker SIGKILLed mid-part in the resumed
+    run is retried; the result trains from the bucket (read-ahead) to the losses of the single-process dataset."""
     from pf_trl import PretokenizeConfig, pretokenize
     from pf_trl.cli.main import main
     from pf_trl.data.pretokenize import PretokenizeError
@@ -226,25 +225,23 @@ def test_a_bucket_run_interrupted_resumes_from_committed_parts_loses_no_row_and_
     uri, prefix, fs = f"s3://{BUCKET}/ds", f"{BUCKET}/ds", s3.filesystem()
     argv = ["pretokenize", str(source / "rows.jsonl"), uri, *FLAGS, "--engine", "ray", "--rows_per_part",
             str(PER_PART), "--ray_workers", "1"]  # one actor (re)started
+    proc = subprocess.Popen([sys.executable, "-m", "pf_trl.cli.main", *argv],
+                            env={**os.environ, "RAY_ADDRESS": cluster.address_info["gcs_address"]},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
     def committed() -> dict[str, str]:  # {part: writer} of the committed attempts
-        return {p.split("/")[-2]: p.split("/")[-3] for p in fs.glob(f"{prefix}/w-*/part-*/pf_manifest.json")}
+        found = fs.glob(f"{prefix}/w-*/part-*/pf_manifest.json")
+        return {p.split("/")[-2]: p.split("/")[-3] for p in found} if len(found) >= 2 or proc.poll() is not None \
+            else {}
 
-    frozen: list[int] = []
-
-    def interrupt_when_two_parts_are_committed():
-        _wait_until(lambda: len(committed()) >= 2, "two committed parts")
-        frozen.extend(_ray_workers_of_this_cluster())
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)  # no part is committed from here on
-        os.kill(os.getpid(), signal.SIGINT)  # the job's driver interrupted (Ctrl-C), in the main thread
-
-    watcher = threading.Thread(target=interrupt_when_two_parts_are_committed, daemon=True)
-    watcher.start()
-    with pytest.raises(KeyboardInterrupt):
-        main(argv)
-    watcher.join()
-    for pid in frozen:
+    _wait_until(committed, "two committed parts")
+    workers = _ray_workers_of_this_cluster()
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)  # frozen: no part is committed from here on
+    assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the job's driver, its process group only
+    proc.communicate()
+    for pid in workers:
         os.kill(pid, signal.SIGKILL)
     done = committed()
     plan = json.loads(fs.cat(f"{prefix}/pf_plan.json"))
