@@ -98,8 +98,8 @@ run_real() {
 # .venv is ready: the suites layered on it start now (each prepares itself, then runs its tests)
 (( newest )) && job_start newest bash scripts/test_newest.sh
 (( real )) && job_start real run_real
-# The Ray Data engine's suite (`pytest -m ray`: `pf-trl pretokenize --engine ray` on a local 2-CPU Ray cluster the
-# tests start and stop themselves): the `ray` extra (~240 MB; ray itself only, its needs are already in .venv) is
+# The Ray Data engine's suite (`pytest -m ray`: `pf-trl pretokenize --engine ray` on a local 2-CPU Ray cluster and an
+# S3 server (weed) the tests start and stop themselves): the `ray` extra (~240 MB; ray itself only, its needs are already in .venv) is
 # installed, then the suite runs, beside the main suite. PF_TRL_SKIP_RAY=1: off.
 ray=0
 [[ -z "${PF_TRL_SKIP_RAY:-}" ]] && ray=1

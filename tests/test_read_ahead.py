@@ -388,6 +388,24 @@ def test_the_training_set_read_as_evaluation_data_too_is_downloaded_once(relay):
     assert sorted(gets) == sorted(set(gets))  # each file once
 
 
+def test_a_dataset_downloaded_whole_before_is_read_ahead_from_the_cache(relay, local_shards):
+    """A node that downloaded the dataset whole (`pf-trl inspect`, evaluation data) and then trains on it: the
+    read-ahead finds the entry complete and reads it as it is (it failed marking the entry complete a second time)."""
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.data.remote import fetch_shards
+    from pf_trl.data.shards import load_shards
+
+    relay.gate_control.open()
+    whole = fetch_shards(URI)
+    lazy = open_lazy_shards(URI)
+    assert _entry(lazy) == whole
+    lazy.follow(range(len(lazy)))
+    for thread in lazy._ahead._threads:  # each finds nothing left to download
+        thread.join(timeout=60)
+    assert lazy._ahead.wait_all() == whole  # raises the read-ahead's error, if any
+    assert [lazy[i]["input_ids"] for i in range(len(lazy))] == load_shards(local_shards)["input_ids"]
+
+
 class CacheWatch:
     """The node cache's size (every file under it), sampled every few milliseconds from a thread while a run goes."""
 

@@ -169,6 +169,7 @@ class ReadAhead:
         if self.complete():
             os.utime(self.entry / cache.COMPLETE)  # recently used
             self._local = set(self.files)
+            self._finished = True  # downloaded whole before (inspect, evaluation data): nothing to mark complete
             return self.entry
         try:
             self.parts.mkdir(parents=True, exist_ok=True)
