@@ -126,6 +126,9 @@ SCRIPT = textwrap.dedent(
 )
 
 EXACT = ["llama:internal:same", "mistral_window:internal:same", "qwen2_gqa:internal:same"]
+BF16 = ["llama:internal:same:bf16", "qwen2_gqa:internal:same:bf16"]  # their float32 runs: in EXACT
+# the negative controls, last: "unchecked" switches the row check off for the rest of the launch
+SKEWED = ["llama:internal:checked", "llama:internal:unchecked"]
 
 
 def _launch(tmp_path, nproc: int | None, sp: int, groups: int, cases: list[str]):
@@ -152,10 +155,18 @@ def _launch(tmp_path, nproc: int | None, sp: int, groups: int, cases: list[str])
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Single process, the same batches: 1 group (sp = world) and 2 groups (4 ranks, sp 2)."""
+    """Single process, the same batches: 1 group (sp = world; float32 and bf16) and 2 groups (4 ranks, sp 2)."""
     tmp = tmp_path_factory.mktemp("sp_reference")
-    cases = EXACT + ["llama:huggingface:same"]
+    cases = EXACT + ["llama:huggingface:same"] + BF16
     return {1: _launch(tmp, None, 1, 1, cases), 2: _launch(tmp, None, 1, 2, EXACT)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks, sp 2, for every 2-rank check (the imports paid once): the exact cases, autocast, then
+    the negative controls."""
+    return _launch(tmp_path_factory.mktemp("sp_two_ranks"), 2, 2, 1,
+                   EXACT + ["llama:huggingface:same"] + BF16 + SKEWED)
 
 
 def _max_param_diff(a: dict, b: dict) -> float:
@@ -179,10 +190,10 @@ def _assert_exact(got, want, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,sp", [(2, 2), (4, 2), (4, 4)], ids=["2ranks-sp2", "4ranks-sp2", "4ranks-sp4"])
-def test_sequence_parallel_equals_single_process(tmp_path, reference, nproc, sp):
+def test_sequence_parallel_equals_single_process(tmp_path, request, reference, nproc, sp):
     groups = nproc // sp
     cases = EXACT + (["llama:huggingface:same"] if nproc == 2 else [])
-    results = _launch(tmp_path, nproc, sp, groups, cases)
+    results = request.getfixturevalue("two_ranks") if nproc == 2 else _launch(tmp_path, nproc, sp, groups, cases)
     diffs = {}
     for case in cases:
         diffs[case] = _assert_exact(results[case], reference[groups][case], case)
@@ -191,8 +202,8 @@ def test_sequence_parallel_equals_single_process(tmp_path, reference, nproc, sp)
 
 
 @pytest.mark.slow
-def test_group_with_different_rows_is_refused_and_detected(tmp_path, reference):
-    results = _launch(tmp_path, 2, 2, 1, ["llama:internal:checked", "llama:internal:unchecked"])
+def test_group_with_different_rows_is_refused_and_detected(two_ranks, reference):
+    results = two_ranks
     refused, _ = results["llama:internal:checked"]
     assert "hold different packed rows" in refused.get("error", ""), refused
     # the check off: the run completes, and the exactness comparison above would fail on it
@@ -204,15 +215,13 @@ def test_group_with_different_rows_is_refused_and_detected(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_under_autocast(tmp_path):
+def test_sequence_parallel_under_autocast(two_ranks, reference):
     """bf16=True (autocast): q/k/v cross the all-to-all in bfloat16 (the dtype the kernel casts them to) and the row
     trains as one process does: losses and parameters after 3 steps (2 ranks, sp 2) are at most twice as far from the
     float32 single process as the bf16 single process is, plus float32 rounding. Negative control: the comparison
     tells bf16 from float32 (the gap it allows is not a rounding floor alone)."""
-    cases = ["llama:internal:same:bf16", "qwen2_gqa:internal:same:bf16"]
-    single = _launch(tmp_path, None, 1, 1, cases + [c.rsplit(":", 1)[0] for c in cases])
-    got = _launch(tmp_path, 2, 2, 1, cases)
-    for case in cases:
+    single, got = reference[1], two_ranks
+    for case in BF16:
         (res, weights), (ref, ref_weights) = got[case], single[case]
         fp32, fp32_weights = single[case.rsplit(":", 1)[0]]
         assert "error" not in res, res

@@ -61,8 +61,18 @@ pack() {  # every log, plot and folder into logs.tgz (added to it), so that one 
    tar rf logs.tar "${files[@]}" && gzip -c logs.tar > logs.tgz && rm -rf logs.tar "${files[@]}") || true
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-"$PY" -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
-"$PY" -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || echo "trl/datasets missing: the training stages will fail (stage_wheels.sh)"
+# the versions, in one interpreter (each start imports torch: seconds on a CPU)
+"$PY" - <<'PY'
+import torch, transformers, accelerate
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__,
+      'cuda', torch.cuda.is_available())
+try:
+    import trl, datasets
+except ImportError:
+    print("trl/datasets missing: the training stages will fail (stage_wheels.sh)")
+else:
+    print('trl', trl.__version__, 'datasets', datasets.__version__)
+PY
 E2E=(benchmarks/gpu/e2e_bench.py --out "$OUT"); [[ $DRY == 1 ]] && E2E+=(--dry-run)
 printf 'setup\t%s\n' "$SECONDS" > "$OUT/stage_seconds.tsv"  # wheels and version checks; then one line per stage
 
