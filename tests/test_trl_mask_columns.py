@@ -33,7 +33,9 @@ def trl_rows(mask_column: str, *, with_labels: bool = False) -> list[dict]:
     return rows
 
 
-def trainer_for(rows, tmp_path, **config):
+def trainer_for(rows, tmp_path, tokenizer, **config):
+    """The trainer on ``rows``, given the session's tokenizer (the one it would load itself: the model's default) so
+    that each of this module's seven trainers does not parse the 32,000-token vocabulary again."""
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
@@ -41,7 +43,8 @@ def trainer_for(rows, tmp_path, **config):
                         num_attention_heads=2, num_key_value_heads=1)
     args = PaddingFreeConfig(output_dir=str(tmp_path / "o"), report_to="none", max_steps=1, save_strategy="no",
                              **config)
-    return PaddingFreeSFTTrainer(model, args=args, train_dataset=datasets.Dataset.from_list(rows))
+    return PaddingFreeSFTTrainer(model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                 processing_class=tokenizer)
 
 
 def trained_tokens(trainer) -> tuple[int, int, list[int]]:
@@ -56,34 +59,36 @@ def trained_tokens(trainer) -> tuple[int, int, list[int]]:
 
 
 @pytest.mark.parametrize("column", ["completion_mask", "assistant_masks"])
-def test_mask_column_becomes_labels(column, tmp_path):
+def test_mask_column_becomes_labels(column, tmp_path, tokenizer):
     rows = trl_rows(column)
     assert sum(len(r["input_ids"]) for r in rows) == 511 and sum(sum(r[column]) for r in rows) == 192
-    supervised, total, ids = trained_tokens(trainer_for(rows, tmp_path))
+    supervised, total, ids = trained_tokens(trainer_for(rows, tmp_path, tokenizer))
     assert (supervised, total) == (192, 511)
     expected = sorted(t for r in rows for t, bit in zip(r["input_ids"], r[column]) if bit)
     assert sorted(ids) == expected  # exactly the completion tokens (batches are shuffled: compare as multisets)
 
 
-def test_negative_control_without_folding_every_token_trains(tmp_path, monkeypatch):
+def test_negative_control_without_folding_every_token_trains(tmp_path, monkeypatch, tokenizer):
     """What happened before: the mask column is dropped with the other columns, and all 511 tokens train."""
     import pf_trl.data.sources as sources
 
     monkeypatch.setattr(sources, "fold_mask_columns", lambda dataset, **_: dataset)
-    supervised, total, _ = trained_tokens(trainer_for(trl_rows("completion_mask"), tmp_path))
+    supervised, total, _ = trained_tokens(trainer_for(trl_rows("completion_mask"), tmp_path, tokenizer))
     # every token but each row's first (it has no previous token to be predicted from)
     assert (supervised, total) == (511 - ROWS, 511)
 
 
-def test_labels_and_mask_intersect(tmp_path):
-    supervised, _, _ = trained_tokens(trainer_for(trl_rows("completion_mask", with_labels=True), tmp_path))
+def test_labels_and_mask_intersect(tmp_path, tokenizer):
+    supervised, _, _ = trained_tokens(trainer_for(trl_rows("completion_mask", with_labels=True), tmp_path, tokenizer))
     assert supervised == ROWS * (COMPLETION - 2)
 
 
-def test_completion_only_loss_false_ignores_completion_mask_as_trl_does(tmp_path):
-    supervised, total, _ = trained_tokens(trainer_for(trl_rows("completion_mask"), tmp_path, completion_only_loss=False))
+def test_completion_only_loss_false_ignores_completion_mask_as_trl_does(tmp_path, tokenizer):
+    supervised, total, _ = trained_tokens(trainer_for(trl_rows("completion_mask"), tmp_path, tokenizer,
+                                                      completion_only_loss=False))
     assert (supervised, total) == (511 - ROWS, 511)
-    supervised, _, _ = trained_tokens(trainer_for(trl_rows("assistant_masks"), tmp_path, completion_only_loss=False))
+    supervised, _, _ = trained_tokens(trainer_for(trl_rows("assistant_masks"), tmp_path, tokenizer,
+                                                  completion_only_loss=False))
     assert supervised == 192  # assistant_masks always applies (TRL likewise)
 
 
@@ -100,7 +105,7 @@ def test_cli_file_with_mask_column_gives_the_same_labels(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_step_runs_on_folded_masks(tmp_path):
-    trainer = trainer_for(trl_rows("assistant_masks"), tmp_path)
+def test_training_step_runs_on_folded_masks(tmp_path, tokenizer):
+    trainer = trainer_for(trl_rows("assistant_masks"), tmp_path, tokenizer)
     result = trainer.train()
     assert result.metrics["train_loss"] > 0
