@@ -34,25 +34,17 @@ import argparse
 import gc
 import json
 import logging
-import statistics
 import tempfile
 import warnings
 from pathlib import Path
 
 import datasets
 import torch
+from preference_bench import compact_trl_head, interleaved, print_table, run_figures, sharegpt_pairs, summarize
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 datasets.disable_progress_bars()
-
-
-def sharegpt_pairs(n: int) -> list[dict]:
-    from pf_trl.data.samples import SHAREGPT_SAMPLE
-
-    rows = [json.loads(line) for line in SHAREGPT_SAMPLE.read_text().splitlines()[: n + 1]]
-    return [dict(prompt=rows[i]["prompt"], chosen=rows[i]["completion"], rejected=rows[i + 1]["completion"])
-            for i in range(n)]
 
 
 def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: int | None, workdir: str,
@@ -82,50 +74,15 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
 
         install_packed_preference_forward(model, trainer._pf_policy_fields(), head="trl")
         install_packed_preference_forward(ref, ("log_probs",), head="trl")
-    import trl.trainer.utils as trl_utils
-
-    compact = trl_utils._use_triton
-    if mode == "trl-completions":  # TRL's CUDA behaviour on CPU: only labelled positions reach its head
-        trl_utils._use_triton = lambda device: True
-    try:
+    with compact_trl_head(mode == "trl-completions"):  # TRL's CUDA behaviour on CPU: only labelled positions
         metrics = trainer.train().metrics
-    finally:
-        trl_utils._use_triton = compact
-    out = dict(mode=mode, runtime_s=metrics["train_runtime"], steps=trainer.state.global_step,
-               real_tokens=metrics["train_real_tokens"], processed_tokens=metrics["train_processed_tokens"],
-               real_tokens_per_s=metrics["train_real_tokens"] / metrics["train_runtime"],
-               padding_share=metrics["train_padding_share"], peak_rss_mb=metrics["train_mem_cpu_peak"] / 2**20,
-               train_loss=metrics["train_loss"])
+    out = run_figures(mode, trainer, metrics)
     del trainer, model, ref
     gc.collect()
     return out
 
 
 MODES = ("trl", "trl-completions", "pf-fixed", "pf-fixed-trl-head", "pf-budget")
-
-
-def summarize(runs: list[list[dict]], modes: tuple[str, ...] = MODES) -> list[dict]:
-    """Per mode: the median run (by real tokens/s) and the speedups over TRL's run of the same repeat (and over
-    ``trl-completions``' when it ran)."""
-    out = []
-    for mode in modes:
-        mine = [next(r for r in rep if r["mode"] == mode) for rep in runs]
-        ratios = sorted(next(r for r in rep if r["mode"] == mode)["real_tokens_per_s"]
-                        / next(r for r in rep if r["mode"] == "trl")["real_tokens_per_s"] for rep in runs)
-        memory = [next(r for r in rep if r["mode"] == mode)["peak_rss_mb"]
-                  / next(r for r in rep if r["mode"] == "trl")["peak_rss_mb"] for rep in runs]
-        median = sorted(mine, key=lambda r: r["real_tokens_per_s"])[len(mine) // 2]
-        extra = {}
-        if "trl-completions" in modes:
-            narrow = sorted(next(r for r in rep if r["mode"] == mode)["real_tokens_per_s"]
-                            / next(r for r in rep if r["mode"] == "trl-completions")["real_tokens_per_s"]
-                            for rep in runs)
-            extra = dict(speedup_vs_trl_completions=statistics.median(narrow),
-                         speedups_vs_trl_completions=narrow)
-        out.append(dict(median, **extra, speedup_vs_trl=statistics.median(ratios), speedup_min=ratios[0],
-                        speedup_max=ratios[-1], speedups=ratios, peak_rss_vs_trl=statistics.median(memory),
-                        runs_real_tokens_per_s=[r["real_tokens_per_s"] for r in mine]))
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -153,14 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
                            [len(tok(p["chosen"])["input_ids"]) for p in pairs],
                            [len(tok(p["rejected"])["input_ids"]) for p in pairs], max_length=args.max_length)
     budget = max(int(args.batch * lengths.mean()), int(lengths.max()))
-    runs: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as workdir:
-        for repeat in range(args.repeats):
-            order = modes if repeat % 2 == 0 else modes[::-1]
-            runs.append([run(mode, pairs, batch=args.batch, max_length=args.max_length, budget=budget,
-                             workdir=workdir, bf16=args.bf16) for mode in order])
-            print(f"repeat {repeat}: " + ", ".join(f"{r['mode']} {r['real_tokens_per_s']:.0f} tok/s"
-                                                   for r in runs[-1]), flush=True)
+        runs = interleaved(modes, args.repeats, lambda mode: run(mode, pairs, batch=args.batch,
+                                                                 max_length=args.max_length, budget=budget,
+                                                                 workdir=workdir, bf16=args.bf16))
     results = summarize(runs, modes)
     report = dict(pairs=args.pairs, batch=args.batch, max_length=args.max_length, token_budget=budget,
                   threads=args.threads, repeats=args.repeats,
@@ -171,15 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.max_length}, {'bf16 autocast' if args.bf16 else 'fp32'}, CPU {args.threads} threads, "
           f"{args.repeats} interleaved repeats (median run; speedup: "
           "median of the per-repeat ratios, min-max)\n")
-    print("| mode | steps | real tokens | processed | padding | real tok/s | vs TRL | vs TRL completions-only "
-          "| peak RSS MB | vs TRL |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        narrow = r.get("speedup_vs_trl_completions")
-        print(f"| {r['mode']} | {r['steps']} | {r['real_tokens']} | {r['processed_tokens']} | {r['padding_share']:.1%} "
-              f"| {r['real_tokens_per_s']:.0f} | {r['speedup_vs_trl']:.2f}x ({r['speedup_min']:.2f}-"
-              f"{r['speedup_max']:.2f}) | {'-' if narrow is None else f'{narrow:.2f}x'} | {r['peak_rss_mb']:.0f} "
-              f"| {r['peak_rss_vs_trl']:.2f} |")
+    print_table(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report

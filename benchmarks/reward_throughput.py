@@ -36,20 +36,13 @@ from pathlib import Path
 
 import datasets
 import torch
+from preference_bench import interleaved, print_table, run_figures, sharegpt_pairs, summarize
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 datasets.disable_progress_bars()
 
 MODES = ("trl", "pf-fixed", "pf-budget")
-
-
-def sharegpt_pairs(n: int) -> list[dict]:
-    from pf_trl.data.samples import SHAREGPT_SAMPLE
-
-    rows = [json.loads(line) for line in SHAREGPT_SAMPLE.read_text().splitlines()[: n + 1]]
-    return [dict(prompt=rows[i]["prompt"], chosen=rows[i]["completion"], rejected=rows[i + 1]["completion"])
-            for i in range(n)]
 
 
 def _model():
@@ -93,29 +86,9 @@ def run(mode: str, pairs: list[dict], *, batch: int, max_length: int, budget: in
         args = PaddingFreeRewardConfig(**common, max_tokens_per_batch=budget if mode == "pf-budget" else None)
     trainer = cls(_model(), args=args, train_dataset=datasets.Dataset.from_list(pairs),
                   processing_class=load_tokenizer())
-    metrics = trainer.train().metrics
-    out = dict(mode=mode, runtime_s=metrics["train_runtime"], steps=trainer.state.global_step,
-               real_tokens=metrics["train_real_tokens"], processed_tokens=metrics["train_processed_tokens"],
-               real_tokens_per_s=metrics["train_real_tokens"] / metrics["train_runtime"],
-               padding_share=metrics["train_padding_share"], peak_rss_mb=metrics["train_mem_cpu_peak"] / 2**20,
-               train_loss=metrics["train_loss"])
+    out = run_figures(mode, trainer, trainer.train().metrics)
     del trainer
     gc.collect()
-    return out
-
-
-def summarize(runs: list[list[dict]]) -> list[dict]:
-    """Per mode: the median run (by real tokens/s) and the speedups over TRL's run of the same repeat."""
-    out = []
-    for mode in MODES:
-        mine = [next(r for r in rep if r["mode"] == mode) for rep in runs]
-        trl = [next(r for r in rep if r["mode"] == "trl") for rep in runs]
-        ratios = sorted(m["real_tokens_per_s"] / t["real_tokens_per_s"] for m, t in zip(mine, trl))
-        memory = [m["peak_rss_mb"] / t["peak_rss_mb"] for m, t in zip(mine, trl)]
-        median = sorted(mine, key=lambda r: r["real_tokens_per_s"])[len(mine) // 2]
-        out.append(dict(median, speedup_vs_trl=statistics.median(ratios), speedup_min=ratios[0],
-                        speedup_max=ratios[-1], speedups=ratios, peak_rss_vs_trl=statistics.median(memory),
-                        runs_real_tokens_per_s=[r["real_tokens_per_s"] for r in mine]))
     return out
 
 
@@ -137,15 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
             for p in pairs]
     kept = [c + r for c, r in full if c <= args.max_length and r <= args.max_length]  # TRL's max_length filter
     budget = max(int(args.batch * statistics.mean(kept)), 2 * args.max_length)  # any pair TRL keeps fits
-    runs: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as workdir:
-        for repeat in range(args.repeats):
-            order = MODES if repeat % 2 == 0 else MODES[::-1]
-            runs.append([run(mode, pairs, batch=args.batch, max_length=args.max_length, budget=budget,
-                             workdir=workdir) for mode in order])
-            print(f"repeat {repeat}: " + ", ".join(f"{r['mode']} {r['real_tokens_per_s']:.0f} tok/s"
-                                                   for r in runs[-1]), flush=True)
-    results = summarize(runs)
+        runs = interleaved(MODES, args.repeats, lambda mode: run(mode, pairs, batch=args.batch,
+                                                                 max_length=args.max_length, budget=budget,
+                                                                 workdir=workdir))
+    results = summarize(runs, MODES)
     report = dict(pairs=args.pairs, pairs_kept=len(kept), batch=args.batch, max_length=args.max_length,
                   token_budget=budget, threads=args.threads, repeats=args.repeats,
                   model="pf-trl/tiny-llama config as LlamaForSequenceClassification (4 x 256, vocab 32000, fp32, sdpa)",
@@ -153,12 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{len(kept)} ShareGPT pairs (of {args.pairs}; TRL drops sequences over max_length {args.max_length}), "
           f"{args.batch} pairs a step (budget {budget} tokens), fp32, CPU {args.threads} thread(s), {args.repeats} "
           "interleaved repeats (median run; speedup: median of the per-repeat ratios, min-max)\n")
-    print("| mode | steps | real tokens | processed | padding | real tok/s | vs TRL | peak RSS MB | vs TRL |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['mode']} | {r['steps']} | {r['real_tokens']} | {r['processed_tokens']} | {r['padding_share']:.1%} "
-              f"| {r['real_tokens_per_s']:.0f} | {r['speedup_vs_trl']:.2f}x ({r['speedup_min']:.2f}-"
-              f"{r['speedup_max']:.2f}) | {r['peak_rss_mb']:.0f} | {r['peak_rss_vs_trl']:.2f} |")
+    print_table(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report
