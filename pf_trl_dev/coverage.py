@@ -170,6 +170,9 @@ def _package_checks_cached():
     from accelerate.utils import imports
 
     original = imports._is_package_available
+    if isinstance(original, functools._lru_cache_wrapper):  # already cached by an enclosing sweep
+        yield
+        return
     imports._is_package_available = functools.cache(original)
     try:
         yield
@@ -249,7 +252,8 @@ def _leak(exs, ref) -> float:
     return _max_diff(_per_example_nll(logits, exs, _starts(exs)), ref["per_example"])
 
 
-def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
+def _run_mode(sweep: _Sweep, base, exs, ref, mode: str, *, consume: bool = False) -> dict[str, Any]:
+    """One mode on copies of ``base``; ``consume``: the trainer path takes ``base`` itself (its last use)."""
     from pf_trl.attention import enable_padding_free
 
     batch = _packed_batch(exs)
@@ -271,8 +275,10 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
         return {"status": "crash", "reason": f"packed forward: {_first_error_line(exc)}"}
     model_err = _max_diff(_per_example_nll(logits, exs, _starts(exs)), ref["per_example"])
     result: dict[str, Any] = {"model_err": model_err}
+    # read from the untouched model, before the trainer path may take it
+    diagnosis = support.diagnose(base).strip() if model_err > LOSS_ATOL else ""
     # trainer path: PaddingFreeSFTTrainer.compute_loss on the collated batch, loss and gradients
-    model = copy.deepcopy(base)
+    model = base if consume else copy.deepcopy(base)
     try:
         trainer = sweep.trainer(model, mode)
         loss = trainer.compute_loss(trainer.model, dict(batch))
@@ -294,7 +300,7 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
         if model_err <= LOSS_ATOL:
             bad.append(TRAINER_ONLY)
         else:
-            bad.append(support.diagnose(base).strip())
+            bad.append(diagnosis)
         return {**result, "status": "mismatch", "reason": "; ".join(b for b in bad if b)}
     return {**result, "status": "exact"}
 
@@ -325,11 +331,20 @@ def _sweep_variant(sweep: _Sweep, model_type: str, variant: str | None) -> dict[
     except Exception as exc:
         reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
-    return sweep_model(sweep, base, model_type)
+    return sweep_model(sweep, base, model_type, consume=True)  # base was built for this call alone
 
 
-def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=LENGTHS) -> dict[str, Any]:
-    """Both modes of one built model (a type's defaults, or a variant a test builds): the sweep's entry for it."""
+def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=LENGTHS,
+                consume: bool = False) -> dict[str, Any]:
+    """Both modes of one built model (a type's defaults, or a variant a test builds): the sweep's entry for it.
+
+    ``base`` is only copied, unless ``consume`` (the caller drops it afterwards): the last trainer path then takes
+    it instead of a copy."""
+    with _package_checks_cached():
+        return _sweep_model(sweep, base, model_type, lengths=lengths, consume=consume)
+
+
+def _sweep_model(sweep: _Sweep, base, model_type: str | None, *, lengths, consume: bool) -> dict[str, Any]:
     model_type = model_type or base.config.model_type
     entry: dict[str, Any] = {"class": type(base).__name__}
     base.train()
@@ -343,7 +358,7 @@ def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=L
         reason = f"the padded reference fails on a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
     for mode in MODES:
-        res = _run_mode(sweep, base, exs, ref, mode)
+        res = _run_mode(sweep, base, exs, ref, mode, consume=consume and mode == MODES[-1])
         if res["status"] == "exact" and entry["leak"] < LEAK_MIN:
             res = {**res, "status": "inconclusive",
                    "reason": f"the negative control moved the loss by only {entry['leak']:.2g}: a leak would not show"}
