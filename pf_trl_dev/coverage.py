@@ -180,6 +180,64 @@ def _package_checks_cached():
         imports._is_package_available = original
 
 
+def _self_check_key(model) -> tuple[str, Any]:
+    from pf_trl._compat import attn_implementation
+
+    return type(model).__name__, attn_implementation(model.config)
+
+
+@contextlib.contextmanager
+def _self_checks_recorded(outcomes: list):
+    """Run pf-trl's self-checks as they are, appending each outcome (its key, its result or its error) to
+    ``outcomes``, in call order."""
+    from pf_trl.attention import enable
+
+    real = enable.self_check
+
+    def recorded(model, **kwargs):
+        key = _self_check_key(model)
+        try:
+            result = real(model, **kwargs)
+        except Exception as exc:
+            outcomes.append((key, kwargs, None, exc))
+            raise
+        outcomes.append((key, kwargs, result, None))
+        return result
+
+    enable.self_check = recorded
+    try:
+        yield
+    finally:
+        enable.self_check = real
+
+
+@contextlib.contextmanager
+def _self_checks_replayed(outcomes: list):
+    """The trainer path's ``enable_padding_free`` runs on another copy of the same model, in the same mode, as the
+    model path just did: its self-checks (same inputs, eval mode, no gradient) are that run's, replayed in order
+    instead of computed twice. A call that does not match the next recorded one (another class or attention
+    implementation, other arguments) and every call after it run for real."""
+    from pf_trl.attention import enable
+
+    real = enable.self_check
+    pending = list(outcomes)
+
+    def replayed(model, **kwargs):
+        if pending and pending[0][:2] == (_self_check_key(model), kwargs):
+            _, _, result, error = pending.pop(0)
+            if error is not None:
+                raise error
+            return dict(result)
+        pending.clear()
+        return real(model, **kwargs)
+
+    enable.self_check = replayed
+    try:
+        yield
+    finally:
+        enable.self_check = real
+
+
 # --------------------------------------------------------------------------------------------- one type
 
 
@@ -259,8 +317,10 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str, *, consume: bool = False
     batch = _packed_batch(exs)
     # model path: admission (structural checks + self-check, no evidence), then a direct call with config defaults
     model = copy.deepcopy(base)
+    self_checks: list = []
     try:
-        enable_padding_free(model, mode=mode, allow_unverified=True)
+        with _self_checks_recorded(self_checks):
+            enable_padding_free(model, mode=mode, allow_unverified=True)
     except PaddingFreeError as exc:
         return {"status": "refused", "reason": str(exc)}
     except Exception as exc:  # anything else is a crash, recorded as such
@@ -280,7 +340,8 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str, *, consume: bool = False
     # trainer path: PaddingFreeSFTTrainer.compute_loss on the collated batch, loss and gradients
     model = base if consume else copy.deepcopy(base)
     try:
-        trainer = sweep.trainer(model, mode)
+        with _self_checks_replayed(self_checks):
+            trainer = sweep.trainer(model, mode)
         loss = trainer.compute_loss(trainer.model, dict(batch))
         loss.backward()
     except PaddingFreeError as exc:
