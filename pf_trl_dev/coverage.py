@@ -13,7 +13,8 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny model is
   - model path: ``model(**PaddingFreeCollator()(examples))`` as a user would call it (config default
     ``use_cache=True``: the KV-cache hole), per-example loss vs the reference;
   - trainer path: ``PaddingFreeSFTTrainer.compute_loss`` on the collated batch, loss and gradients vs the model's
-    own padded loss.
+    own padded loss (the self-check of its ``enable_padding_free``, on another copy of the same model in the same
+    mode, is the model path's, replayed rather than run twice).
 
 Status per type and mode: ``exact``, ``refused`` (pf-trl refused it before training, with its reason), ``mismatch``
 (admitted but not equal: the matrix then refuses it), ``crash`` (an error that is not a refusal), ``unbuilt`` (no
