@@ -109,6 +109,8 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
                   kind="source"),
     PrivateSymbol("accelerate.data_loader.BatchSamplerShard", "process_index", ("pf_trl/trainer/data_inputs.py",),
                   kind="source"),
+    # accelerate's package check, memoised for the length of the coverage sweep (it parses metadata on every call)
+    PrivateSymbol("accelerate.utils.imports", "_is_package_available", ("pf_trl_dev/coverage.py",)),
     # argparse
     PrivateSymbol("argparse.ArgumentParser", "_actions", ("pf_trl/cli/flag_table.py", "pf_trl/cli/train.py"),
                   via="parser_actions", kind="source"),

@@ -13,7 +13,8 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny model is
   - model path: ``model(**PaddingFreeCollator()(examples))`` as a user would call it (config default
     ``use_cache=True``: the KV-cache hole), per-example loss vs the reference;
   - trainer path: ``PaddingFreeSFTTrainer.compute_loss`` on the collated batch, loss and gradients vs the model's
-    own padded loss.
+    own padded loss (the self-check of its ``enable_padding_free``, on another copy of the same model in the same
+    mode, is the model path's, replayed rather than run twice).
 
 Status per type and mode: ``exact``, ``refused`` (pf-trl refused it before training, with its reason), ``mismatch``
 (admitted but not equal: the matrix then refuses it), ``crash`` (an error that is not a refusal), ``unbuilt`` (no
@@ -160,6 +161,84 @@ def _quiet():
         pf_logger.setLevel(pf_level)
 
 
+@contextlib.contextmanager
+def _package_checks_cached():
+    """accelerate answers ``is_peft_available`` / ``is_deepspeed_available`` by parsing the package's metadata on
+    every call, several times per trainer built (~0.1 s each on these CPUs): the sweep builds ~400 trainers in one
+    process whose installed packages do not change, so each answer is read once."""
+    import functools
+
+    from accelerate.utils import imports
+
+    original = imports._is_package_available
+    if isinstance(original, functools._lru_cache_wrapper):  # already cached by an enclosing sweep
+        yield
+        return
+    imports._is_package_available = functools.cache(original)
+    try:
+        yield
+    finally:
+        imports._is_package_available = original
+
+
+def _self_check_key(model) -> tuple[str, Any]:
+    from pf_trl._compat import attn_implementation
+
+    return type(model).__name__, attn_implementation(model.config)
+
+
+@contextlib.contextmanager
+def _self_checks_recorded(outcomes: list):
+    """Run pf-trl's self-checks as they are, appending each outcome (its key, its result or its error) to
+    ``outcomes``, in call order."""
+    from pf_trl.attention import enable
+
+    real = enable.self_check
+
+    def recorded(model, **kwargs):
+        key = _self_check_key(model)
+        try:
+            result = real(model, **kwargs)
+        except Exception as exc:
+            outcomes.append((key, kwargs, None, exc))
+            raise
+        outcomes.append((key, kwargs, result, None))
+        return result
+
+    enable.self_check = recorded
+    try:
+        yield
+    finally:
+        enable.self_check = real
+
+
+@contextlib.contextmanager
+def _self_checks_replayed(outcomes: list):
+    """The trainer path's ``enable_padding_free`` runs on another copy of the same model, in the same mode, as the
+    model path just did: its self-checks (same inputs, eval mode, no gradient) are that run's, replayed in order
+    instead of computed twice. A call that does not match the next recorded one (another class or attention
+    implementation, other arguments) and every call after it run for real."""
+    from pf_trl.attention import enable
+
+    real = enable.self_check
+    pending = list(outcomes)
+
+    def replayed(model, **kwargs):
+        if pending and pending[0][:2] == (_self_check_key(model), kwargs):
+            _, _, result, error = pending.pop(0)
+            if error is not None:
+                raise error
+            return dict(result)
+        pending.clear()
+        return real(model, **kwargs)
+
+    enable.self_check = replayed
+    try:
+        yield
+    finally:
+        enable.self_check = real
+
+
 # --------------------------------------------------------------------------------------------- one type
 
 
@@ -197,12 +276,13 @@ def _trl_router_kwargs(model) -> dict[str, bool]:
 
 
 def _reference(base, exs, pad_id: int) -> dict[str, Any]:
+    """The padded run on a copy of ``base``; ``"model"`` is that copy (the leak control reuses it)."""
     model = copy.deepcopy(base)
     ids, mask, labels = _padded(exs, pad_id)
     out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **_trl_router_kwargs(model))
     per_example = _per_example_nll(out.logits.detach(), exs, [(i, 0) for i in range(len(exs))])
     out.loss.backward()
-    return {"per_example": per_example, "loss": float(out.loss), "grads": _grads(model)}
+    return {"per_example": per_example, "loss": float(out.loss), "grads": _grads(model), "model": model}
 
 
 def _packed_batch(exs):
@@ -219,23 +299,29 @@ def _starts(exs):
     return starts
 
 
-def _leak(base, exs, ref) -> float:
-    """Negative control: one row, positions running on across examples (cross-example attention)."""
-    model = copy.deepcopy(base)
+def _leak(exs, ref) -> float:
+    """Negative control: one row, positions running on across examples (cross-example attention).
+
+    A gradient-free forward on the reference's copy of the model (not a fresh one): pf-trl never touched it, and
+    its gradients do not enter a forward."""
+    model = ref.pop("model")
     ids = torch.cat(exs)[None]
     with torch.no_grad():
         logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False).logits
     return _max_diff(_per_example_nll(logits, exs, _starts(exs)), ref["per_example"])
 
 
-def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
+def _run_mode(sweep: _Sweep, base, exs, ref, mode: str, *, consume: bool = False) -> dict[str, Any]:
+    """One mode on copies of ``base``; ``consume``: the trainer path takes ``base`` itself (its last use)."""
     from pf_trl.attention import enable_padding_free
 
     batch = _packed_batch(exs)
     # model path: admission (structural checks + self-check, no evidence), then a direct call with config defaults
     model = copy.deepcopy(base)
+    self_checks: list = []
     try:
-        enable_padding_free(model, mode=mode, allow_unverified=True)
+        with _self_checks_recorded(self_checks):
+            enable_padding_free(model, mode=mode, allow_unverified=True)
     except PaddingFreeError as exc:
         return {"status": "refused", "reason": str(exc)}
     except Exception as exc:  # anything else is a crash, recorded as such
@@ -250,10 +336,13 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
         return {"status": "crash", "reason": f"packed forward: {_first_error_line(exc)}"}
     model_err = _max_diff(_per_example_nll(logits, exs, _starts(exs)), ref["per_example"])
     result: dict[str, Any] = {"model_err": model_err}
+    # read from the untouched model, before the trainer path may take it
+    diagnosis = support.diagnose(base).strip() if model_err > LOSS_ATOL else ""
     # trainer path: PaddingFreeSFTTrainer.compute_loss on the collated batch, loss and gradients
-    model = copy.deepcopy(base)
+    model = base if consume else copy.deepcopy(base)
     try:
-        trainer = sweep.trainer(model, mode)
+        with _self_checks_replayed(self_checks):
+            trainer = sweep.trainer(model, mode)
         loss = trainer.compute_loss(trainer.model, dict(batch))
         loss.backward()
     except PaddingFreeError as exc:
@@ -273,7 +362,7 @@ def _run_mode(sweep: _Sweep, base, exs, ref, mode: str) -> dict[str, Any]:
         if model_err <= LOSS_ATOL:
             bad.append(TRAINER_ONLY)
         else:
-            bad.append(support.diagnose(base).strip())
+            bad.append(diagnosis)
         return {**result, "status": "mismatch", "reason": "; ".join(b for b in bad if b)}
     return {**result, "status": "exact"}
 
@@ -304,11 +393,20 @@ def _sweep_variant(sweep: _Sweep, model_type: str, variant: str | None) -> dict[
     except Exception as exc:
         reason = f"the sweep could not build a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
-    return sweep_model(sweep, base, model_type)
+    return sweep_model(sweep, base, model_type, consume=True)  # base was built for this call alone
 
 
-def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=LENGTHS) -> dict[str, Any]:
-    """Both modes of one built model (a type's defaults, or a variant a test builds): the sweep's entry for it."""
+def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=LENGTHS,
+                consume: bool = False) -> dict[str, Any]:
+    """Both modes of one built model (a type's defaults, or a variant a test builds): the sweep's entry for it.
+
+    ``base`` is only copied, unless ``consume`` (the caller drops it afterwards): the last trainer path then takes
+    it instead of a copy."""
+    with _package_checks_cached():
+        return _sweep_model(sweep, base, model_type, lengths=lengths, consume=consume)
+
+
+def _sweep_model(sweep: _Sweep, base, model_type: str | None, *, lengths, consume: bool) -> dict[str, Any]:
     model_type = model_type or base.config.model_type
     entry: dict[str, Any] = {"class": type(base).__name__}
     base.train()
@@ -317,12 +415,12 @@ def sweep_model(sweep: _Sweep, base, model_type: str | None = None, *, lengths=L
     pad_id = int(exs[0][0])  # any id: padded positions are masked and unlabelled
     try:
         ref = _reference(base, exs, pad_id)
-        entry["leak"] = _leak(base, exs, ref)
+        entry["leak"] = _leak(exs, ref)
     except Exception as exc:  # the model itself fails padded: no reference, no evidence
         reason = f"the padded reference fails on a tiny {model_type}: {_first_error_line(exc)}"
         return {**entry, **{m: {"status": "unbuilt", "reason": reason} for m in MODES}}
     for mode in MODES:
-        res = _run_mode(sweep, base, exs, ref, mode)
+        res = _run_mode(sweep, base, exs, ref, mode, consume=consume and mode == MODES[-1])
         if res["status"] == "exact" and entry["leak"] < LEAK_MIN:
             res = {**res, "status": "inconclusive",
                    "reason": f"the negative control moved the loss by only {entry['leak']:.2g}: a leak would not show"}
@@ -342,7 +440,7 @@ def run_sweep(model_types: list[str] | None = None, *, progress: bool = True) ->
     started = time.time()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: more threads only spin against each other on a shared machine
-    with _quiet(), support.use_matrix({}), contextlib.redirect_stdout(io.StringIO()) if not progress else contextlib.nullcontext():
+    with _quiet(), _package_checks_cached(), support.use_matrix({}), contextlib.redirect_stdout(io.StringIO()) if not progress else contextlib.nullcontext():
         sweep = _Sweep()
         for i, model_type in enumerate(types):
             t0 = time.time()
