@@ -24,7 +24,7 @@ from pf_trl.errors import ConfigError
 
 logger = logging.getLogger("pf_trl.trainer")
 
-__all__ = ["load_preference_split", "run_dpo"]
+__all__ = ["load_preference_split", "run_dpo", "run_reference_script"]
 
 
 def load_preference_split(name: str, *, config: str | None, split: str, flag: str, unpaired: bool = False):
@@ -141,23 +141,32 @@ def check_pair_script_args(script_args, dataset_args, model_args, command: str) 
 
 def run_dpo(script_args, training_args, model_args, dataset_args=None) -> Any:
     """Train as ``trl dpo`` does (same arguments), padding-free; returns the trainer after saving the model."""
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+
+    return run_reference_script(PaddingFreeDPOTrainer, "pf-trl dpo", script_args, training_args, model_args,
+                                dataset_args)
+
+
+def run_reference_script(trainer_cls, command: str, script_args, training_args, model_args, dataset_args=None, *,
+                         unpaired: bool = False) -> Any:
+    """What ``trl dpo`` / ``trl kto`` do with their arguments (the script checks, the model, its reference and
+    tokenizer, the train / test splits, then train, save and push), with ``trainer_cls`` (a pf-trl trainer taking
+    ``ref_model``); ``unpaired``: the splits hold KTO's unpaired rows. Returns the trainer."""
     from trl import get_peft_config
 
-    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
     from pf_trl.trainer.trl_script import train_save_push
 
-    check_pair_script_args(script_args, dataset_args, model_args, "pf-trl dpo")
+    check_pair_script_args(script_args, dataset_args, model_args, command)
     init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
                        attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
     if training_args.model_init_kwargs is not None:
         init_kwargs.update(training_args.model_init_kwargs)
-    trust = bool(init_kwargs["trust_remote_code"])  # trl dpo's: model_init_kwargs win over the flag
+    trust = bool(init_kwargs["trust_remote_code"])  # TRL's scripts: model_init_kwargs win over the flag
     model, ref_model, tokenizer = _model_and_tokenizer(model_args, training_args, trust)
     if isinstance(model, str):
         init_kwargs.pop("revision")  # the folder is the snapshot of that revision already
     training_args.model_init_kwargs = init_kwargs if isinstance(model, str) else None
-    train, eval_data = preference_splits(script_args, training_args)
-    trainer = PaddingFreeDPOTrainer(model, ref_model=ref_model, args=training_args, train_dataset=train,
-                                    eval_dataset=eval_data, processing_class=tokenizer,
-                                    peft_config=get_peft_config(model_args))
-    return train_save_push(trainer, script_args, training_args, "pf-trl dpo")
+    train, eval_data = preference_splits(script_args, training_args, unpaired=unpaired)
+    trainer = trainer_cls(model, ref_model=ref_model, args=training_args, train_dataset=train, eval_dataset=eval_data,
+                          processing_class=tokenizer, peft_config=get_peft_config(model_args))
+    return train_save_push(trainer, script_args, training_args, command)

@@ -19,24 +19,8 @@ __all__ = ["run_kto"]
 
 def run_kto(script_args, training_args, model_args, dataset_args=None) -> Any:
     """Train as ``trl kto`` does (same arguments), padding-free; returns the trainer after saving the model."""
-    from trl import get_peft_config
-
-    from pf_trl.trainer.dpo_script import _model_and_tokenizer, check_pair_script_args, preference_splits
+    from pf_trl.trainer.dpo_script import run_reference_script
     from pf_trl.trainer.preference.kto_trainer import PaddingFreeKTOTrainer
-    from pf_trl.trainer.trl_script import train_save_push
 
-    check_pair_script_args(script_args, dataset_args, model_args, "pf-trl kto")
-    init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
-                       attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
-    if training_args.model_init_kwargs is not None:
-        init_kwargs.update(training_args.model_init_kwargs)
-    trust = bool(init_kwargs["trust_remote_code"])  # trl kto's: model_init_kwargs win over the flag
-    model, ref_model, tokenizer = _model_and_tokenizer(model_args, training_args, trust)
-    if isinstance(model, str):
-        init_kwargs.pop("revision")  # the folder is the snapshot of that revision already
-    training_args.model_init_kwargs = init_kwargs if isinstance(model, str) else None
-    train, eval_data = preference_splits(script_args, training_args, unpaired=True)
-    trainer = PaddingFreeKTOTrainer(model, ref_model=ref_model, args=training_args, train_dataset=train,
-                                    eval_dataset=eval_data, processing_class=tokenizer,
-                                    peft_config=get_peft_config(model_args))
-    return train_save_push(trainer, script_args, training_args, "pf-trl kto")
+    return run_reference_script(PaddingFreeKTOTrainer, "pf-trl kto", script_args, training_args, model_args,
+                                dataset_args, unpaired=True)
