@@ -204,3 +204,25 @@ def run_job(job: dict, out: str) -> dict:
             "world": t.args.world_size, "history": logged(t.state.log_history), "seen": t.pf_seen,
             "batches": [list(map(int, b)) for b in sampler] if sampler is not None else [], "grad": t.pf_grad,
             "weights": {k: v.detach().clone() for k, v in t.model.state_dict().items()}}
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``pf-trl ARGV`` in this process: (exit status, stdout, stderr)."""
+    from pf_trl.cli.main import main
+
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_same_trained_weights(pf_dir: Path, trl_dir: Path, start_dir: str) -> None:
+    """The model pf-trl's command saved equals the one TRL's script saved (float32 rounding), and training moved
+    the weights away from ``start_dir``'s (so the agreement is not the starting point's)."""
+    from safetensors.torch import load_file
+
+    pf, trl = load_file(Path(pf_dir) / "model.safetensors"), load_file(Path(trl_dir) / "model.safetensors")
+    start = load_file(f"{start_dir}/model.safetensors")
+    assert pf.keys() == trl.keys()
+    for name in trl:
+        torch.testing.assert_close(pf[name], trl[name], rtol=1e-4, atol=2e-6, msg=name)
+    assert any(not torch.allclose(start[n], trl[n]) for n in trl)

@@ -21,12 +21,7 @@ def _last_line(err: str) -> str:
     return err.strip().splitlines()[-1] if err.strip() else ""
 
 
-def _run(argv, capsys):
-    from pf_trl.cli.main import main
-
-    code = main(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+_run = S.run_cli
 
 
 def _formats():

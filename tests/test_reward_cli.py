@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests import dpo_support as S
 
@@ -17,12 +16,7 @@ FLAGS = ["--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "-
          "--learning_rate", "1e-3", "--seed", "0", "--center_rewards_coefficient", "0.05"]
 
 
-def _run(argv, capsys):
-    from pf_trl.cli.main import main
-
-    code = main(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+_run = S.run_cli
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,6 @@ def folders(tmp_path_factory):
 
 @pytest.mark.slow
 def test_reward_cli_trains_what_trl_reward_trains(folders, tmp_path, capsys):
-    from safetensors.torch import load_file
     from trl.scripts.reward import main as trl_main
     from trl.scripts.reward import make_parser
 
@@ -52,13 +45,7 @@ def test_reward_cli_trains_what_trl_reward_trains(folders, tmp_path, capsys):
     assert code == 0, err[-2000:]
     assert "pf-trl reward: model saved to" in out
     trl_main(*make_parser().parse_args_and_config(args=[*common, "--output_dir", str(tmp_path / "trl")]))
-    pf, trl = load_file(tmp_path / "pf" / "model.safetensors"), load_file(tmp_path / "trl" / "model.safetensors")
-    start = load_file(f"{model}/model.safetensors")
-    assert pf.keys() == trl.keys()
-    for name in trl:
-        torch.testing.assert_close(pf[name], trl[name], rtol=1e-4, atol=2e-6, msg=name)
-    # control: the weights moved (two steps at lr 1e-3), so the agreement is not the starting point's
-    assert any(not torch.allclose(start[n], trl[n]) for n in trl)
+    S.assert_same_trained_weights(tmp_path / "pf", tmp_path / "trl", model)
 
 
 def test_reward_refuses_in_one_line(tmp_path, capsys, folders):
