@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_cli
 from s3_server import s3_server_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
-PF_TRL = str(Path(sys.executable).parent / "pf-trl")
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +93,8 @@ def test_gcs_and_azure_filesystems_come_from_their_packages(monkeypatch):
 
 
 def _pretokenize(env, source, dest, *extra):
-    return subprocess.run([PF_TRL, "pretokenize", source, dest, "--no_progress", *extra], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    """``pf-trl pretokenize`` in this process (tests/in_process.py), with the writer node's environment."""
+    return run_cli(["pretokenize", source, dest, "--no_progress", *extra], env, REPO)
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +123,7 @@ def test_pretokenize_commits_a_dataset_that_trains_like_the_local_one(bucket_env
     assert names == sorted([*listed, "pf_manifest.json"])
     for name, entry in listed.items():  # every file listed with its size and checksum, under the writer's folder
         assert fs.info(f"pfdata/datasets/sample/{writer}/{name}")["size"] == entry["bytes"] and entry["digest"]
-    inspected = subprocess.run([PF_TRL, "inspect", committed, "--json"], env=os.environ, capture_output=True,
-                               text=True, timeout=120)
+    inspected = run_cli(["inspect", committed, "--json"], dict(os.environ), REPO)
     assert inspected.returncode == 0, inspected.stderr
     assert json.loads(inspected.stdout)["checksums"] == manifest["checksums"]  # pf-trl inspect reads a bucket too
     remote = load_training_data(committed, resolve_tokenizer(None, None))
