@@ -1,34 +1,36 @@
 """Models in a bucket, against a real S3 server (SeaweedFS, tests/s3_server.py): the final model of a run whose
 ``output_dir`` is a bucket is committed by a marker written last (sizes and checksums), an overwrite leaves nothing
 of the previous model, and ``--model_name_or_path s3://...`` (train and pretokenize) reads only a committed prefix,
-checked file by file, training to the losses of its local copy."""
+checked file by file, training to the losses of its local copy.
+
+Every command runs in this process (tests/in_process.py: the console script's entry, a node's environment): the
+claims are about what the commands read, write and refuse, not about a process of their own."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_cli
 from s3_server import s3_server_or_skip
 
 from pf_trl.storage.committed import MODEL_MARKER
 
 pytestmark = pytest.mark.slow
 
-PF_TRL = str(Path(sys.executable).parent / "pf-trl")
 TINY = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
 MODEL = "pfm/models/base"
 
 
 def _run(argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return run_cli(argv, env, cwd)
 
 
 def _train(env, cwd: Path, model: str, data: str, out: str, *extra: str) -> subprocess.CompletedProcess:
-    return _run([PF_TRL, "train", "--model_name_or_path", model, *extra, "--training_data_path", data,
+    return _run(["train", "--model_name_or_path", model, *extra, "--training_data_path", data,
                  "--output_dir", out, "--max_steps", "3", "--logging_steps", "1", "--max_tokens_per_batch", "256",
                  "--max_seq_len", "128", "--seed", "0", "--report_to", "none", "--use_cpu", "True",
                  "--learning_rate", "1e-3", "--dataloader_num_workers", "0", "--disable_tqdm", "True"], env, cwd)
@@ -86,7 +88,7 @@ def test_a_bucket_model_trains_to_its_local_copys_losses_and_brings_its_tokenize
     # pretokenize with the bucket model's tokenizer: its tokenizer files come, its weights do not
     tok_env = {**env, "PF_TRL_CACHE": str(root / "tok-cache")}
     shards = root / "shards"
-    made = _run([PF_TRL, "pretokenize", str(bucket_model["data"]), str(shards), "--model_name_or_path",
+    made = _run(["pretokenize", str(bucket_model["data"]), str(shards), "--model_name_or_path",
                  f"s3://{MODEL}", "--max_seq_len", "128", "--no_progress"], tok_env, root)
     assert made.returncode == 0, made.stderr[-3000:]
     fetched = [p.name for p in (root / "tok-cache" / "remote").rglob("*") if p.is_file()]

@@ -2,21 +2,23 @@
 bucket and ``pf-trl train`` with checkpoints into it, through a relay (tests/s3_relay.py) that answers 30% of the
 requests ``503 SlowDown`` with S3's XML error body, give the dataset and the losses of the same commands run
 straight against the server (SeaweedFS); with every request throttled and retries exhausted the command fails in one
-line. The classifier is also checked on each backend's own exception types (s3fs, gcsfs, adlfs / azure-core)."""
+line. The classifier is also checked on each backend's own exception types (s3fs, gcsfs, adlfs / azure-core).
+
+The commands run in this process (tests/in_process.py: the console script's entry, a node's own environment and
+cache): what is checked is what they send through the relay and what they say, not a process of their own."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_cli
 from s3_relay import S3Relay
 from s3_server import s3_server_or_skip
 
-PF_TRL = str(Path(sys.executable).parent / "pf-trl")
 TINY = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
 SOURCE = "s3://pfthr/src/train.jsonl"
 
@@ -66,9 +68,8 @@ class Node:
         self.env = {**os.environ, **s3.env(AWS_ENDPOINT_URL=endpoint), "PF_TRL_CACHE": str(root / "cache"),
                     "OMP_NUM_THREADS": "1", **env}
 
-    def run(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([PF_TRL, *argv], env=self.env, cwd=self.root, capture_output=True, text=True,
-                              timeout=timeout)
+    def run(self, *argv: str) -> subprocess.CompletedProcess:
+        return run_cli(list(argv), self.env, self.root)
 
 
 def _train_argv(data: str, output: str) -> list[str]:

@@ -4,7 +4,11 @@ working folder) and nothing shared but a bucket on a real S3 server (SeaweedFS, 
 A dataset is pretokenized from a bucket source into the bucket; ``pf-trl train`` reads it and writes its checkpoints
 and final model into the bucket; a run killed (SIGKILL, its whole process tree) after a checkpoint is restarted with
 the same command on the other node, whose disk is empty, and ends with the losses of an uninterrupted run. Wrong
-credentials, a dead endpoint, a corrupted shard and a missing manifest are each refused in one line (exit 2)."""
+credentials, a dead endpoint, a corrupted shard and a missing manifest are each refused in one line (exit 2).
+
+The run killed and the run resumed are processes of their own (``pf-trl`` started as a pod starts it); the
+pretokenize, the uninterrupted reference and the refusals run in this process (tests/in_process.py: the console
+script's entry with the node's own environment and cache), which spares an interpreter start each (~4 CPU-s)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from in_process import run_cli
 from s3_server import s3_server_or_skip
 
 pytestmark = pytest.mark.slow
@@ -48,9 +53,10 @@ class Node:
         self.env = {**os.environ, **s3.env(), "PF_TRL_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **env}
 
-    def run(self, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env=self.env, cwd=self.root / "work", capture_output=True, text=True,
-                              timeout=timeout)
+    def run(self, argv: list[str]) -> subprocess.CompletedProcess:
+        """The command in this process, with this node's environment and working folder."""
+        assert argv[0] == PF_TRL
+        return run_cli(argv[1:], self.env, self.root / "work")
 
     def start(self, argv: list[str]) -> subprocess.Popen:
         with open(self.root / "train.log", "w") as log:
@@ -79,11 +85,12 @@ def _losses(fs, run: str) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
-def _refused(proc: subprocess.Popen) -> str:
+def _refused(done: subprocess.CompletedProcess) -> str:
     """The refusal's one line (exit 2: a user error, never retried)."""
-    assert proc.wait(240) == 2, proc.node.log()[-3000:]
-    line = proc.node.log().strip().splitlines()[-1]
-    assert line.startswith("pf-trl train: error: "), proc.node.log()[-3000:]
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said[-3000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("pf-trl train: error: "), said[-3000:]
     assert WRONG_SECRET not in line  # no secret printed
     return line
 
@@ -114,8 +121,7 @@ def _two_nodes(s3, tmp_path):
                        "--no_progress"])
     assert done.returncode == 0, done.stderr[-3000:]
 
-    # the uninterrupted run (node "ref") and the run to kill (node A) side by side
-    reference_run = ref.start(_argv("s3://pfruns/runs/ref"))
+    # the run to kill (node A); the uninterrupted run (node "ref") comes later, beside the resumed one
     victim = a.start(_argv("s3://pfruns/runs/job"))
     deadline = time.time() + 300
     # node A: killed (SIGKILL) once two checkpoints are committed in the bucket
@@ -146,16 +152,16 @@ def _two_nodes(s3, tmp_path):
     resumed = b.start(_argv("s3://pfruns/runs/job"))
     started = time.time()
     refusals = {
-        "wrong key": Node(tmp_path / "wrong-key", s3, AWS_SECRET_ACCESS_KEY=WRONG_SECRET).start(_argv("s3://pfruns/runs/x")),
-        "dead endpoint": Node(tmp_path / "dead", s3, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_dead_port()}").start(
+        "wrong key": Node(tmp_path / "wrong-key", s3, AWS_SECRET_ACCESS_KEY=WRONG_SECRET).run(_argv("s3://pfruns/runs/x")),
+        "dead endpoint": Node(tmp_path / "dead", s3, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_dead_port()}").run(
             _argv("s3://pfruns/runs/x")),
-        "corrupt": Node(tmp_path / "corrupt", s3).start(_argv("s3://pfruns/runs/x", "s3://pfruns/datasets/corrupt")),
-        "no manifest": Node(tmp_path / "no-manifest", s3).start(
+        "corrupt": Node(tmp_path / "corrupt", s3).run(_argv("s3://pfruns/runs/x", "s3://pfruns/datasets/corrupt")),
+        "no manifest": Node(tmp_path / "no-manifest", s3).run(
             _argv("s3://pfruns/runs/x", "s3://pfruns/datasets/uncommitted")),
     }
-    lines = {what: _refused(p) for what, p in refusals.items()}
+    lines = {what: _refused(done) for what, done in refusals.items()}
     # bounded, not retried without end: the retry schedule (pf-trl's 4 tries with backoff capped at 8 s, botocore's 3
-    # attempts) ends a dead endpoint within ~30 s; the rest is five processes starting beside a training on 2 cores
+    # attempts) ends a dead endpoint within ~30 s; the rest is four refusals beside a training on 2 cores
     assert time.time() - started < 180
     assert DATA in lines["wrong key"] and "access denied" in lines["wrong key"]
     assert "credentials from the environment (AWS_ACCESS_KEY_ID" in lines["wrong key"]
@@ -165,11 +171,13 @@ def _two_nodes(s3, tmp_path):
     assert "s3://pfruns/datasets/uncommitted has no pf_manifest.json" in lines["no manifest"]
     assert not fs.find("pfruns/runs/x")  # nothing written
 
-    assert reference_run.wait(300) == 0, ref.log()[-3000:]
+    reference_run = ref.run(_argv("s3://pfruns/runs/ref"))  # meanwhile node B trains in its own process
+    said_by_ref = reference_run.stdout + reference_run.stderr
+    assert reference_run.returncode == 0, said_by_ref[-3000:]
     top = {p[len("pfruns/runs/ref/"):].split("/")[0] for p in fs.find("pfruns/runs/ref")}  # objects, not folders
     assert {"model.safetensors", "config.json", "train_results.json", "tokenizer.json"} <= top
     assert {t for t in top if t.startswith("checkpoint-")} == {"checkpoint-4", "checkpoint-6"}  # save_total_limit 2
-    assert "pf-trl: model saved to s3://pfruns/runs/ref" in ref.log()
+    assert "pf-trl: model saved to s3://pfruns/runs/ref" in said_by_ref
     (staged,) = (ref.root / "cache" / "staging").glob("output-*")
     assert [p.name for p in staged.glob("checkpoint-*")] == [f"checkpoint-{MAX_STEPS}"]  # the node keeps the newest
     reference = _losses(fs, "ref")

@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_cli
 from s3_server import s3_server_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
-PF_TRL = str(Path(sys.executable).parent / "pf-trl")
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +93,35 @@ def test_gcs_and_azure_filesystems_come_from_their_packages(monkeypatch):
 
 
 def _pretokenize(env, source, dest, *extra):
-    return subprocess.run([PF_TRL, "pretokenize", source, dest, "--no_progress", *extra], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    """``pf-trl pretokenize`` in this process (tests/in_process.py), with the writer node's environment."""
+    return run_cli(["pretokenize", source, dest, "--no_progress", *extra], env, REPO)
+
+
+ROWS = 300  # of the shipped sample: several shards' worth of bytes, an eighth of the tokenizing
 
 
 @pytest.fixture(scope="module")
-def committed(s3, sample_path, tmp_path_factory):
-    """The shipped sample pretokenized by the CLI from a bucket source into a bucket prefix."""
-    s3.filesystem().put_file(str(sample_path), "pfdata/src/train.jsonl")
+def source_rows(sample_path, tmp_path_factory) -> Path:
+    """The first ROWS rows of the shipped sample, as a JSON Lines file."""
+    path = tmp_path_factory.mktemp("source") / "train.jsonl"
+    path.write_text("".join(sample_path.read_text().splitlines(keepends=True)[:ROWS]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_shards(source_rows, tmp_path_factory) -> Path:
+    """``source_rows`` pretokenized here with the defaults (what the CLI's run must equal)."""
+    from pf_trl.data.pretokenize import pretokenize
+
+    out = tmp_path_factory.mktemp("local") / "shards"
+    pretokenize(source_rows, out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def committed(s3, source_rows, tmp_path_factory):
+    """``source_rows`` pretokenized by the CLI from a bucket source into a bucket prefix."""
+    s3.filesystem().put_file(str(source_rows), "pfdata/src/train.jsonl")
     env = {**os.environ, **s3.env(), "PF_TRL_CACHE": str(tmp_path_factory.mktemp("writer"))}
     done = _pretokenize(env, "s3://pfdata/src/train.jsonl", "s3://pfdata/datasets/sample")
     assert done.returncode == 0, done.stderr
@@ -112,7 +131,7 @@ def committed(s3, sample_path, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_pretokenize_commits_a_dataset_that_trains_like_the_local_one(bucket_env, committed, sample_shards):
+def test_pretokenize_commits_a_dataset_that_trains_like_the_local_one(bucket_env, committed, local_shards):
     from pf_trl.data.shards import load_shards
     from pf_trl.data.sources import load_training_data
     from pf_trl.data.tokenizer import resolve_tokenizer
@@ -125,12 +144,12 @@ def test_pretokenize_commits_a_dataset_that_trains_like_the_local_one(bucket_env
     assert names == sorted([*listed, "pf_manifest.json"])
     for name, entry in listed.items():  # every file listed with its size and checksum, under the writer's folder
         assert fs.info(f"pfdata/datasets/sample/{writer}/{name}")["size"] == entry["bytes"] and entry["digest"]
-    inspected = subprocess.run([PF_TRL, "inspect", committed, "--json"], env=os.environ, capture_output=True,
-                               text=True, timeout=120)
+    inspected = run_cli(["inspect", committed, "--json"], dict(os.environ), REPO)
     assert inspected.returncode == 0, inspected.stderr
     assert json.loads(inspected.stdout)["checksums"] == manifest["checksums"]  # pf-trl inspect reads a bucket too
     remote = load_training_data(committed, resolve_tokenizer(None, None))
-    local = load_shards(sample_shards)
+    local = load_shards(local_shards)
+    assert local.num_rows > ROWS // 2  # rows over the default max_seq_len are dropped, the same on both sides
     assert remote["input_ids"] == local["input_ids"] and remote["labels"] == local["labels"]
     assert remote.cache_files[0]["filename"].startswith(os.environ["PF_TRL_CACHE"])  # memory-mapped from the cache
 
@@ -168,11 +187,11 @@ def test_ranks_of_one_node_download_once(bucket_env, committed, tmp_path):
     assert len(lines) == 4 and len({line.split()[0] for line in lines}) == 1  # 4 files (the lengths too), one process
 
 
-def test_a_prefix_without_manifest_is_refused(bucket_env, sample_shards):
+def test_a_prefix_without_manifest_is_refused(bucket_env, local_shards):
     from pf_trl.data.sources import DataSourceError, check_source_path
 
     fs = bucket_env.filesystem()
-    for p in sample_shards.iterdir():
+    for p in local_shards.iterdir():
         if p.name != "pf_manifest.json":  # an upload cut short before its commit
             fs.put_file(str(p), f"pfdata/datasets/uncommitted/{p.name}")
     with pytest.raises(DataSourceError) as exc:
@@ -234,7 +253,7 @@ def test_two_writers_never_mix_files(bucket_env, committed, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cache_is_bounded(bucket_env, committed, monkeypatch):
+def test_the_cache_is_bounded(bucket_env, committed, source_rows, monkeypatch):
     from pf_trl.data.remote import local_path
     from pf_trl.storage import StorageError
 
@@ -248,7 +267,8 @@ def test_the_cache_is_bounded(bucket_env, committed, monkeypatch):
     first = local_path(committed)
     size = sum(p.stat().st_size for p in first.iterdir())
     monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(int(size * 1.5)))
-    bucket_env.filesystem().put_file(str(REPO / "pf_trl/data/samples/sharegpt_sample.jsonl"), "pfdata/src/b.jsonl")
+    bucket_env.filesystem().put_file(str(source_rows), "pfdata/src/b.jsonl")
+    assert 0.5 * size < source_rows.stat().st_size < 1.5 * size  # fits alone, not beside the first: the test bites
     local_path("s3://pfdata/src/b.jsonl")  # needs room: the least recently used entry goes
     assert not first.exists()
 
