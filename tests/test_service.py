@@ -16,6 +16,7 @@ import threading
 
 import httpx
 import pytest
+from in_process import run_cli
 
 from test_service_support import REPO, Server, files_under, generated_rows, wait_state, write_rows
 
@@ -395,13 +396,12 @@ def test_train_through_the_service(env, client, tmp_path):
     r = post(client, {"source": {"path": "sample.jsonl"}})
     dataset_id = r.json()["id"]
     out = tmp_path / "train-out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pf_trl.cli.main", "train", "--model_name_or_path", "pf-trl/tiny-llama",
-         "--dataset_service_url", env["server"].url, "--dataset_id", dataset_id, "--max_steps", "2",
-         "--output_dir", str(out)],
-        env={**os.environ, "PF_SERVICE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=300, cwd=str(REPO))
+    # in this process (tests/in_process.py): the claim is the command's, reading the service's output, not a process's
+    proc = run_cli(["train", "--model_name_or_path", "pf-trl/tiny-llama", "--dataset_service_url", env["server"].url,
+                    "--dataset_id", dataset_id, "--max_steps", "2", "--output_dir", str(out)],
+                   {**os.environ, "PF_SERVICE_TOKEN": TOKEN}, REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((out / "train_results.json").read_text())["train_real_tokens"] > 0
 
 
 def test_service_shards_match_the_trainers_tokenizer(env, client):
