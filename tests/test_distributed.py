@@ -30,8 +30,10 @@ SCRIPT = textwrap.dedent(
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
     from pf_trl.data.tokenizer import load_tokenizer
 
-    # MODES: comma-separated, trained one after the other in the same processes (one launch: the imports paid once)
-    shards, out, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+    # MODES: comma-separated, run one after the other in the same processes (one launch: the imports paid once);
+    # "fsdp2_loss" and "cli_save" are the launch's part of the tests of the same names (FSDP2_LOSS, CLI_SAVE below);
+    # ARGV[4:]: the arguments of `pf-trl train` in "cli_save"
+    shards, out, modes, cli_args = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
     TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     ds = load_shards(shards)
     lengths = np.asarray(ds["length"])
@@ -112,8 +114,88 @@ SCRIPT = textwrap.dedent(
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in tr.model.state_dict().items()}, os.path.join(out, f"weights_{mode}.pt"))
 
+    def fsdp2_loss(out):
+        """FSDP2_LOSS: pf-trl's loss forward on a model sharded with torch's own fully_shard."""
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+        from pf_trl.attention import enable_padding_free
+        from pf_trl.batching.collator import PaddingFreeCollator
+        from pf_trl.models import build_model
+        from pf_trl.trainer.loss import install_pf_loss_forward
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        VOCAB = 128
+        TINY = dict(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=False)
+        gen = torch.Generator().manual_seed(0)
+
+        def example(n):
+            ids = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+            return {"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]}
+
+        per_rank = [[example(n) for n in (9, 1, 14, 30)], [example(n) for n in (5, 11, 7, 3, 25)]]
+        collate = PaddingFreeCollator()
+        batches = [collate(b) for b in per_rank]
+        n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # the step's supervised tokens, all ranks
+
+        def prepared():
+            model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
+            enable_padding_free(model, mode="internal", backend="sdpa")
+            install_pf_loss_forward(model, "chunked", 16)  # small chunks: several chunks per row
+            return model
+
+        ref = prepared()  # every rank: one process over both ranks' batches
+        ref_loss = sum(ref(**b, pf_loss=True)["loss_sum"] for b in batches) / n_items
+        ref_loss.backward()
+
+        model = prepared()
+        for layer in model.model.layers:  # what accelerate's FSDP2 plugin does with transformer_layer_cls_to_wrap
+            fully_shard(layer)
+        fully_shard(model)
+        sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+        res = model(**batches[rank], pf_loss=True)
+        loss = res["loss_sum"] / n_items * world  # FSDP averages gradients over ranks, as the trainer assumes
+        loss.backward()
+        total = res["loss_sum"].detach().clone()
+        dist.all_reduce(total)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+        if rank == 0:
+            err = {n: float((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-12)) for n in ref_grads}
+            json.dump({"sharded": sharded, "params": len(ref_grads), "loss": float(total / n_items), "ref_loss": float(ref_loss),
+                       "max_rel_grad_err": max(err.values()), "worst": max(err, key=err.get), "keys_equal": grads.keys() == ref_grads.keys()},
+                      open(os.path.join(out, "fsdp_result.json"), "w"))
+    def cli_save(out, argv):
+        """CLI_SAVE: `pf-trl train` with Trainer.save_model made a collective as it is under FSDP / ZeRO-3."""
+        import torch.distributed as dist
+        from pf_trl.cli.main import main
+
+        original = PaddingFreeSFTTrainer.save_model
+
+        def collective_save_model(self, *args, **kwargs):
+            # FSDP's full-state-dict gather / ZeRO-3's consolidation: every rank must take part. gloo's barrier fails
+            # (or hangs until the timeout) when a rank never arrives, so a rank-0-only call cannot pass this test.
+            dist.monitored_barrier(timeout=__import__("datetime").timedelta(seconds=60))
+            with open(os.path.join(out, f"save_calls_{dist.get_rank()}.txt"), "a") as f:
+                f.write((args[0] if args else kwargs.get("output_dir") or "final") + "\n")
+            return original(self, *args, **kwargs)
+
+        PaddingFreeSFTTrainer.save_model = collective_save_model
+        try:
+            rc = main(["train", *argv])
+        finally:
+            PaddingFreeSFTTrainer.save_model = original
+        if rc != 0:
+            os._exit(rc)  # no teardown barrier: the other rank may be inside a collective that this one never joins
+
     for mode in modes:
-        train(mode)
+        if mode == "fsdp2_loss":
+            fsdp2_loss(out)
+        elif mode == "cli_save":
+            cli_save(out, cli_args)
+        else:
+            train(mode)
         # the next mode starts from a clean slate: no accelerate state left (the process group stays)
         from accelerate.state import AcceleratorState
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -123,71 +205,6 @@ SCRIPT = textwrap.dedent(
     # called without an active exception", exit -6) after every collective has finished (see FSDP2_SCRIPT)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
-    '''
-)
-
-
-FSDP2_SCRIPT = textwrap.dedent(
-    r'''
-    import json, os, sys
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-    from pf_trl.attention import enable_padding_free
-    from pf_trl.batching.collator import PaddingFreeCollator
-    from pf_trl.models import build_model
-    from pf_trl.trainer.loss import install_pf_loss_forward
-
-    out = sys.argv[1]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    VOCAB = 128
-    TINY = dict(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, tie_word_embeddings=False)
-    gen = torch.Generator().manual_seed(0)
-
-    def example(n):
-        ids = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
-        return {"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]}
-
-    per_rank = [[example(n) for n in (9, 1, 14, 30)], [example(n) for n in (5, 11, 7, 3, 25)]]
-    collate = PaddingFreeCollator()
-    batches = [collate(b) for b in per_rank]
-    n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # the step's supervised tokens, all ranks
-
-    def prepared():
-        model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
-        enable_padding_free(model, mode="internal", backend="sdpa")
-        install_pf_loss_forward(model, "chunked", 16)  # small chunks: several chunks per row
-        return model
-
-    ref = prepared()  # every rank: one process over both ranks' batches
-    ref_loss = sum(ref(**b, pf_loss=True)["loss_sum"] for b in batches) / n_items
-    ref_loss.backward()
-
-    model = prepared()
-    for layer in model.model.layers:  # what accelerate's FSDP2 plugin does with transformer_layer_cls_to_wrap
-        fully_shard(layer)
-    fully_shard(model)
-    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
-    res = model(**batches[rank], pf_loss=True)
-    loss = res["loss_sum"] / n_items * world  # FSDP averages gradients over ranks, as the trainer assumes
-    loss.backward()
-    total = res["loss_sum"].detach().clone()
-    dist.all_reduce(total)
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
-    if rank == 0:
-        err = {n: float((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-12)) for n in ref_grads}
-        json.dump({"sharded": sharded, "params": len(ref_grads), "loss": float(total / n_items), "ref_loss": float(ref_loss),
-                   "max_rel_grad_err": max(err.values()), "worst": max(err, key=err.get), "keys_equal": grads.keys() == ref_grads.keys()},
-                  open(os.path.join(out, "fsdp_result.json"), "w"))
-    dist.barrier()
-    # the result is on disk: leave without gloo's C++ teardown, whose threads abort the process now and then on a
-    # loaded machine ("terminate called without an active exception", exit -6) after every collective has finished
-    sys.stdout.flush()
     os._exit(0)
     '''
 )
@@ -225,14 +242,36 @@ def single_process_run(tmp_path_factory, sample_shards):
     return json.loads((out / "result_single_0.json").read_text()), torch.load(out / "weights_single.pt")
 
 
+def _cli_args(sample_shards, folder) -> list[str]:
+    """`pf-trl train` on 2 ranks: 2 steps, a checkpoint at each, then the final model (test_torchrun_cli_...)."""
+    from pf_trl.data.pretokenize import pretokenize
+    from pf_trl.data.shards import load_shards
+
+    rows = folder / "train.jsonl"
+    with open(rows, "w") as f:
+        for row in load_shards(sample_shards).select(range(24)):
+            f.write(json.dumps({"input_ids": row["input_ids"][:128], "labels": row["labels"][:128]}) + "\n")
+    # shards built once here: two ranks building the same cache entry at once is a separate race (cli data path)
+    data = folder / "shards"
+    pretokenize(rows, data, progress=False)
+    tiny = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
+    return ["--training_data_path", str(data), "--output_dir", str(folder / "run"), "--model_overrides", tiny,
+            "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "4",
+            "--report_to", "none", "--padding_free_mode", "internal", "--use_cpu", "True", "--max_seq_len", "128",
+            "--disable_tqdm", "True", "--save_only_model", "True"]
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory, sample_shards) -> tuple:
-    """One torchrun launch training both two-rank modes one after the other (the imports paid once)."""
+    """One torchrun launch for every two-rank check of this module, one after the other (the imports paid once):
+    both trainer modes, the FSDP2 loss, then `pf-trl train` (last: the command sets pf-trl's loggers up)."""
     out = tmp_path_factory.mktemp("dist_two_ranks")
     script = out / "dist_train.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(_torchrun(script, str(sample_shards), str(out), "ddp,fsdp_on_cpu"), env=_env(),
-                          capture_output=True, text=True, timeout=900)
+    cli = _cli_args(sample_shards, out)
+    env = {**_env(), "PF_TRL_CACHE": str(out / "cache")}
+    proc = subprocess.run(_torchrun(script, str(sample_shards), str(out), "ddp,fsdp_on_cpu,fsdp2_loss,cli_save", *cli),
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, _failure(proc)
     return out, proc
 
@@ -269,76 +308,23 @@ def test_torchrun_two_ranks_match_single_process(two_rank_runs, single_process_r
 
 
 @pytest.mark.slow
-def test_fsdp2_sharded_pf_loss_matches_single_process(tmp_path):
+def test_fsdp2_sharded_pf_loss_matches_single_process(two_rank_runs):
     """Two ranks, each its own packed row, every parameter an FSDP2 DTensor: the step's loss and the reduced
     gradients equal one process over both rows (loss / all supervised tokens, x world size as the trainer does)."""
-    script = tmp_path / "fsdp_loss.py"
-    script.write_text(FSDP2_SCRIPT)
-    proc = subprocess.run(_torchrun(script, str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, _failure(proc)
-    r = json.loads((tmp_path / "fsdp_result.json").read_text())
+    out, _ = two_rank_runs
+    r = json.loads((out / "fsdp_result.json").read_text())
     assert r["sharded"] == r["params"] > 0, "FSDP2 did not shard the parameters"
     assert r["keys_equal"]
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
     assert r["max_rel_grad_err"] <= 1e-4, r  # a missing world-size factor gives 0.5
 
 
-SAVE_SCRIPT = textwrap.dedent(
-    r'''
-    """`pf-trl train` under torchrun, with Trainer.save_model made a collective as it is under FSDP / ZeRO-3."""
-    import json, os, sys
-    import torch.distributed as dist
-    from pf_trl.cli.main import main
-    from pf_trl.trainer import PaddingFreeSFTTrainer
-
-    out = sys.argv[1]
-    original = PaddingFreeSFTTrainer.save_model
-
-    def collective_save_model(self, *args, **kwargs):
-        # FSDP's full-state-dict gather / ZeRO-3's consolidation: every rank must take part. gloo's barrier fails
-        # (or hangs until the timeout) when a rank never arrives, so a rank-0-only call cannot pass this test.
-        dist.monitored_barrier(timeout=__import__("datetime").timedelta(seconds=60))
-        with open(os.path.join(out, f"save_calls_{dist.get_rank()}.txt"), "a") as f:
-            f.write((args[0] if args else kwargs.get("output_dir") or "final") + "\n")
-        return original(self, *args, **kwargs)
-
-    PaddingFreeSFTTrainer.save_model = collective_save_model
-    rc = main(["train", *sys.argv[2:]])
-    if rc != 0:
-        os._exit(rc)  # no teardown barrier: the other rank may be inside a collective that this one never joins
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.exit(rc)
-    '''
-)
-
-
 @pytest.mark.slow
-def test_torchrun_cli_saves_checkpoint_and_final_model_on_every_rank(tmp_path, sample_shards):
+def test_torchrun_cli_saves_checkpoint_and_final_model_on_every_rank(two_rank_runs):
     """`pf-trl train` on 2 ranks (gloo) saves a checkpoint and the final model; the save is entered by every rank,
     as FSDP / ZeRO-3 need (before: rank 0 only, which hangs there)."""
-    from pf_trl.data.pretokenize import pretokenize
-    from pf_trl.data.shards import load_shards
-
-    rows = tmp_path / "train.jsonl"
-    with open(rows, "w") as f:
-        for row in load_shards(sample_shards).select(range(24)):
-            f.write(json.dumps({"input_ids": row["input_ids"][:128], "labels": row["labels"][:128]}) + "\n")
-    # shards built once here: two ranks building the same cache entry at once is a separate race (cli data path)
-    data = tmp_path / "shards"
-    pretokenize(rows, data, progress=False)
+    tmp_path, _ = two_rank_runs
     out = tmp_path / "run"
-    script = tmp_path / "train_save.py"
-    script.write_text(SAVE_SCRIPT)
-    tiny = "num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"
-    args = ["--training_data_path", str(data), "--output_dir", str(out), "--model_overrides", tiny,
-            "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "4",
-            "--report_to", "none", "--padding_free_mode", "internal", "--use_cpu", "True", "--max_seq_len", "128",
-            "--disable_tqdm", "True", "--save_only_model", "True"]
-    env = {**_env(), "PF_TRL_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(_torchrun(script, str(tmp_path), *args), env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, _failure(proc)
     calls = [(tmp_path / f"save_calls_{r}.txt").read_text().split() for r in (0, 1)]
     assert calls[0] == calls[1] and len(calls[0]) == 3, calls  # checkpoint-1, checkpoint-2, final: on both ranks
     for folder in (out / "checkpoint-1", out / "checkpoint-2", out):

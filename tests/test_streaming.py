@@ -143,7 +143,8 @@ DDP_SCRIPT = textwrap.dedent(
     from pf_trl.models import build_model
     from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
 
-    data, out, resume = sys.argv[1], sys.argv[2], sys.argv[3]
+    # MODES: "full,resume", trained one after the other in the same processes (one launch: the imports paid once)
+    data, out, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
     rank = int(os.environ.get("RANK", 0))
     trained = []
@@ -157,21 +158,29 @@ DDP_SCRIPT = textwrap.dedent(
                 trained.append([self.state.global_step, keys, len(ids)])
             return super().compute_loss(model, inputs, *a, **kw)
 
-    stream = datasets.load_dataset("json", data_files=data, split="train", streaming=True)
-    args = PaddingFreeConfig(output_dir=os.path.join(out, resume), report_to=[], use_cpu=True, max_length=512, max_steps=4, save_steps=2,
-                             save_strategy="steps", max_tokens_per_batch=1024, disable_tqdm=True, logging_steps=1,
-                             learning_rate=1e-3, lr_scheduler_type="constant", seed=0, stream_buffer_size=24,
-                             padding_free_mode="internal", save_only_model=False)
-    model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
-    trainer = T(model, args=args, train_dataset=stream, processing_class=load_tokenizer())
-    result = trainer.train(resume_from_checkpoint=os.path.join(out, "full", "checkpoint-2") if resume == "resume" else None)
-    with open(os.path.join(out, f"{resume}_{rank}.json"), "w") as f:
-        json.dump({"trained": trained, "metrics": result.metrics, "world": trainer.args.world_size,
-                   "budget": trainer.pf_token_budget}, f)
-    if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                   os.path.join(out, f"weights_{resume}.pt"))
-    torch.distributed.barrier()
+    def train(resume):
+        trained.clear()
+        stream = datasets.load_dataset("json", data_files=data, split="train", streaming=True)
+        args = PaddingFreeConfig(output_dir=os.path.join(out, resume), report_to=[], use_cpu=True, max_length=512, max_steps=4, save_steps=2,
+                                 save_strategy="steps", max_tokens_per_batch=1024, disable_tqdm=True, logging_steps=1,
+                                 learning_rate=1e-3, lr_scheduler_type="constant", seed=0, stream_buffer_size=24,
+                                 padding_free_mode="internal", save_only_model=False)
+        model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
+        trainer = T(model, args=args, train_dataset=stream, processing_class=load_tokenizer())
+        result = trainer.train(resume_from_checkpoint=os.path.join(out, "full", "checkpoint-2") if resume == "resume" else None)
+        with open(os.path.join(out, f"{resume}_{rank}.json"), "w") as f:
+            json.dump({"trained": trained, "metrics": result.metrics, "world": trainer.args.world_size,
+                       "budget": trainer.pf_token_budget}, f)
+        if rank == 0:
+            torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                       os.path.join(out, f"weights_{resume}.pt"))
+
+    for mode in modes:
+        train(mode)
+        # the next mode starts from a clean slate: no accelerate state left (the process group stays)
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.distributed.barrier()
     # every result is on disk: leave without gloo's C++ teardown, whose threads abort a process now and then on a
     # loaded machine (tests/test_distributed.py says the same)
     sys.stdout.flush()
@@ -193,10 +202,9 @@ def test_stream_under_ddp_two_ranks_packs_and_resumes_exactly(alpaca_file, tmp_p
     script.write_text(DDP_SCRIPT)
     env = {**_env(), "PF_TRL_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
-    for mode in ("full", "resume"):
-        proc = subprocess.run(_torchrun(script, str(alpaca_file), str(out), mode), env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, _failure(proc)
+    proc = subprocess.run(_torchrun(script, str(alpaca_file), str(out), "full,resume"), env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, _failure(proc)
     full = [json.loads((out / f"full_{r}.json").read_text()) for r in (0, 1)]
     resumed = [json.loads((out / f"resume_{r}.json").read_text()) for r in (0, 1)]
     assert full[0]["world"] == 2 and full[0]["budget"] == 1024
