@@ -202,7 +202,7 @@ SCRIPT = textwrap.dedent(
         if torch.distributed.is_initialized():  # both ranks' results are on disk once both pass this barrier
             torch.distributed.barrier()
     # leave without gloo's C++ teardown, whose threads abort a process now and then on a loaded machine ("terminate
-    # called without an active exception", exit -6) after every collective has finished (see FSDP2_SCRIPT)
+    # called without an active exception", exit -6) after every collective has finished
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
