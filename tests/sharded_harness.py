@@ -59,6 +59,7 @@ from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer  # noqa: E40
 VOCAB = 128
 BUDGET = 120
 WORLD = 2
+STEPS = 2  # optimizer steps of a job (tests/test_sharded.py sets them)
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256)
 
@@ -80,8 +81,9 @@ def save_models(folder) -> dict[str, str]:
 
 
 def job(name: str, strategy: str, mode: str = "internal", optim: str = "sgd", **extra) -> dict:
-    """A job of the spec: 3 optimizer steps, gradient accumulation 2 (per rank)."""
-    return {"name": name, "strategy": strategy, "padding_free": mode, "optim": optim, "ga": 2, "steps": 3, **extra}
+    """A job of the spec: :data:`STEPS` optimizer steps, gradient accumulation 2 (per rank)."""
+    return {"name": name, "strategy": strategy, "padding_free": mode, "optim": optim, "ga": 2, "steps": STEPS,
+            **extra}
 
 
 def dataset(n: int = 48, seed: int = 0) -> Dataset:
@@ -185,7 +187,7 @@ def run_job(spec: dict, job: dict) -> None:
     if strategy != "zero3":  # zero3: loaded after the config, so zero.Init partitions it at load
         model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = PaddingFreeConfig(
-        output_dir=out, report_to=[], logging_steps=1, disable_tqdm=True, seed=0, max_steps=int(job.get("steps", 3)),
+        output_dir=out, report_to=[], logging_steps=1, disable_tqdm=True, seed=0, max_steps=int(job["steps"]),
         padding_free=job["padding_free"], max_length=None, use_cpu=True, max_tokens_per_batch=BUDGET,
         dataloader_num_workers=0, gradient_accumulation_steps=ga * WORLD if strategy == "single" else ga,
         optim="sgd" if job["optim"] == "sgd" else "adamw_torch",

@@ -2,7 +2,9 @@
 
 Every run trains three tiny models for 3 steps (a Llama, a Mistral with a sliding window shorter than the examples,
 a Qwen2 with grouped-query attention: 8 query heads over 2 key/value heads, so that 4 ranks repeat each key/value
-head) with activation checkpointing on. The reference is one process training on the same batches: with ``G``
+head) with activation checkpointing on, as 2 ranks in one group and 4 ranks in one group; 4 ranks in 2 groups train
+the Llama (what the groups add is model-independent). The runs of one world size share one launch, the references
+one process (the imports paid once). The reference is one process training on the same batches: with ``G``
 sequence-parallel groups, the ``G`` groups' batches of a step are its ``G`` gradient-accumulation micro-batches.
 Losses and parameters after 3 steps, and the evaluation loss after them, must agree to float32 rounding.
 
@@ -67,6 +69,9 @@ SCRIPT = textwrap.dedent(
             return self.samplers[0].state_dict()
 
     def run(case):
+        tag = case.replace(":", "_").replace("@", "_at_")
+        case, _, layout = case.partition("@")  # "@SPxGROUPS": this case's layout instead of the launch's
+        sp_size, n_groups = map(int, layout.split("x")) if layout else (sp, groups)
         model_key, pf_mode, skew, *precision = case.split(":")
         name, heads = MODELS[model_key]
         single = os.environ.get("WORLD_SIZE") is None
@@ -75,8 +80,8 @@ SCRIPT = textwrap.dedent(
             def _pf_sampler(self, dataset, budget, batch_size, *, shuffle):
                 if single and shuffle:
                     lengths = np.asarray([len(r) for r in dataset["input_ids"]])
-                    mk = lambda r: TokenBudgetBatchSampler(lengths, 200, seed=0, num_replicas=groups, rank=r)
-                    return Interleaved([mk(r) for r in range(groups)])
+                    mk = lambda r: TokenBudgetBatchSampler(lengths, 200, seed=0, num_replicas=n_groups, rank=r)
+                    return Interleaved([mk(r) for r in range(n_groups)])
                 return super()._pf_sampler(dataset, budget, batch_size, shuffle=shuffle)
 
             def compute_loss(self, model, inputs, **kw):
@@ -88,10 +93,10 @@ SCRIPT = textwrap.dedent(
         if skew == "unchecked":
             sp_glue.check_same_row = lambda *a, **k: None
         args = PaddingFreeConfig(
-            output_dir=os.path.join(out, case.replace(":", "_")), report_to=[], save_strategy="no", logging_steps=1,
+            output_dir=os.path.join(out, tag), report_to=[], save_strategy="no", logging_steps=1,
             disable_tqdm=True, learning_rate=1e-3, seed=0, max_steps=3, padding_free=pf_mode, max_length=None,
             use_cpu=True, max_tokens_per_batch=200, dataloader_num_workers=0,
-            gradient_accumulation_steps=groups if single else 1, sequence_parallel_size=1 if single else sp,
+            gradient_accumulation_steps=n_groups if single else 1, sequence_parallel_size=1 if single else sp_size,
             bf16=precision == ["bf16"])
         model = build_model(name, attn_implementation="sdpa", seed=0, **BASE, **heads)
         tr = T(model, args=args, train_dataset=ds, eval_dataset=ds.select(range(12)))
@@ -109,7 +114,7 @@ SCRIPT = textwrap.dedent(
             res, weights = {"error": f"{type(exc).__name__}: {exc}"}, None
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
-        tag = case.replace(":", "_")
+        tag = case.replace(":", "_").replace("@", "_at_")
         if rank == 0:
             with open(os.path.join(out, f"{tag}.json"), "w") as f:
                 json.dump(res, f)
@@ -126,6 +131,9 @@ SCRIPT = textwrap.dedent(
 )
 
 EXACT = ["llama:internal:same", "mistral_window:internal:same", "qwen2_gqa:internal:same"]
+# 4 ranks in 2 groups of 2: what the layout adds to 2 ranks, sp 2 (each model's attention, checked there) is the
+# groups (their batches, the gradients reduced over both), the same for every model: the Llama alone
+TWO_GROUPS = EXACT[:1]
 BF16 = ["llama:internal:same:bf16", "qwen2_gqa:internal:same:bf16"]  # their float32 runs: in EXACT
 # the negative controls, last: "unchecked" switches the row check off for the rest of the launch
 SKEWED = ["llama:internal:checked", "llama:internal:unchecked"]
@@ -146,19 +154,36 @@ def _launch(tmp_path, nproc: int | None, sp: int, groups: int, cases: list[str])
     assert proc.returncode == 0, _failure(proc)
     results = {}
     for case in cases:
-        tag = case.replace(":", "_")
+        tag = case.replace(":", "_").replace("@", "_at_")
         res = json.loads((out / f"{tag}.json").read_text())
         weights = torch.load(out / f"{tag}.pt") if (out / f"{tag}.pt").is_file() else None
         results[case] = (res, weights)
     return results
 
 
+def _at(cases: list[str], sp: int, groups: int) -> list[str]:
+    """The cases laid out as ``sp`` ranks per group, ``groups`` groups (in a launch of another layout)."""
+    return [f"{case}@{sp}x{groups}" for case in cases]
+
+
+def _unlaid(results: dict, cases: list[str], sp: int, groups: int) -> dict:
+    return {case: results[laid] for case, laid in zip(cases, _at(cases, sp, groups))}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Single process, the same batches: 1 group (sp = world; float32 and bf16) and 2 groups (4 ranks, sp 2)."""
-    tmp = tmp_path_factory.mktemp("sp_reference")
-    cases = EXACT + ["llama:huggingface:same"] + BF16
-    return {1: _launch(tmp, None, 1, 1, cases), 2: _launch(tmp, None, 1, 2, EXACT)}
+    """Single process, the same batches, one process for all (the imports paid once): 1 group (sp = world; float32
+    and bf16) and 2 groups (4 ranks, sp 2)."""
+    one_group = EXACT + ["llama:huggingface:same"] + BF16
+    results = _launch(tmp_path_factory.mktemp("sp_reference"), None, 1, 1, one_group + _at(TWO_GROUPS, 1, 2))
+    return {1: {case: results[case] for case in one_group}, 2: _unlaid(results, TWO_GROUPS, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One launch of 4 ranks for both layouts (sp 2: 2 groups; sp 4: 1 group), the imports paid once."""
+    results = _launch(tmp_path_factory.mktemp("sp_four_ranks"), 4, 2, 2, _at(TWO_GROUPS, 2, 2) + _at(EXACT, 4, 1))
+    return {2: _unlaid(results, TWO_GROUPS, 2, 2), 4: _unlaid(results, EXACT, 4, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -190,10 +215,10 @@ def _assert_exact(got, want, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,sp", [(2, 2), (4, 2), (4, 4)], ids=["2ranks-sp2", "4ranks-sp2", "4ranks-sp4"])
-def test_sequence_parallel_equals_single_process(tmp_path, request, reference, nproc, sp):
+def test_sequence_parallel_equals_single_process(request, reference, nproc, sp):
     groups = nproc // sp
-    cases = EXACT + (["llama:huggingface:same"] if nproc == 2 else [])
-    results = request.getfixturevalue("two_ranks") if nproc == 2 else _launch(tmp_path, nproc, sp, groups, cases)
+    cases = {(2, 2): EXACT + ["llama:huggingface:same"], (4, 2): TWO_GROUPS, (4, 4): EXACT}[nproc, sp]
+    results = request.getfixturevalue("two_ranks") if nproc == 2 else request.getfixturevalue("four_ranks")[sp]
     diffs = {}
     for case in cases:
         diffs[case] = _assert_exact(results[case], reference[groups][case], case)

@@ -2,18 +2,20 @@
 
 The trainings run in ``tests/sharded_harness.py`` (one ``torchrun --nproc_per_node 2`` launch for every two-rank
 run, one plain process for the single-process references, one fresh launch of ``pf-trl train --deepspeed``). Every
-run trains a tiny Llama for 3 optimizer steps with gradient accumulation 2 on the same data; the claims:
+run trains a tiny Llama for 2 optimizer steps with gradient accumulation 2 on the same data; the claims:
 
 - ZeRO-3 (model partitioned at load by ``zero.Init``, the usual order, and loaded before the config; a tied,
   soft-capped Gemma 2; LoRA with an adapted head) and FSDP2
   (accelerate's plugin: ``fully_shard`` per decoder layer and the root) train exactly as DDP and as one process
   accumulating both ranks' micro-batches, in both padding-free modes: SGD parameters within 1e-7 (the steps move
-  them by ~3e-3), AdamW within 1e-5, losses equal. The one-process run is the reference of every sharded run; DDP is
+  them by ~2e-3), AdamW within 1e-5, losses equal. The one-process run is the reference of every sharded run; DDP is
   checked against it once (SGD, internal mode) and against the sharded runs there, so each further reference (the
   other mode, AdamW, the tied model, LoRA) is one process, not two ranks;
 - each run really is sharded (every parameter a ZeRO-3 partition with an empty local tensor, or an FSDP2 DTensor
   whose local shard is smaller), so a silent fallback to DDP fails;
-- a sharded checkpoint (ZeRO-3 ``global_step*`` partitions, FSDP2 sharded state dict) resumes exactly;
+- a sharded checkpoint (ZeRO-3 ``global_step*`` partitions, FSDP2 sharded state dict) resumes exactly: the second
+  AdamW step, trained after a resume from the first step's checkpoint, needs the restored moments and sampler
+  position;
 - the metrics count parameters by their full size on the sharded model;
 - negative controls: the same SGD comparison fails for a gradient-scale bug (the world-size factor dropped), the
   self-check without gathering refuses the ZeRO-3 model, and without handing DeepSpeed the process group the
@@ -41,7 +43,8 @@ MODES = ("internal", "huggingface")
 SGD_PARAM_TOL = 1e-7
 ADAMW_PARAM_TOL = 1e-5
 LOSS_TOL = 1e-6
-RESUME_STEP = 2  # the checkpoint the sharded AdamW runs resume from (of 3 steps)
+STEPS = 2  # optimizer steps of every job: a resume from the checkpoint of step 1 still has a step to train
+RESUME_STEP = 1  # the checkpoint the sharded AdamW runs resume from
 CLI_STEPS = 1
 
 
@@ -52,7 +55,7 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 def _job(*args, **kwargs) -> dict:
     from sharded_harness import job
 
-    return job(*args, **kwargs)
+    return job(*args, steps=STEPS, **kwargs)
 
 
 class Runs:
@@ -114,7 +117,7 @@ def runs(tmp_path_factory, models, cli_shards) -> Runs:
         *[_job(f"fsdp2_sgd_{m}", "fsdp2", m, eval=True) for m in MODES],
         _job("zero3_preloaded_sgd_internal", "zero3_preloaded"),
         _job("zero2_sgd_internal", "zero2"),
-        # checkpoints at steps 2 and 3 (the last step saves too); the resumed runs train step 3 from checkpoint-2
+        # checkpoints at steps 1 and 2; the resumed runs train step 2 from checkpoint-1
         *[_job(f"{s}_adamw_internal", s, optim="adamw", save_steps=RESUME_STEP) for s in ("zero3", "fsdp2")],
         *[_job(f"{s}_adamw_resumed", s, optim="adamw",
                resume_from=str(out / f"{s}_adamw_internal" / f"checkpoint-{RESUME_STEP}")) for s in ("zero3", "fsdp2")],
@@ -146,7 +149,7 @@ def runs(tmp_path_factory, models, cli_shards) -> Runs:
 def test_zero3_partitioned_at_load_trains_sharded(runs, mode):
     for rank in (0, 1):
         r = runs.result(f"zero3_sgd_{mode}", rank)
-        assert r["world"] == 2 and r["steps"] == 3
+        assert r["world"] == 2 and r["steps"] == STEPS
         assert r["is_deepspeed_enabled"] and r["zero_stage"] == 3
         assert r["partitioned_at_load"] == r["parameters"] > 0, "zero.Init did not partition the model at load"
         assert r["ds_partitioned"] == r["parameters"], "a parameter is not a ZeRO-3 partition (local numel > 0)"
@@ -195,7 +198,7 @@ def test_sgd_equals_ddp_and_one_process(runs, strategy, mode):
     refs = [f"single_sgd_{mode}"] + (["ddp_sgd_internal"] if mode == "internal" else [])
     for ref in refs:
         r = runs.result(ref)
-        assert len(run["losses"]) == len(r["losses"]) == 3
+        assert len(run["losses"]) == len(r["losses"]) == STEPS
         assert max(abs(a - b) for a, b in zip(run["losses"], r["losses"])) <= LOSS_TOL, (run["losses"], r["losses"])
         assert max_param_diff(runs.weights(f"{strategy}_sgd_{mode}"), runs.weights(ref)) <= SGD_PARAM_TOL, ref
         # evaluation after training, through the sharded model: the token-weighted loss of the same weights
@@ -253,8 +256,8 @@ def test_adamw_equals_one_process(runs, strategy):
 
 @pytest.mark.slow
 def test_negative_control_a_gradient_scale_bug_fails_the_sgd_comparison(runs, models):
-    """The tolerance is meaningful: the steps move the weights by ~3e-3, and a sharded run that forgets the
-    world-size factor (half the gradient) lands ~1.7e-3 away from DDP."""
+    """The tolerance is meaningful: the steps move the weights by ~2e-3, and a sharded run that forgets the
+    world-size factor (half the gradient) lands ~1e-3 away from DDP."""
     from transformers import AutoModelForCausalLM
 
     ddp = runs.weights("ddp_sgd_internal")
@@ -288,8 +291,8 @@ def test_resume_from_a_sharded_checkpoint_is_exact(runs, strategy):
             sorted(p.name for p in folder.iterdir())
     full = runs.result(f"{strategy}_adamw_internal")
     resumed = runs.result(f"{strategy}_adamw_resumed")
-    # the resumed log: steps 1 and 2 from the checkpoint's trainer state, step 3 trained after the resume
-    assert resumed["steps"] == 3
+    # the resumed log: step 1 from the checkpoint's trainer state, step 2 trained after the resume
+    assert resumed["steps"] == STEPS == RESUME_STEP + 1
     assert_bit_equal(resumed["losses"], full["losses"], why="resume: the same two ranks train the same batches, "
                      "packed the same, from the checkpoint's exact weights, optimizer and sampler state")
     assert max_param_diff(runs.weights(f"{strategy}_adamw_resumed"), runs.weights(f"{strategy}_adamw_internal")) \
