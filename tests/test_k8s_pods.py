@@ -8,9 +8,13 @@ The job's args are edited only as docs/kubernetes.md tells a platform engineer t
 Job instead of the service, and flags appended to the job's args (which override the ConfigMap's) to make the run
 tiny. A pod is killed as a whole (SIGKILL to its torchrun and every process under it) like a preempted pod.
 
-- killed after a checkpoint, restarted with the same command line: it resumes by itself and ends with the same step,
-  tokens seen and weights as an uninterrupted run; a checkpoint cut short (no completion marker) is not taken;
-- a pod whose output volume is not the other's: refused at start, on both pods, with one line naming the volume.
+- uninterrupted: both pods train to the end; every checkpoint's completion marker lists both ranks' files, so one
+  that lost rank 1's file (or its marker) is not taken by ``--resume_from_checkpoint auto``, and both ranks take rank
+  0's choice; ranks whose output folders are not one volume are refused, every rank, naming the volume (checked on
+  two plain ranks of one gloo group: seconds);
+- (extended lane) killed after a checkpoint, restarted with the same command line: it resumes by itself and ends with
+  the same step, tokens seen and weights as the uninterrupted run; a checkpoint cut short is not taken; beside it, a
+  pod whose output volume is not the other's is refused at start, on both pods, with one line naming the volume.
 """
 
 from __future__ import annotations
@@ -223,30 +227,139 @@ def _weights(out: Path):
     return load_file(str(out / "model.safetensors"))
 
 
-@pytest.mark.slow
-def test_pods_killed_and_restarted_resume_exactly_and_a_volume_not_shared_is_refused(tmp_path, sample_shards):
-    import torch
-
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory, sample_shards):
+    """The rendered job's two pods, run uninterrupted to the end (``whole``)."""
     if sys.platform != "linux":
         pytest.skip("loopback gloo and /proc: Linux")
-    cluster = Cluster(tmp_path, sample_shards)
+    cluster = Cluster(tmp_path_factory.mktemp("k8s_pods"), sample_shards)
     try:
-        _kill_restart_and_refuse(cluster, torch)
-    finally:  # no pod outlives the test
-        for procs in cluster.procs.values():
-            for p in procs:
-                if p.poll() is None:
-                    cluster.kill(p)
+        cluster.rc = {"whole": _wait(cluster.start("whole", outputs="whole"), "whole", cluster)}
+        yield cluster
+    finally:  # no pod outlives the module
+        _kill_all(cluster)
 
 
-def _kill_restart_and_refuse(cluster: Cluster, torch) -> None:
+def _kill_all(cluster: Cluster) -> None:
+    for procs in cluster.procs.values():
+        for p in procs:
+            if p.poll() is None:
+                cluster.kill(p)
+
+
+@pytest.mark.slow
+def test_rendered_pods_train_and_a_volume_not_shared_is_refused(pods, tmp_path):
+    from pf_trl.trainer.checkpoints import COMPLETE_MARKER, checkpoint_problem, latest_complete_checkpoint
+
+    cluster = pods
+    assert cluster.rc["whole"] == [0, 0], cluster.log("whole", 0)[-3000:]
+    out = cluster.outputs("whole")
+    assert "auto: no complete checkpoint" in cluster.log("whole", 0)  # the job's `--resume_from_checkpoint auto`
+    whole = _final(out)
+    assert whole["global_step"] == MAX_STEPS == len(whole["losses"]) and whole["num_input_tokens_seen"] > 0
+    assert _weights(out)
+    # every checkpoint of the two pods is complete: its marker, written once both ranks saved their part, lists the
+    # files of both (rank 1's rng state included) ...
+    steps = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert steps == [MAX_STEPS - SAVE_STEPS, MAX_STEPS], steps  # the job's --save_total_limit 2
+    for step in steps:
+        folder = out / f"checkpoint-{step}"
+        marker = json.loads((folder / COMPLETE_MARKER).read_text())
+        assert marker["world_size"] == 2 and {"rng_state_0.pth", "rng_state_1.pth"} <= set(marker["files"]), marker
+        assert checkpoint_problem(folder) is None
+    # ... so a newest checkpoint that lost rank 1's file is not taken, nor one cut short before its marker (a copy)
+    copy = tmp_path / "outputs"
+    shutil.copytree(out, copy)
+    (copy / f"checkpoint-{MAX_STEPS}" / "rng_state_1.pth").unlink()
+    cut = copy / f"checkpoint-{MAX_STEPS + SAVE_STEPS}"
+    shutil.copytree(copy / f"checkpoint-{MAX_STEPS - SAVE_STEPS}", cut)
+    (cut / COMPLETE_MARKER).unlink()
+    found, skipped = latest_complete_checkpoint(copy)
+    assert found == copy / f"checkpoint-{MAX_STEPS - SAVE_STEPS}"
+    assert [(f.name, why.split(" ")[0]) for f, why in skipped] == [
+        (cut.name, "no"), (f"checkpoint-{MAX_STEPS}", "rng_state_1.pth")], skipped
+
+    # what `pf-trl train` decides on two ranks before it trains: both take rank 0's reading of `auto` on the shared
+    # folder; ranks whose output folders are not one volume (as a ReadWriteOnce claim mounts it) are refused, every
+    # rank, naming the claim and the fix (the control: the same ranks on the shared folder go on)
+    said = _agree(copy, tmp_path / "own", tmp_path)
+    for rank in (0, 1):
+        assert said[rank]["shared"] == {"choice": str(found)}, said
+        error = said[rank]["own"].get("error", "")
+        assert "is not shared" in error and "pf-trl-outputs" in error and "ReadWriteMany" in error, said
+    assert not list((tmp_path / "own-pod0").iterdir())  # rank 0's probe file removed: nothing written
+
+
+AGREE = """
+import json, os, sys
+import torch.distributed as dist
+from pf_trl.trainer.shared_output import SharedOutputError, agree_on_output_dir
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+said = {}
+for case, folder in (("shared", sys.argv[1]), ("own", f"{sys.argv[2]}-pod{rank}")):
+    try:
+        said[case] = {"choice": agree_on_output_dir(folder, "auto")}
+    except SharedOutputError as exc:
+        said[case] = {"error": str(exc)}
+with open(os.path.join(sys.argv[3], f"agree_{rank}.json"), "w") as f:
+    json.dump(said, f)
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)  # without gloo's C++ teardown (tests/test_distributed.py)
+"""
+
+
+def _agree(shared: Path, own: Path, out: Path) -> list[dict]:
+    """What ``pf-trl train`` decides on two ranks before it trains (pf_trl/trainer/shared_output.py), in two plain
+    processes of one gloo group (no trainer: seconds): ``shared`` for both ranks, then ``OWN-pod<rank>`` each."""
+    script = out / "agree.py"
+    script.write_text(AGREE, encoding="utf-8")
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "MASTER_", "TORCHELASTIC"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                   PF_TRL_SHARED_DIR_WAIT_S="0.5")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(shared), str(own), str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    said = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], said
+    return [json.loads((out / f"agree_{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_pods_killed_and_restarted_resume_exactly(pods):
+    """Both pods SIGKILLed after a checkpoint, restarted with the same command line: the run resumes by itself (a
+    newer checkpoint cut short is not taken) and ends as the uninterrupted run of the ``pods`` fixture.
+
+    Extended lane: its parts are proven in the main lane, faster: a run SIGKILLed (its whole process tree) after a
+    checkpoint and restarted with the same command resumes from the latest complete checkpoint, skips one cut short,
+    and ends with the uninterrupted run's losses (tests/test_bucket_training.py::test_two_nodes_share_only_a_bucket,
+    tests/test_resume_auto.py::test_auto_resumes_from_the_latest_complete_checkpoint); two ranks resume exactly from
+    their checkpoint (tests/test_sharded.py::test_resume_from_a_sharded_checkpoint_is_exact,
+    tests/test_streaming.py::test_stream_under_ddp_two_ranks_packs_and_resumes_exactly); the two pods' markers list
+    both ranks' files, and a checkpoint missing rank 1's file or its marker is not taken, and both ranks take rank 0's
+    reading of ``auto`` (test_rendered_pods_train_and_a_volume_not_shared_is_refused above).
+
+    Beside the restart, the rendered pods with an output volume each (a ReadWriteOnce claim) are refused at start;
+    the main lane proves the parts: the ranks' refusal (the test above, two ranks of one gloo group), a worker's exit 2
+    kept by `pf-trl torchrun` (tests/test_torchrun_exit.py::test_pf_trl_torchrun_keeps_a_workers_exit_2) and a
+    refusal's one line ``pf-trl train: error: ...`` with exit 2 (tests/test_bucket_training.py's refusals)."""
+    import torch
+
+    cluster = pods
+    assert cluster.rc["whole"] == [0, 0], cluster.log("whole", 0)[-3000:]
+    try:
+        _kill_and_restart(cluster, torch)
+    finally:
+        _kill_all(cluster)
+
+
+def _kill_and_restart(cluster: Cluster, torch) -> None:
     out = cluster.outputs()
-    # the same job uninterrupted on another output folder, beside one whose pods do not share their output volume
-    # (refused at start: cheap); then the job to kill, on its own, so that no other job's pods run while a pod is
-    # killed and restarted
-    whole = cluster.start("whole", outputs="whole")
-    rwo = cluster.start("rwo", outputs="rwo", own_outputs=True)
-    assert _wait(whole, "whole", cluster) == [0, 0], cluster.log("whole", 0)[-3000:]
     victim = cluster.start("killed")
     # SIGKILL both pods (a preemption) once a complete checkpoint is on the shared volume
     deadline = time.time() + 300
@@ -268,9 +381,10 @@ def _kill_restart_and_refuse(cluster: Cluster, torch) -> None:
     shutil.copytree(out / f"checkpoint-{complete}", cut)
     (cut / "pf_trl_checkpoint_complete.json").unlink()
     (cut / "rng_state_1.pth").unlink()
-    # the operator restarts the pods: the same command line
+    # the operator restarts the pods: the same command line; beside them, pods whose output volumes are not shared
     restarted = cluster.start("restarted")
-    # meanwhile: the pods without a shared output volume stopped at start, both, with one line naming the volume
+    rwo = cluster.start("rwo", outputs="rwo", own_outputs=True)
+    # the pods without a shared output volume stopped at start, both, with one line naming the volume
     assert _wait(rwo, "rwo", cluster) == [2, 2]  # the worker's "bad input", kept by `pf-trl torchrun` (torchrun: 1)
     for rank in (0, 1):
         log = cluster.log("rwo", rank)
