@@ -29,6 +29,8 @@ import sys
 import threading
 from typing import Any
 
+from pf_trl.errors import PfTrlError
+
 logger = logging.getLogger("preprocess_service")
 
 # What every worker and sandbox imports before its first job: loaded once, in the template.
@@ -46,7 +48,7 @@ _MAX_MESSAGE = 1 << 16
 _START_TIMEOUT_S = 300.0  # the template's imports: seconds, minutes on a loaded node
 
 
-class ForkServerError(OSError):
+class ForkServerError(PfTrlError, OSError):
     """The template process could not be started, or could not fork a child."""
 
 
