@@ -6,10 +6,12 @@ overran, a worker killed by a DELETE or the out-of-memory killer). So the servic
 replica, with the children's environment (no secret: :mod:`preprocess_service.jobs`), which imports those libraries
 once; each worker and sandbox is then forked from it: ready in milliseconds, the imported code's memory shared.
 
-The template stays single-threaded (``fork`` copies only the calling thread: a lock another thread held would stay
-locked in the child forever) and never tokenizes (the tokenizers library's thread pool must not exist before a fork).
-It reaps its children and reports how each ended, and leaves when the service process that started it is gone. A
-child sees the pipes the service gave it as its stdin / stdout; what it runs is a module as ``python -m`` would.
+The template runs no Python thread (``fork`` copies only the calling thread: a lock another thread held would stay
+locked in the child forever; the one native thread, pyarrow's jemalloc background thread, is fork-safe: jemalloc
+holds its own locks across a fork) and never tokenizes (the tokenizers library's thread pool must not exist before a
+fork); it loads the embedded tokenizer, which starts no thread. It reaps its children and reports how each ended,
+and leaves when the service process that started it is gone. A child sees the pipes the service gave it as its
+stdin / stdout; what it runs is a module as ``python -m`` would.
 
 Messages are JSON datagrams on a Unix ``SOCK_SEQPACKET`` socket pair (a spawn request carries the child's pipe ends
 as ``SCM_RIGHTS``): ``{"ready": pid}``, ``{"op": "spawn", "id", "module", "argv", "fds", "session", "memory_bytes",
@@ -253,6 +255,12 @@ def _preload() -> None:
             importlib.import_module(name)
         except Exception:  # a child that needs it fails with the reason, as it would have started alone
             logger.exception("template: could not import %s", name)
+    try:  # the embedded tokenizer every worker and sandbox loads first (loading starts no thread)
+        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, TokenizerCache
+
+        TokenizerCache.seed(DEFAULT_TOKENIZER)
+    except Exception:
+        logger.exception("template: could not load the embedded tokenizer")
 
 
 def _set_name(name: str) -> None:

@@ -22,6 +22,9 @@ PROBE = textwrap.dedent('''
     import json, os, resource, sys
     # what the child found already imported: the template's preloads (a fresh interpreter has none of them)
     preloaded = {m: m in sys.modules for m in ("torch", "datasets", "pf_trl.data.pretokenize")}
+    if preloaded["pf_trl.data.pretokenize"]:
+        from pf_trl.data.tokenizer import DEFAULT_TOKENIZER, TokenizerCache
+        preloaded["tokenizer"] = DEFAULT_TOKENIZER in TokenizerCache()._cache  # loaded before the fork
     mode = sys.argv[1]
     if mode == "echo":
         line = sys.stdin.readline()
@@ -61,7 +64,7 @@ def _echo(server, code: int = 0, **kw):
 def test_children_start_preloaded_with_their_pipes_exit_codes_and_limits(forks):
     proc, answer = _echo(forks, 0)
     assert answer["line"] == "hello" and answer["argv"] == ["echo", "0"] and answer["env"] == "from-template"
-    assert answer["preloaded"] == {"torch": True, "datasets": True, "pf_trl.data.pretokenize": True}
+    assert answer["preloaded"] == {"torch": True, "datasets": True, "pf_trl.data.pretokenize": True, "tokenizer": True}
     assert answer["ppid"] == forks.pid and answer["pid"] == proc.pid
     assert answer["sid"] != proc.pid and answer["as_limit"] == -1  # no session nor limit unless asked
     assert proc.wait(30) == 0 and proc.poll() == 0
