@@ -1,6 +1,7 @@
 """The supervisor of worker processes (the job store lives in :mod:`preprocess_service.store`).
 
-Workers are local processes of this replica. Their settings (which may hold the database URL, a
+Workers are local processes of this replica, forked from its template process (:mod:`preprocess_service.forks`:
+the heavy imports are paid once per replica, not per worker). Their settings (which may hold the database URL, a
 secret) reach them through a pipe on stdin, never argv or the environment: ``ps`` and
 ``/proc/*/cmdline`` show no secret. The bearer token is not given to workers at all.
 """
@@ -13,10 +14,10 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
+from preprocess_service.forks import ForkedProcess, ForkServer
 from preprocess_service.store import DURATION_BUCKETS, STATES, QueueFull, pid_alive  # noqa: F401 (re-exported)
 from preprocess_service.store.base import JobStore as _BaseStore
 from preprocess_service.store.sqlite import SqliteJobStore as JobStore  # noqa: F401 (the embedded default)
@@ -31,21 +32,25 @@ class Supervisor:
     """Starts ``settings.workers`` worker processes, restarts the ones that die (failing their job with
     the reason), kills one on request (DELETE of a running job) and detects orphaned jobs."""
 
-    def __init__(self, settings, store: _BaseStore):
+    def __init__(self, settings, store: _BaseStore, forks: ForkServer | None = None):
         self.settings, self.store = settings, store
-        self.procs: dict[int, subprocess.Popen] = {}
+        # the workers are forked from the replica's template process; without one given, the supervisor has its own
+        self._own_forks = forks is None
+        if forks is None:
+            env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+            forks = ForkServer({**env, **settings.child_env()})
+        self.forks = forks
+        self.procs: dict[int, ForkedProcess] = {}
         self.index_of: dict[int, int] = {}
         self.cancelled: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.deaths: list[float] = []
+        self._missing: list[int] = list(range(settings.workers))  # worker indices to (re)start
 
     def _spawn(self, idx: int) -> None:
-        cmd = [sys.executable, "-m", "preprocess_service.worker", "--api-pid", str(os.getpid()), "--index", str(idx)]
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        env.update(self.settings.child_env())
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, close_fds=True)
+        proc = self.forks.spawn("preprocess_service.worker", ["--index", str(idx)], stdin=True, name=f"pf-worker{idx}")
         try:  # the settings (database URL included) go through the pipe; the token stays here
             proc.stdin.write(json.dumps(self.settings.worker_json()).encode())
             proc.stdin.close()
@@ -56,11 +61,21 @@ class Supervisor:
         logger.info("worker %d started (pid %d)", idx, proc.pid)
 
     def start(self) -> None:
-        with self._lock:
-            for idx in range(self.settings.workers):
-                self._spawn(idx)
+        """Start the workers and their monitor in the background (the template process imports for seconds)."""
         self._thread = threading.Thread(target=self._monitor, name="pf-supervisor", daemon=True)
         self._thread.start()
+
+    def _respawn_missing(self) -> None:
+        """Start the workers not running (at start-up, after a death); one that cannot start is tried again at the
+        next check."""
+        with self._lock:
+            while self._missing and not self._stop.is_set():
+                try:
+                    self._spawn(self._missing[0])
+                except OSError:
+                    logger.exception("could not start worker %d; trying again", self._missing[0])
+                    return
+                self._missing.pop(0)
 
     def live_pids(self) -> set[int]:
         with self._lock:
@@ -76,6 +91,7 @@ class Supervisor:
             return True
 
     def _monitor(self) -> None:
+        self._respawn_missing()
         while not self._stop.wait(0.5):
             try:
                 self._check()
@@ -111,7 +127,8 @@ class Supervisor:
                 if not was_cancelled and len(self.deaths) > 5 * self.settings.workers:
                     logger.error("workers keep dying; waiting before restarting worker %d", idx)
                     time.sleep(2.0)
-                self._spawn(idx)
+                self._missing.append(idx)
+        self._respawn_missing()
         self.store.reconcile(datasets_dir=self.settings.datasets_dir, max_attempts=self.settings.max_attempts,
                              heartbeat_timeout_s=self.settings.heartbeat_timeout_s, live_pids=self.live_pids())
 
@@ -159,3 +176,5 @@ class Supervisor:
             self.store.clear_workers()
         except Exception:
             logger.exception("could not clear this replica's workers from the store")
+        if self._own_forks:
+            self.forks.stop()

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from pf_trl._version import __version__
 from preprocess_service import uploads as upload_store
+from preprocess_service.forks import ForkServer
 from preprocess_service.integrity import DatasetIntegrity
 from preprocess_service.jobs import SECRET_ENV, Supervisor
 from preprocess_service.preflight import PreflightPool
@@ -73,12 +74,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                               heartbeat_timeout_s=settings.heartbeat_timeout_s, startup=True)
     for job_id, action in actions:
         logger.warning("job %s was running when the service stopped: %s", job_id, action)
-    supervisor = Supervisor(settings, store)
+    # Workers and preflight sandboxes are forked from one template process that has imported torch, transformers
+    # and datasets once; its environment is theirs (the caches inside cache_dir; no secret).
+    child_env = {**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, **settings.child_env()}
+    forks = ForkServer(child_env)
+    supervisor = Supervisor(settings, store, forks)
     supervisor.start()
     # Nothing a client names is parsed in this process: the preflight runs in sandboxed processes, warm
     # from the start (imports and the default tokenizer), like the workers.
-    sandbox_env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-    preflight = PreflightPool(settings, {**sandbox_env, **settings.child_env()})
+    preflight = PreflightPool(settings, child_env, forks)
     preflight.start()
     log_event("service_started", **{**settings.describe(), "version": __version__})
     integrity = DatasetIntegrity(settings, store)
@@ -94,6 +98,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop_janitor.set()
         preflight.stop()
         supervisor.stop()
+        forks.stop()
         log_event("service_stopped", replica=settings.replica_id)
         if not settings.database_url:
             fcntl.flock(lock, fcntl.LOCK_UN)

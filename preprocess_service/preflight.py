@@ -3,7 +3,7 @@
 The API process never parses client data: a row nested 20,000 deep crashes Arrow's JSON reader, a 200 MB line is
 held whole by every reader, a hostile tokenizer folder can hold anything. The API only resolves paths (``stat``)
 and streams bytes into a hash; everything that parses runs here, in ``python -m preprocess_service.preflight``
-processes started by the API, each under an address-space limit (``RLIMIT_AS``, ``--preflight-memory``) and
+processes (forked from the replica's template process, :mod:`preprocess_service.forks`), each in its own session, under an address-space limit (``RLIMIT_AS``, ``--preflight-memory``) and
 given at most ``--preflight-timeout-s`` per request. A sandbox that crashes, runs out of memory or time is
 replaced; the request that did it gets a 422 naming what happened, and the API answers the next one.
 
@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import queue
-import resource
 import selectors
 import shutil
 import signal
@@ -311,8 +310,13 @@ class _Proc:
 class PreflightPool:
     """``size`` sandbox processes; a request borrows one, a broken one is replaced."""
 
-    def __init__(self, settings, env: dict[str, str]):
+    def __init__(self, settings, env: dict[str, str], forks=None):
+        from preprocess_service.forks import ForkServer
+
         self.settings, self.env = settings, env
+        # sandboxes are forked from the replica's template process; without one given, the pool has its own
+        self._own_forks = forks is None
+        self.forks = forks if forks is not None else ForkServer(env)
         self.size = settings.preflight_procs
         self._idle: queue.Queue[_Proc | None] = queue.Queue()
         self._all: set[_Proc] = set()
@@ -335,18 +339,11 @@ class PreflightPool:
             self._idle.put(slot)
 
     def _spawn(self) -> _Proc:
-        limit = self.settings.preflight_memory_bytes
-
-        def sandboxed() -> None:
-            os.setsid()  # its own process group: killed whole on a timeout
-            if limit:
-                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
         scratch = self.settings.scratch_dir / "preflight"
         scratch.mkdir(parents=True, exist_ok=True)
-        popen = subprocess.Popen([sys.executable, "-m", "preprocess_service.preflight", str(scratch)], env=self.env,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=sandboxed, close_fds=True)
+        # its own session and process group (killed whole on a timeout), its memory limit, no core dumps
+        popen = self.forks.spawn("preprocess_service.preflight", [str(scratch)], stdin=True, stdout=True, session=True,
+                                 memory_bytes=self.settings.preflight_memory_bytes, name="pf-preflight")
         proc = _Proc(popen)
         line = proc.read_line(time.monotonic() + 300)
         if line is None:
@@ -424,6 +421,8 @@ class PreflightPool:
             procs = list(self._all)
         for proc in procs:
             self._kill(proc)
+        if self._own_forks:
+            self.forks.stop()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Worker process: claims queued jobs from the job store and runs :func:`pf_trl.data.pretokenize.pretokenize`.
 
-Started by the supervisor as ``python -m preprocess_service.worker``; its settings (with the database
-URL, a secret) arrive as JSON on stdin, never in argv or the environment. A watchdog thread exits the
-process when the API process that started it is gone (its parent pid changes), so a ``kill -9`` of the
-server leaves no worker behind; a heartbeat in the job row lets a restarted server (or another replica)
+Started by the supervisor as ``python -m preprocess_service.worker`` would be, forked from the service's template
+process (:mod:`preprocess_service.forks`); its settings (with the database URL, a secret) arrive as JSON on stdin,
+never in argv or the environment. A watchdog thread exits the process when its parent is gone (the template leaves
+with the API process), so a ``kill -9`` of the server leaves no worker behind; a heartbeat in the job row lets a restarted server (or another replica)
 detect orphans. A job cancelled or deleted elsewhere (another replica) is noticed by the heartbeat or
 the next progress report, and abandoned.
 """
@@ -43,10 +43,10 @@ logger = logging.getLogger("preprocess_service.worker")
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-def _watch_parent(api_pid: int) -> None:
+def _watch_parent(parent_pid: int) -> None:
     while True:
-        if os.getppid() != api_pid:
-            os._exit(3)  # the API process died: leave nothing running behind it
+        if os.getppid() != parent_pid:
+            os._exit(3)  # the service (or its template process) died: leave nothing running behind it
         time.sleep(0.25)
 
 
@@ -126,7 +126,6 @@ def build_dataset(settings: Settings, store: JobStore, job_id: str, pid: int, re
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m preprocess_service.worker")
-    parser.add_argument("--api-pid", type=int, required=True)
     parser.add_argument("--index", type=int, default=0)
     args = parser.parse_args(argv)
     # Settings arrive as JSON on stdin (a pipe from the supervisor): secrets never show in argv or environ.
@@ -134,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdin.close()
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")
     setup_event_log(settings.log_level)
-    threading.Thread(target=_watch_parent, args=(args.api_pid,), daemon=True).start()
+    # its parent: the service's template process (preprocess_service.forks), which leaves with the service
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     pid = os.getpid()
     store = open_store(settings)
     store.register_worker(pid, args.index)

@@ -42,17 +42,22 @@ def _environ_has(pid: int, secret: str) -> bool:
     return secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (the service's template process, the workers and sandboxes forked from it)."""
+    parent_of = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
+            parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parent_of.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +111,11 @@ def test_no_secret_in_any_argv_or_worker_environment_while_a_job_runs(pg_env):
         r = c.post("/v1/datasets", json={"source": {"path": "slow.jsonl"}, "options": {"max_seq_len": 300}})
         assert r.status_code == 202, r.text
         job = wait_state(c, r.json()["id"], ("running",), predicate=lambda b: b["progress"]["rows_done"] > 0)
-        workers = _children(server.proc.pid)
-        assert job["worker_pid"] in workers
+        workers = _descendants(server.proc.pid)
+        assert job["worker_pid"] in workers and len(workers) >= 3  # the template, the worker, a preflight sandbox
         for secret in (TOKEN, pg_env["password"]):
             assert _holding(secret) == [], secret  # no argv (ps) on the machine holds it
-            for pid in workers:  # nor the workers' environment
+            for pid in workers:  # nor the environment of any process of the service but the API's own
                 assert not _environ_has(pid, secret), (pid, secret)
         # The worker is connected to PostgreSQL (the URL reached it through its stdin pipe).
         assert c.get(f"/v1/datasets/{job['id']}").json()["progress"]["rows_done"] > 0

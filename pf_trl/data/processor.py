@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
 
 def is_processor(obj: Any) -> bool:
     """True for a transformers ``ProcessorMixin`` (a multimodal processor, not a tokenizer)."""
-    from transformers import ProcessorMixin
-
-    return isinstance(obj, ProcessorMixin)
+    # Not imported here: transformers.processing_utils pulls in torch.distributed, accelerate and DeepSpeed's
+    # integration (~2 s of CPU in a tokenizing process). A processor's class subclasses ProcessorMixin, so the
+    # module is loaded whenever a processor exists.
+    processing_utils = sys.modules.get("transformers.processing_utils")
+    return processing_utils is not None and isinstance(obj, processing_utils.ProcessorMixin)
 
 
 def text_tokenizer(processing_class: Any):

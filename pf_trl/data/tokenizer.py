@@ -288,9 +288,20 @@ class TokenizerCache:
     (:func:`tokenizer_files_key`: a ``stat`` per file), so a long-lived process loads and hashes a tokenizer once
     per version of its files. The preprocessing service's workers and preflight sandboxes hold one each."""
 
+    # entries loaded before a fork (:meth:`seed`): every cache of this process starts with them
+    _seeded: dict[str, tuple[tuple, Any, dict[str, Any] | None]] = {}
+
     def __init__(self, loader: Any = None):
         self._load = loader or load_tokenizer
-        self._cache: dict[str, tuple[tuple, Any, dict[str, Any] | None]] = {}
+        self._cache: dict[str, tuple[tuple, Any, dict[str, Any] | None]] = {} if loader else dict(self._seeded)
+
+    @classmethod
+    def seed(cls, name: str) -> None:
+        """Load ``name`` and its fingerprint into every cache this process creates from now on (the service's
+        template process does it once; the workers and sandboxes forked from it start with the tokenizer loaded)."""
+        cache = cls()
+        cache.fingerprint(name)
+        cls._seeded[name] = cache._cache[name]
 
     def get(self, name: str):
         """The tokenizer ``name`` (loaded again when its files changed since it was cached)."""
