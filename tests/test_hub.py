@@ -554,6 +554,9 @@ STEPS = r"""
 import contextlib, io, json, logging, os, sys, time
 from pathlib import Path
 hub = Path(os.environ["HF_HOME"]) / "hub"
+sys.path.insert(0, sys.argv[2])  # tests/: the test session's shortcuts of upstream bookkeeping, for these runs too
+from upstream_shortcuts import install
+install()
 
 def downloaded():
     return sorted(p.name for p in hub.glob("models--org--custom/snapshots/*/*"))
@@ -637,8 +640,9 @@ GROUPS = {"fetched": "_fetched_steps", "ids": "_ids_steps", "dpo": "_dpo_steps",
 
 @pytest.fixture(scope="module")
 def runs(hub, tmp_path_factory):
-    """The CLI's and the Python API's Hub runs of several tests in one process (one interpreter start, ~5 CPU-s
-    each, instead of one per test): one Hub cache (HF_HOME), a pf-trl cache and a folder per test (its group); each
+    """The CLI's and the Python API's Hub runs of several tests in one process (one interpreter start with torch,
+    transformers and TRL, 5-10 CPU-s, instead of one per test; tests/upstream_shortcuts.py installed as in the test
+    session): one Hub cache (HF_HOME), a pf-trl cache and a folder per test (its group); each
     test checks its group's results (:data:`STEPS`' rows) and files. Tests whose claim needs a process environment
     of its own (offline, another endpoint, an unwritable cache, a fresh process reading a cache) keep theirs."""
     root = tmp_path_factory.mktemp("runs")
@@ -650,7 +654,7 @@ def runs(hub, tmp_path_factory):
         spans[name] = slice(len(steps), len(steps) + len(group))
         steps += group
     env = hub["server"].env(root / "hf")
-    proc = run([sys.executable, "-c", STEPS, json.dumps(steps)], env, timeout=900)
+    proc = run([sys.executable, "-c", STEPS, json.dumps(steps), str(Path(__file__).parent)], env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.split("RESULT ", 1)[1])
     return {"root": root, "env": env, **{name: (results[span], bases[name]) for name, span in spans.items()}}
