@@ -20,43 +20,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session", autouse=True)
 def _cheap_upstream_bookkeeping():
-    """Two costs every trainer pays at construction, made cheap for the test session without changing a result:
+    """Two costs every trainer pays at construction made cheap for the session, without changing a result:
+    datasets' fingerprint of a tokenizer, accelerate's package checks (tests/upstream_shortcuts.py says how)."""
+    from upstream_shortcuts import install
 
-    - ``datasets`` fingerprints each ``map`` by dill-pickling its arguments, the tokenizer included, whose Python-side
-      copies of the vocabulary and merges (``_vocab``, ``_merges``) take 0.4-0.7 s to pickle, three maps a trainer.
-      Here the tokenizer is fingerprinted without those copies: its backend (``_tokenizer``, pickled as its JSON,
-      the same vocabulary and merges) stays in the fingerprint, so two different tokenizers still differ.
-    - accelerate answers ``is_peft_available`` / ``is_deepspeed_available`` by parsing package metadata on every call
-      (~10 a trainer); no package is installed or removed during the session, so each answer is kept.
-    """
-    import functools
-
-    try:
-        from accelerate.utils import imports as accelerate_imports
-        from datasets.utils import _dill
-    except ImportError:  # the transformers<4.44 suite's venv has neither: nothing to make cheap there
-        yield
-        return
-
-    original_save = _dill._save_transformersPreTrainedTokenizerBase
-
-    def save_without_python_copies(pickler, obj):
-        if obj.__dict__.get("_tokenizer") is None or not {"_vocab", "_merges"} & obj.__dict__.keys():
-            return original_save(pickler, obj)
-        light = object.__new__(type(obj))
-        light.__dict__.update({k: v for k, v in obj.__dict__.items() if k not in ("_vocab", "_merges")})
-        return original_save(pickler, light)
-
-    original_available = accelerate_imports._is_package_available
-    _dill._save_transformersPreTrainedTokenizerBase = save_without_python_copies
-    accelerate_imports._is_package_available = functools.cache(original_available)
-    # types registered before this fixture ran keep the original function: none are (the registration is lazy)
-    for obj_type, func in list(_dill.Pickler.dispatch.items()):
-        if func is original_save:
-            _dill.Pickler.dispatch[obj_type] = save_without_python_copies
+    remove = install()
     yield
-    _dill._save_transformersPreTrainedTokenizerBase = original_save
-    accelerate_imports._is_package_available = original_available
+    remove()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -133,11 +133,12 @@ def test_a_run_with_30_percent_of_requests_throttled_gives_the_fault_free_result
 
 @pytest.mark.slow
 def test_a_burst_longer_than_botocore_s_retries_is_retried_by_pf_trl(s3, tmp_path):
-    """Each request throttled 3 times in a row: botocore's 3 attempts all get 503 SlowDown and s3fs raises a plain
+    """Each request throttled twice in a row: botocore's 2 attempts (AWS_MAX_ATTEMPTS=2, its standard variable: one
+    backoff a request instead of two, the same shape as the default 3) all get 503 SlowDown and s3fs raises a plain
     OSError("Please reduce your request rate."); pf-trl recognises it (its ClientError cause) and tries again."""
-    relay = S3Relay(s3.port, throttle_first=3)
+    relay = S3Relay(s3.port, throttle_first=2)
     try:
-        node = Node(tmp_path / "n", s3, relay.endpoint)
+        node = Node(tmp_path / "n", s3, relay.endpoint, AWS_MAX_ATTEMPTS="2")
         done = node.run("pretokenize", SOURCE, "s3://pfthr/datasets/burst", "--max_seq_len", "128", "--no_progress")
     finally:
         relay.stop()

@@ -3,7 +3,8 @@ tests/hub_server.py): ``pf-trl train --model_name_or_path ORG/NAME --dataset_nam
 as the same run from local copies; revisions, configs, a new commit, offline runs from the cache; one-line failures.
 
 Every run is a ``pf-trl`` / python process with the Hub's own environment (``HF_ENDPOINT``, ``HF_HOME``, ``HF_TOKEN``,
-``HF_HUB_OFFLINE``): huggingface_hub reads it when it is imported.
+``HF_HUB_OFFLINE``): huggingface_hub reads it when it is imported. The runs that share that environment run in one
+process (the ``runs`` fixture: one interpreter start instead of one per test), each test checking its own group.
 """
 
 from __future__ import annotations
@@ -151,9 +152,11 @@ def hub(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
     server = HubServer(python, root / "server").start()
     model = root / "tiny-v1"
-    build_model("pf-trl/tiny-llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2).save_pretrained(model)
-    load_tokenizer().save_pretrained(model)
+    tiny = build_model("pf-trl/tiny-llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2)
+    tiny.save_pretrained(model)
+    tokenizer = load_tokenizer()
+    tokenizer.save_pretrained(model)
     files = {f.name: f for f in model.iterdir()}
     v1 = server.commit("models", "org/tiny", files, "tiny model", tag="v1")
     other = root / "tiny-v2"  # main moves on: other weights (seed 1), same tokenizer
@@ -176,9 +179,8 @@ def hub(tmp_path_factory):
     shutil.copytree(server.repo("datasets", "org/pairs"), local_pairs, ignore=shutil.ignore_patterns(".git"))
     # org/big: the tiny model's weights in shards (an index), with what transformers never reads beside them
     big = root / "big"
-    build_model("pf-trl/tiny-llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2).save_pretrained(big, max_shard_size="1MB")
-    load_tokenizer().save_pretrained(big)
+    tiny.save_pretrained(big, max_shard_size="1MB")
+    tokenizer.save_pretrained(big)
     strays = {"consolidated.safetensors": model / "model.safetensors",
               "checkpoint-1/model.safetensors": model / "model.safetensors",
               "checkpoint-1/config.json": model / "config.json", "awq/config.json": model / "config.json"}
@@ -202,33 +204,38 @@ def hub(tmp_path_factory):
     server.stop()
 
 
-def _train(env, out: Path, *args: str) -> list[float]:
-    proc = run([PF_TRL, "train", *args, "--max_steps", "3", "--logging_steps", "1", "--max_tokens_per_batch", "64",
-                "--seed", "0", "--report_to", "none", "--output_dir", str(out)], env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    state = json.loads(next(out.glob("checkpoint-*/trainer_state.json")).read_text())
-    return [row["loss"] for row in state["log_history"] if "loss" in row]
+def _ids_steps(base: Path, hub) -> list:
+    """Hub ids at a pinned revision and a config, then the same run from the local copies; the Hub answers the first
+    two file downloads 429 (huggingface_hub waits and retries)."""
+    def train(out: str, *args: str) -> list:
+        return ["main", ["train", *args, "--max_steps", "3", "--logging_steps", "1", "--max_tokens_per_batch", "64",
+                         "--seed", "0", "--report_to", "none", "--output_dir", str(base / out)], {}]
+
+    rules = str(hub["server"].rules)
+    return [["rules", [rules, {**RULES, "busy": 2}], {}],
+            train("hub", "--model_name_or_path", "org/tiny", "--model_revision", "v1", "--dataset_name", "org/chat",
+                  "--dataset_config", "default", "--dataset_train_split", "train"),
+            train("local", "--model_name_or_path", str(hub["model"]), "--dataset_name", str(hub["data"]),
+                  "--dataset_config", "default"),
+            ["rules", [rules, RULES], {}]]
 
 
-def test_hub_ids_train_to_the_local_copies_losses_with_a_pinned_revision_and_a_config(hub, tmp_path):
-    server = hub["server"]
-    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
-    server.set_rules(**RULES, busy=2)  # two 429s: huggingface_hub waits and retries
-    from_hub = _train(env, tmp_path / "hub", "--model_name_or_path", "org/tiny", "--model_revision", "v1",
-                      "--dataset_name", "org/chat", "--dataset_config", "default", "--dataset_train_split", "train")
-    local = _train(env, tmp_path / "local", "--model_name_or_path", str(hub["model"]), "--dataset_name",
-                   str(hub["data"]), "--dataset_config", "default")
+def test_hub_ids_train_to_the_local_copies_losses_with_a_pinned_revision_and_a_config(hub, runs):
+    results, base = runs["ids"]
+    for rc, err, *_ in results[1:3]:
+        assert rc == 0, err[-3000:]
+    from_hub, local = _state_losses(base / "hub"), _state_losses(base / "local")
     assert len(from_hub) == 3
     assert_bit_equal(from_hub, local, why=SAME_FILES)
     # negative control: main holds other weights than v1, so a revision not honoured would give other losses
     main = Path(hub["server"].repo("models", "org/tiny")) / "model.safetensors"
     assert main.read_bytes() != (hub["model"] / "model.safetensors").read_bytes()
-    manifests = [json.loads(p.read_text()) for p in (tmp_path / "pf" / "datasets").glob("*/pf_manifest.json")]
+    manifests = [json.loads(p.read_text()) for p in (base / "pf" / "datasets").glob("*/pf_manifest.json")]
     hub_made = [m for m in manifests if m["source"].get("hub")]
     assert hub_made and all(m["source"]["hub"] == {"repo_id": "org/chat", "repo_type": "dataset", "revision": None,
                                                    "commit": hub["chat_v1"]} for m in hub_made)
     assert {m["tokenizer"]["hub"]["commit"] for m in hub_made} >= {hub["v1"]}
-    assert json.loads(server.rules.read_text()).get("busy") == 0  # the 429s were served
+    assert results[3][4].get("busy") == 0  # the 429s were served (the rules as the two runs left them)
 
 
 IDENTITY = r"""
@@ -251,7 +258,8 @@ if offline:  # the short config was read at an older commit only: not in the cac
         shards("short")
     except Exception as exc:
         out.append(str(exc))
-if len(sys.argv) > 1:  # a new commit on main, then the same id again
+if len(sys.argv) > 1:  # the same ids again (a cache hit is the cache on disk), a new commit on main, the id again
+    out += [shards(), shards("short")]
     repo = sys.argv[1]
     with open(os.path.join(repo, "data", "train.jsonl"), "a") as fh:
         row = {"messages": [{"role": "user", "content": "new"}, {"role": "assistant", "content": "row"}]}
@@ -269,49 +277,30 @@ def _identity(env, *args: str) -> list[list[str]]:
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
-def test_cache_identity_follows_the_commit_and_runs_offline_from_the_cache(hub, tmp_path):
-    server = hub["server"]
-    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
-    first = _identity(env)
+def _identity_steps(base: Path, hub) -> list:
+    return [["script", [IDENTITY, str(hub["server"].repo("datasets", "org/moving"))], {}]]
+
+
+def test_cache_identity_follows_the_commit_and_runs_offline_from_the_cache(runs):
+    ((rc, err, said, *_),), base = runs["identity"]
+    assert rc == 0, err[-3000:]
+    read = json.loads(said.split("RESULT ", 1)[1])
+    first, again = read[:2], read[2:]
     assert [kind for _, kind in first] == ["tokenizing", "tokenizing"] and first[0][0] != first[1][0]  # two configs
-    again = _identity(env, str(server.repo("datasets", "org/moving")))
     assert again[:2] == [[first[0][0], "cache"], [first[1][0], "cache"]]  # same commit: cache hit, no tokenizing
     assert again[2][1] == "tokenizing" and again[2][0] != first[0][0]  # a new commit on main: new shards
-    offline = _identity({**env, "HF_HUB_OFFLINE": "1"})
+    # a process of its own: huggingface_hub reads HF_HUB_OFFLINE when imported
+    offline = _identity({**runs["env"], "PF_TRL_CACHE": str(base / "pf"), "HF_HUB_OFFLINE": "1"})
     assert offline[0] == [again[2][0], "cache"]  # offline: the cached commit of main, from the cache
     # only what was read is cached: the short config was never read at main's new commit
     assert "HF_HUB_OFFLINE" in offline[1] and "does not hold this configuration's files" in offline[1], offline[1]
 
 
-ERRORS = r"""
-import contextlib, io, json, os, sys, time
-from pf_trl.cli.main import main
-out = []
-for token, argv in json.loads(sys.argv[1]):
-    os.environ.pop("HF_TOKEN", None)
-    if token:
-        os.environ["HF_TOKEN"] = token
-    err = io.StringIO()
-    start = time.perf_counter()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(argv)
-    out.append([rc, err.getvalue(), time.perf_counter() - start])
-print("RESULT " + json.dumps(out))
-"""
-
-
-def _errors(env, cases: list[tuple[str | None, list[str]]], tmp_path) -> list:
-    proc = run([sys.executable, "-c", ERRORS, json.dumps(cases)], env, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
-
-
-def test_failures_are_one_line_naming_the_repository_the_flag_and_the_fix(hub, tmp_path):
-    server = hub["server"]
-    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
-    out = ["--output_dir", str(tmp_path / "out")]
+def _failure_cases(base: Path) -> list:
+    """(HF_TOKEN, argv, words of the one line); the last, with the right token, is the control."""
+    out = ["--output_dir", str(base / "out")]
     model = ["train", "--model_name_or_path", "org/tiny"]
-    cases = [  # (HF_TOKEN, argv, words of the one line)
+    return [
         (None, ["train", "--model_name_or_path", "org/missing", "--dataset_name", "org/chat", *out],
          ["--model_name_or_path org/missing", "no model repository org/missing", "HF_TOKEN"]),
         (None, [*model, "--model_revision", "v9", "--dataset_name", "org/chat", *out],
@@ -323,11 +312,19 @@ def test_failures_are_one_line_naming_the_repository_the_flag_and_the_fix(hub, t
         ("bad", [*model, "--dataset_name", "org/gated", *out], ["--dataset_name org/gated", "gated", "HTTP 403"]),
         (None, [*model, "--dataset_name", "org/broken", *out], ["--dataset_name", "line 3"]),
         (None, [*model, "--dataset_name", "org/chat", "--dataset_config", "nope", *out], ["--dataset_name", "nope"]),
-        ("good", ["pretokenize", "org/gated", str(tmp_path / "shards"), "--model_name_or_path", "org/tiny"], []),
+        ("good", ["pretokenize", "org/gated", str(base / "shards"), "--model_name_or_path", "org/tiny"], []),
     ]
-    results = _errors(env, [(t, argv) for t, argv, _ in cases], tmp_path)
-    for (_, argv, words), (rc, err, seconds) in zip(cases, results):
-        lines = [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln and "%|" not in ln]
+
+
+def _failure_steps(base: Path, hub) -> list:
+    return [["main", argv, {"HF_TOKEN": token}] for token, argv, _ in _failure_cases(base)]
+
+
+def test_failures_are_one_line_naming_the_repository_the_flag_and_the_fix(runs):
+    results, base = runs["failures"]
+    for (_, argv, words), (rc, err, *_, seconds) in zip(_failure_cases(base), results, strict=True):
+        # (huggingface_hub's warning that a repository's card has no metadata block, before the refusal)
+        lines = [ln for ln in _one_line(err) if not ln.startswith("WARNING huggingface_hub.repocard: ")]
         if not words:  # the control: the right token passes the gate
             assert rc == 0, (argv, err[-2000:])
             continue
@@ -336,7 +333,7 @@ def test_failures_are_one_line_naming_the_repository_the_flag_and_the_fix(hub, t
         for word in words:
             assert word in lines[0], (argv, lines[0])
         assert seconds < 60
-    manifest = json.loads((tmp_path / "shards" / "pf_manifest.json").read_text())
+    manifest = json.loads((base / "shards" / "pf_manifest.json").read_text())
     assert manifest["source"]["hub"]["repo_id"] == "org/gated"
 
 
@@ -478,17 +475,19 @@ print("RESULT " + json.dumps([hub, local]))
 """
 
 
+def _api_steps(base: Path, hub) -> list:
+    """The Python API's Hub tests: the trainer from Hub ids (API), then pretokenize while main moves (RACING, last:
+    it wraps HfApi.repo_info for the rest of the process)."""
+    return [["script", [API + RACING, str(base), str(hub["model"]), str(hub["data"] / "data" / "train.jsonl"),
+                        str(hub["server"].repo("datasets", "org/racing"))], {}]]
+
+
 @pytest.fixture(scope="module")
-def python_api(hub, tmp_path_factory):
-    """One Python process for the Python API's Hub tests: the trainer from Hub ids (API), then pretokenize while
-    main moves (RACING); their RESULT lines."""
-    tmp = tmp_path_factory.mktemp("api")
-    env = hub["server"].env(tmp / "hf", PF_TRL_CACHE=str(tmp / "pf"))
-    proc = run([sys.executable, "-c", API + RACING, str(tmp), str(hub["model"]),
-                str(hub["data"] / "data" / "train.jsonl"), str(hub["server"].repo("datasets", "org/racing"))],
-               env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+def python_api(runs):
+    """The RESULT lines of the Python API's script (:func:`_api_steps`)."""
+    ((rc, err, said, *_),), _ = runs["api"]
+    assert rc == 0, err[-3000:]
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in said.splitlines() if line.startswith("RESULT ")]
 
 
 def test_python_api_takes_hub_ids_as_model_and_train_dataset(python_api):
@@ -546,15 +545,28 @@ def test_python_pretokenize_reads_a_hub_dataset_at_the_one_commit_it_resolved(py
     assert found["pinned"][0] == found["pinned"][1], found
 
 
-# Each step in one process, in order: pf-trl's commands (main) and the Python API; after each, the files of
-# org/custom in the Hub cache (what was downloaded) and, for the API, the losses and the model's class.
+# Each step in one process, in order: pf-trl's commands (main), the Python API, the model card's snippet, a
+# script of its own, or the Hub server's access rules; each with its own environment variables on top of the
+# process's (HF_TOKEN, PF_TRL_CACHE: read when used) and the process's working folder. After each: what it returned
+# and said, the files of org/custom in the Hub cache (what was downloaded), the files of every repository's
+# snapshots, its seconds.
 STEPS = r"""
-import contextlib, io, json, logging, os, sys
+import contextlib, io, json, logging, os, sys, time
 from pathlib import Path
 hub = Path(os.environ["HF_HOME"]) / "hub"
+sys.path.insert(0, sys.argv[2])  # tests/: the test session's shortcuts of upstream bookkeeping, for these runs too
+from upstream_shortcuts import install
+install()
 
 def downloaded():
     return sorted(p.name for p in hub.glob("models--org--custom/snapshots/*/*"))
+
+def fetched():
+    out = {}
+    for snap in hub.glob("*--*/snapshots/*"):
+        out.setdefault(snap.parent.parent.name, []).extend(
+            p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
+    return {k: sorted(v) for k, v in out.items()}
 
 def api(model, trust, out):
     from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
@@ -576,14 +588,32 @@ def card(folder, trusted):
     exec(snippet, scope)
     return [type(scope["model"]).__module__, type(scope["tokenizer"]).__name__, snippet]
 
+def rules(path, new):  # what the rules were (what the steps before left of them), then the new ones
+    old = json.loads(Path(path).read_text())
+    Path(path).write_text(json.dumps(new))
+    return old
+
 out = []
-for kind, argv in json.loads(sys.argv[1]):
+for kind, argv, env in json.loads(sys.argv[1]):
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     err, std = io.StringIO(), io.StringIO()
     logging.getLogger().handlers.clear()  # each command's logging.basicConfig writes to this step's stderr
+    start = time.perf_counter()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         if kind == "main":
             from pf_trl.cli.main import main
             rc, result = main(argv), None
+        elif kind == "rules":
+            rc, result = 0, rules(*argv)
+        elif kind == "script":  # a script of its own, given its arguments; what it prints is the step's stdout
+            sys.argv = ["-c", *argv[1:]]
+            exec(argv[0], {"__name__": "__main__"})
+            rc, result = 0, None
         elif kind == "card":
             try:
                 rc, result = 0, card(*argv)
@@ -595,15 +625,39 @@ for kind, argv in json.loads(sys.argv[1]):
                 rc, result = 0, api(*argv)
             except PfTrlError as exc:
                 rc, result = 2, str(exc)
-    out.append([rc, err.getvalue(), std.getvalue(), downloaded(), result])
+    seconds = time.perf_counter() - start
+    os.environ.clear()
+    os.environ.update(saved_env)
+    os.chdir(saved_cwd)
+    out.append([rc, err.getvalue(), std.getvalue(), downloaded(), result, fetched(), seconds])
 print("RESULT " + json.dumps(out))
 """
 
+# The groups of steps of the shared process, in its order (only-what-a-run-reads first: the Hub cache still empty).
+GROUPS = {"fetched": "_fetched_steps", "ids": "_ids_steps", "dpo": "_dpo_steps", "custom": "_custom_steps",
+          "failures": "_failure_steps", "evil": "_evil_steps", "identity": "_identity_steps", "api": "_api_steps"}
 
-def _steps(env, steps: list) -> list:
-    proc = run([sys.executable, "-c", STEPS, json.dumps(steps)], env, timeout=420)
+
+@pytest.fixture(scope="module")
+def runs(hub, tmp_path_factory):
+    """The CLI's and the Python API's Hub runs of several tests in one process (one interpreter start with torch,
+    transformers and TRL, 5-10 CPU-s, instead of one per test; tests/upstream_shortcuts.py installed as in the test
+    session): one Hub cache (HF_HOME), a pf-trl cache and a folder per test (its group); each
+    test checks its group's results (:data:`STEPS`' rows) and files. Tests whose claim needs a process environment
+    of its own (offline, another endpoint, an unwritable cache, a fresh process reading a cache) keep theirs."""
+    root = tmp_path_factory.mktemp("runs")
+    bases = {name: root / name for name in GROUPS}
+    steps, spans = [], {}
+    for name, make in GROUPS.items():
+        group = [[kind, argv, {"PF_TRL_CACHE": str(bases[name] / "pf"), **env}]
+                 for kind, argv, env in globals()[make](bases[name], hub)]
+        spans[name] = slice(len(steps), len(steps) + len(group))
+        steps += group
+    env = hub["server"].env(root / "hf")
+    proc = run([sys.executable, "-c", STEPS, json.dumps(steps), str(Path(__file__).parent)], env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+    results = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    return {"root": root, "env": env, **{name: (results[span], bases[name]) for name, span in spans.items()}}
 
 
 _PY_WARNING = re.compile(r"^\S+\.py:\d+: \w+Warning: |^\s+warnings\.warn\(")
@@ -620,37 +674,41 @@ def _state_losses(out: Path) -> list[float]:
     return [row["loss"] for row in state["log_history"] if "loss" in row]
 
 
-def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, tmp_path):
-    """A model of its own code (config.json auto_map, a model_type transformers does not ship), from the Hub and from
-    a local folder: refused in one line without --trust_remote_code True, having downloaded its config.json and
-    nothing else; with it the custom classes load and train (the runtime self-check decides, said in a warning),
-    from the Hub to the local folder's losses; the same for the Python API, pretokenize and inspect (the tokenizer's
-    own code)."""
-    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+def _custom_steps(base: Path, hub) -> list:
     data = ["--dataset_name", "org/chat", "--max_steps", "3", "--logging_steps", "1", "--max_tokens_per_batch", "64",
             "--seed", "0", "--report_to", "none"]
     trust = ["--trust_remote_code", "True"]
-    shards = str(tmp_path / "shards")
+    shards = str(base / "shards")
     steps = [
-        ["main", ["train", "--model_name_or_path", "org/custom", *data, "--output_dir", str(tmp_path / "a")]],
-        ["main", ["train", "--model_name_or_path", str(hub["custom"]), *data, "--output_dir", str(tmp_path / "b")]],
+        ["main", ["train", "--model_name_or_path", "org/custom", *data, "--output_dir", str(base / "a")]],
+        ["main", ["train", "--model_name_or_path", str(hub["custom"]), *data, "--output_dir", str(base / "b")]],
         ["main", ["dpo", "--model_name_or_path", "org/custom", "--dataset_name", "org/pairs", "--output_dir",
-                  str(tmp_path / "c"), "--report_to", "none", "--use_cpu", "true"]],
-        ["api", ["org/custom", False, str(tmp_path / "d")]],
-        ["main", ["train", "--model_name_or_path", "org/custom", *data, *trust, "--output_dir", str(tmp_path / "hub")]],
+                  str(base / "c"), "--report_to", "none", "--use_cpu", "true"]],
+        ["api", ["org/custom", False, str(base / "d")]],
+        ["main", ["train", "--model_name_or_path", "org/custom", *data, *trust, "--output_dir", str(base / "hub")]],
         ["main", ["train", "--model_name_or_path", str(hub["custom"]), *data, *trust, "--output_dir",
-                  str(tmp_path / "local")]],
-        ["api", ["org/custom", True, str(tmp_path / "e")]],
-        ["card", [str(tmp_path / "hub"), True]],
-        ["card", [str(tmp_path / "hub"), False]],
+                  str(base / "local")]],
+        ["api", ["org/custom", True, str(base / "e")]],
+        ["card", [str(base / "hub"), True]],
+        ["card", [str(base / "hub"), False]],
         ["main", ["pretokenize", "org/chat", shards, "--model_name_or_path", "org/custom", "--no_progress"]],
         ["main", ["pretokenize", "org/chat", shards, "--model_name_or_path", "org/custom", "--no_progress", *trust]],
         ["main", ["inspect", shards, "--samples", "1"]],
         ["main", ["inspect", shards, "--samples", "1", *trust]],
     ]
-    results = _steps(env, steps)
+    return [[kind, argv, {}] for kind, argv in steps]
+
+
+def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, runs):
+    """A model of its own code (config.json auto_map, a model_type transformers does not ship), from the Hub and from
+    a local folder: refused in one line without --trust_remote_code True, having downloaded its config.json and
+    nothing else; with it the custom classes load and train (the runtime self-check decides, said in a warning),
+    from the Hub to the local folder's losses; the same for the Python API, pretokenize and inspect (the tokenizer's
+    own code)."""
+    results, base = runs["custom"]
+    steps = _custom_steps(base, hub)
     # refused: one line naming the flag and the custom class, having downloaded config.json alone
-    for i, (rc, err, _, files, _) in enumerate(results[:4]):
+    for i, (rc, err, _, files, *_) in enumerate(results[:4]):
         lines = _one_line(err) if i < 3 else [results[i][4]]
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (steps[i], err[-2000:])
         switch = "--trust_remote_code True" if i < 3 else "model org/custom: "  # the API: its config's field
@@ -660,11 +718,11 @@ def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, tmp_
     assert "--model_name_or_path org/custom" in _one_line(results[0][1])[0]
     assert f"--model_name_or_path {hub['custom']}" in _one_line(results[1][1])[0]
     # trusted: the custom class trains, self-checked (said), from the Hub exactly as from the local folder
-    for rc, err, std, _, _ in results[4:6]:
+    for rc, err, std, *_ in results[4:6]:
         assert rc == 0, err[-3000:]
         assert "CustomLlamaForCausalLM comes from custom code" in err + std and "self-check decides" in err + std
     assert {"model.safetensors", "modeling_custom.py", "tokenization_custom.py"} <= set(results[4][3])
-    from_hub, local = _state_losses(tmp_path / "hub"), _state_losses(tmp_path / "local")
+    from_hub, local = _state_losses(base / "hub"), _state_losses(base / "local")
     assert len(from_hub) == 3
     assert_bit_equal(from_hub, local, why=SAME_FILES)
     module, api_losses = results[6][4]
@@ -683,17 +741,14 @@ def test_custom_code_model_needs_trust_remote_code_and_is_self_checked(hub, tmp_
     assert "supervised tokens are shown" in results[12][2]
 
 
-def test_dpo_takes_hub_ids_through_the_same_hub_code_as_train(hub, tmp_path):
-    """`pf-trl dpo` with a Hub model at a revision and a Hub dataset trains to the losses of the same run from local
-    copies; its Hub failures, and streaming, are one line (exit 2)."""
-    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
+def _dpo_steps(base: Path, hub) -> list:
     common = ["--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "2", "--seed", "0",
               "--report_to", "none", "--save_steps", "2", "--use_cpu", "true", "--disable_tqdm", "true"]
 
     def dpo(out: str, *args: str) -> list:
-        return ["main", ["dpo", *args, *common, "--output_dir", str(tmp_path / out)]]
+        return ["main", ["dpo", *args, *common, "--output_dir", str(base / out)], {}]
 
-    steps = [
+    return [
         dpo("hub", "--model_name_or_path", "org/tiny", "--model_revision", "v1", "--dataset_name", "org/pairs"),
         dpo("local", "--model_name_or_path", str(hub["model"]), "--dataset_name", str(hub["pairs"])),
         dpo("x", "--model_name_or_path", "org/tiny", "--model_revision", "v9", "--dataset_name", "org/pairs"),
@@ -701,10 +756,15 @@ def test_dpo_takes_hub_ids_through_the_same_hub_code_as_train(hub, tmp_path):
         dpo("x", "--model_name_or_path", str(hub["model"]), "--model_revision", "v1", "--dataset_name", "org/pairs"),
         dpo("x", "--model_name_or_path", "org/tiny", "--dataset_name", "org/pairs", "--dataset_streaming", "True"),
     ]
-    results = _steps(env, steps)
+
+
+def test_dpo_takes_hub_ids_through_the_same_hub_code_as_train(runs):
+    """`pf-trl dpo` with a Hub model at a revision and a Hub dataset trains to the losses of the same run from local
+    copies; its Hub failures, and streaming, are one line (exit 2)."""
+    results, base = runs["dpo"]
     for rc, err, *_ in results[:2]:
         assert rc == 0, err[-3000:]
-    from_hub, local = _state_losses(tmp_path / "hub"), _state_losses(tmp_path / "local")
+    from_hub, local = _state_losses(base / "hub"), _state_losses(base / "local")
     assert len(from_hub) == 2
     assert_bit_equal(from_hub, local, why=SAME_FILES)
     words = [["--model_name_or_path org/tiny (revision v9)", "no revision 'v9'"],
@@ -739,47 +799,20 @@ def test_a_shipped_model_type_with_an_auto_map_loads_as_transformers_loads_it(tm
         build_model(str(custom))
 
 
-# Each pf-trl command in one process, in order; after each, the files of every repository's snapshot in the Hub cache.
-FETCHED = r"""
-import contextlib, io, json, logging, os, sys
-from pathlib import Path
-from pf_trl.cli.main import main
-cache = Path(os.environ["HF_HOME"]) / "hub"
-
-def fetched():
-    out = {}
-    for snap in cache.glob("*--*/snapshots/*"):
-        out.setdefault(snap.parent.parent.name, []).extend(
-            p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
-    return {k: sorted(v) for k, v in out.items()}
-
-out = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    logging.getLogger().handlers.clear()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(argv)
-    out.append([rc, err.getvalue(), fetched()])
-print("RESULT " + json.dumps(out))
-"""
+def _fetched_steps(base: Path, hub) -> list:
+    """The first steps of the shared process: the Hub cache is still empty."""
+    train = ["train", "--model_name_or_path", "org/big", "--dataset_name", "org/chat", "--dataset_config", "short",
+             "--max_steps", "1", "--max_tokens_per_batch", "64", "--report_to", "none", "--save_strategy", "no",
+             "--output_dir", str(base / "out")]
+    return [["main", ["pretokenize", "org/chat", str(base / "shards"), "--model_name_or_path", "org/big",
+                      "--no_progress"], {}], ["main", train, {}]]
 
 
-def _fetched(env, steps: list[list[str]]) -> list:
-    proc = run([sys.executable, "-c", FETCHED, json.dumps(steps)], env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
-
-
-def test_only_what_a_run_reads_is_fetched(hub, tmp_path):
+def test_only_what_a_run_reads_is_fetched(hub, runs):
     """A tokenizer-only pretokenize fetches no weight file; training fetches the index and the shards it names, the
     config and generation config, the tokenizer, and nothing else of the repository (no consolidated.safetensors, no
     checkpoint-1/ or awq/ folder); a dataset's configuration brings its own split's files only."""
-    env = hub["server"].env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
-    train = ["train", "--model_name_or_path", "org/big", "--dataset_name", "org/chat", "--dataset_config", "short",
-             "--max_steps", "1", "--max_tokens_per_batch", "64", "--report_to", "none", "--save_strategy", "no",
-             "--output_dir", str(tmp_path / "out")]
-    results = _fetched(env, [["pretokenize", "org/chat", str(tmp_path / "shards"), "--model_name_or_path", "org/big",
-                              "--no_progress"], train])
+    results = [(rc, err, fetched) for rc, err, _, _, _, fetched, _ in runs["fetched"][0]]
     for rc, err, _ in results:
         assert rc == 0, err[-3000:]
     repo = {p.relative_to(hub["server"].repo("models", "org/big")).as_posix()
@@ -803,7 +836,24 @@ def _files_holding(root: Path, marker: bytes) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and not p.is_symlink() and marker in p.read_bytes()]
 
 
-def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service_follows_main(hub, service, tmp_path):
+def _evil_cases(base: Path, hub) -> list:
+    """(argv, words of the one line) of org/evil's configurations."""
+    leak, tiny = str(hub["leak"]), ["--model_name_or_path", "org/tiny"]
+    return [
+        (["pretokenize", "org/evil", str(base / "s1"), *tiny], [leak, "an absolute path"]),
+        (["train", *tiny, "--dataset_name", "org/evil", "--dataset_config", "up", "--output_dir", str(base / "o")],
+         ["../../", "climbs out", "configuration 'up'"]),
+        (["train", *tiny, "--dataset_name", "org/evil", "--dataset_config", "url", "--output_dir", str(base / "o")],
+         ["http://127.0.0.1:", "a URL"]),
+    ]
+
+
+def _evil_steps(base: Path, hub) -> list:
+    return [["main", argv, {}] for argv, _ in _evil_cases(base, hub)]
+
+
+def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service_follows_main(hub, service, runs,
+                                                                                              tmp_path):
     """org/evil's card names an absolute path, a `..` path and a URL to another host: the CLI and the service refuse
     each in one line naming the file, and nothing of the outside file lands in any cache or shard. The service reads
     branches and tags only (refs/pr/N and commits refused by default), and a long-lived service follows `main`: a new
@@ -811,22 +861,13 @@ def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service
     from pf_trl.data.local_datasets import dataset_splits
 
     server, leak = hub["server"], str(hub["leak"])
-    env = server.env(tmp_path / "hf", PF_TRL_CACHE=str(tmp_path / "pf"))
     # negative control: read as a local folder (the user's own data, as datasets resolves a card), the card does
     # resolve to the outside file
     local = tmp_path / "evil-local"
     shutil.copytree(server.repo("datasets", "org/evil"), local, ignore=shutil.ignore_patterns(".git"))
     assert dataset_splits(str(local))["train"] == [leak]
-    tiny = ["--model_name_or_path", "org/tiny"]
-    cases = [
-        (["pretokenize", "org/evil", str(tmp_path / "s1"), *tiny], [leak, "an absolute path"]),
-        (["train", *tiny, "--dataset_name", "org/evil", "--dataset_config", "up", "--output_dir", str(tmp_path / "o")],
-         ["../../", "climbs out", "configuration 'up'"]),
-        (["train", *tiny, "--dataset_name", "org/evil", "--dataset_config", "url", "--output_dir", str(tmp_path / "o")],
-         ["http://127.0.0.1:", "a URL"]),
-    ]
-    results = _errors(env, [(None, argv) for argv, _ in cases], tmp_path)
-    for (argv, words), (rc, err, _) in zip(cases, results):
+    results, base = runs["evil"]
+    for (argv, words), (rc, err, *_) in zip(_evil_cases(base, hub), results, strict=True):
         lines = _one_line(err)
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (argv, err[-2000:])
         for word in ["org/evil", "outside the repository", *words]:
@@ -856,6 +897,7 @@ def test_a_dataset_card_pointing_outside_its_repository_is_refused_and_a_service
         again = client.post("/v1/datasets", json=fresh)  # the same commit: the same dataset, no new job
         assert again.status_code == 200 and again.json()["id"] == second.json()["id"], again.text
     assert _files_holding(tmp_path, SECRET.encode()) == []
+    assert _files_holding(runs["root"], SECRET.encode()) == []  # the CLI's Hub cache and pf-trl cache
     assert _files_holding(service["cache"], SECRET.encode()) == []  # its Hub cache (HF_HOME) included
 
 
