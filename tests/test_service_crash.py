@@ -315,11 +315,24 @@ def _wait_terminal(store, job_id: str, timeout: float = 120.0) -> dict:
     raise AssertionError(f"job {job_id} still {store.get(job_id)['state']} after {timeout}s")
 
 
-def _run_workers(settings, store, job_id: str) -> dict:
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """One template process for the module's supervisors (the service has one per replica): forked workers start
+    warm, so each crash case pays for its crash, not for a template's imports. Its environment's caches are the
+    module's; the jobs read local files with the embedded tokenizer."""
+    from preprocess_service.forks import ForkServer
+    from preprocess_service.settings import Settings
+
+    server = ForkServer({**os.environ, **Settings(cache_dir=tmp_path_factory.mktemp("forks")).child_env()})
+    yield server
+    server.stop()
+
+
+def _run_workers(settings, store, job_id: str, forks) -> dict:
     """Real worker processes under a supervisor, until the job ends; its row."""
     from preprocess_service.jobs import Supervisor
 
-    supervisor = Supervisor(settings, store)
+    supervisor = Supervisor(settings, store, forks)
     supervisor.start()
     try:
         return _wait_terminal(store, job_id)
@@ -347,7 +360,7 @@ def _agree(settings, row) -> None:
                                                          ("renamed", "succeeded"), ("committed", "succeeded"))],
     ("mixture", "written", "failed"), ("mixture", "renamed", "succeeded"),  # the two sides of a mixture's publish
 ])
-def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, tmp_path, step, expected, kind):
+def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, tmp_path, step, expected, kind, forks):
     """A worker SIGKILLs itself (TEST-ONLY hook) after claiming, after writing the shards, after the publish rename
     (before COMMIT), after COMMIT; the supervisor handles the dead worker. Then the same request again: a
     succeeded job is not run again, a failed one is rebuilt (by a worker without the hook). Mixture jobs pass the
@@ -361,7 +374,7 @@ def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, t
     job_id = f"{kind[0]}{step:0>31}"[-32:]
     store.submit(job_id, request, max_queued=10, exists_ok=lambda r: True)
     settings.debug_crash_at = step
-    row = _run_workers(settings, store, job_id)
+    row = _run_workers(settings, store, job_id, forks)
     assert row["state"] == expected, (row["state"], row["error"])
     if expected == "failed":
         assert row["error_type"] == "worker_died" and "signal 9" in row["error"]
@@ -375,6 +388,6 @@ def test_state_and_disk_agree_after_a_worker_crash_at_any_step(store_settings, t
     assert created == (expected == "failed")
     if created:
         settings.debug_crash_at = ""
-        row = _run_workers(settings, store, job_id)
+        row = _run_workers(settings, store, job_id, forks)
         assert row["state"] == "succeeded"
         _agree(settings, row)

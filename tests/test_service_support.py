@@ -66,7 +66,8 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=30, **kw)
+        # a POST waits for its preflight check: seconds, more on a loaded machine
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
