@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import warnings
 from pathlib import Path
 
 import in_process
@@ -170,9 +171,18 @@ def test_plain_cpu_run_is_quiet_and_says_where_things_are(tmp_path, seed_json):
     noise = [line for line in first.stderr.splitlines() if "Warning" in line or "Writing model shards" in line]
     assert noise == [], noise
     assert f"pf-trl: model saved to {out}" in first.stdout
-    resumed = run("--max_steps", "3", "--resume_from_checkpoint", "True")
+    # the resumed run in the test's process (tests/in_process.py): every warning it raises is recorded as
+    # PYTHONWARNINGS=default prints it (those of the imports were the first run's, above)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("default")
+        warnings.warn("pf-trl test: recorded", UserWarning, stacklevel=1)  # control: the record sees a warning raised here
+        resumed = in_process.run_cli(["train", *base[4:], "--max_steps", "3", "--resume_from_checkpoint", "True"],
+                                     env=env, cwd=Path.cwd())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"pf-trl: resuming from {out / 'checkpoint-2'}: step 2, epoch 1, after batch 2 of" in resumed.stdout
     assert not [line for line in resumed.stderr.splitlines() if "Warning" in line]
+    assert [str(w.message) for w in raised[:1]] == ["pf-trl test: recorded"]
+    assert not raised[1:], [f"{w.category.__name__}: {w.message}" for w in raised[1:]]
     # in the test's process (tests/in_process.py): this claim is the command's output alone
     unsaved = in_process.run_cli(["train", *base[4:], "--max_steps", "1", "--save_strategy", "no", "--output_dir",
                                   str(tmp_path / "unsaved")], env=env, cwd=Path.cwd())
