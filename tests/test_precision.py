@@ -279,7 +279,7 @@ def test_python_api_bf16_trains_in_both_modes(tmp_path, monkeypatch):
     from the float32 run's, by bfloat16 rounding only)."""
     from pf_trl import PaddingFreeConfig, PaddingFreeSFTTrainer
 
-    path = chat_jsonl(tmp_path, n=8)  # one step's batch (8 rows): six trainers each evaluate and train it
+    path = chat_jsonl(tmp_path)
     losses = {}
     for mode in pm.MODES:
         for name, precision in (("fp32", {}), ("bf16", {"bf16": True}),
