@@ -15,6 +15,7 @@ import io
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -35,7 +36,12 @@ def run_cli(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Compl
     logging.getLogger().addHandler(said)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = int(main([str(a) for a in argv]) or 0)
+            try:
+                code = int(main([str(a) for a in argv]) or 0)
+            except SystemExit as exc:  # argparse's refusals: the status (and message) a process would exit with
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
     finally:
         logging.getLogger().removeHandler(said)
         readahead.close_all()

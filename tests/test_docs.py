@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,14 +52,14 @@ def test_readme_main_job_runs(tmp_path):
     """The README's first command trains: `pf-trl demo` (shortened to 2 steps) pretokenizes the shipped sample, trains
     the tiny model padding-free and prints the metrics table with no padding. Negative control: a flag it does not
     know is refused with exit status 2."""
+    # in the test's process (tests/in_process.py): the claims are the command's output and exit status
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PF_TRL_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "pf_trl.cli.main", "demo", "--steps", "2", "--logging_steps", "1",
-           "--output_dir", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    cmd = ["demo", "--steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path / "out")]
+    proc = run_cli(cmd, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     table = proc.stdout.split("***** train metrics *****", 1)[1]
     assert "train_padding_share" in table and "= 0\n" in table.split("train_padding_share", 1)[1][:40]
     assert int(table.split("train_real_tokens ", 1)[1].split("=", 1)[1].split()[0]) > 0
-    bad = subprocess.run([*cmd, "--no_such_flag"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    bad = run_cli([*cmd, "--no_such_flag"], env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "no_such_flag" in bad.stderr

@@ -8,11 +8,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from in_process import run_cli
 
 from conftest import write_jsonl
 from test_service_support import REPO
@@ -135,8 +135,8 @@ def test_a_manifest_without_checksums_still_loads(tmp_path):
 
 
 def _verify(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pf_trl.cli.main", "verify", *args], capture_output=True, text=True,
-                          cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    # in the test's process (tests/in_process.py): the claims are the command's exit status and output
+    return run_cli(["verify", *args], env=dict(os.environ), cwd=REPO)
 
 
 def test_pf_trl_verify_command(tmp_path):
@@ -182,11 +182,10 @@ def test_pf_trl_train_refuses_a_corrupt_shards_directory_at_start(tmp_path):
     arrow = flip_token(bad)
 
     def train(data: Path, out: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "pf_trl.cli.main", "train", "--model_name_or_path", "pf-trl/tiny-llama",
-             "--training_data_path", str(data), "--max_steps", "1", "--output_dir", str(tmp_path / out),
-             "--report_to", "none", "--save_strategy", "no"],
-            capture_output=True, text=True, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+        # in the test's process (tests/in_process.py): the claim is the command's exit status and its one line
+        return run_cli(["train", "--model_name_or_path", "pf-trl/tiny-llama", "--training_data_path", str(data),
+                        "--max_steps", "1", "--output_dir", str(tmp_path / out), "--report_to", "none",
+                        "--save_strategy", "no"], env=dict(os.environ), cwd=REPO)
 
     r = train(bad, "out-bad")
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]

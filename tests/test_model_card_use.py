@@ -5,10 +5,7 @@ base folder is named by its folder name."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -16,27 +13,24 @@ TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_atten
 IDS = [1, 415, 2936, 9060, 285, 1142, 754, 12, 90, 3]
 ROWS = [{"prompt": f"Question {i}:", "completion": f" answer number {i}."} for i in range(12)]
 
-RUN = r"""
-import json, sys, torch
-snippet = sys.stdin.read()
-scope = {}
-exec(snippet, scope)
-with torch.no_grad():
-    logits = scope["model"](input_ids=torch.tensor([json.loads(sys.argv[1])])).logits
-print(json.dumps({"logits": logits[0, -1, :16].tolist(), "tokenizer": len(scope["tokenizer"])}))
-"""
-
 
 def _snippet(card: str) -> str:
     use = card.split("## Use", 1)[1]
     return re.search(r"```python\n(.*?)```", use, re.S).group(1)
 
 
-def _run(snippet: str, cwd) -> dict:
-    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(IDS)], input=snippet, capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+def _run(snippet: str, cwd, monkeypatch) -> dict:
+    """The card's snippet executed as written from ``cwd``, in a fresh namespace of the test's process (a new
+    interpreter would only import torch and transformers again): the logits it loads for IDS."""
+    import torch
+
+    scope: dict = {}
+    with monkeypatch.context() as m:
+        m.chdir(cwd)
+        exec(compile(snippet, "<model card snippet>", "exec"), scope)
+    with torch.no_grad():
+        logits = scope["model"](input_ids=torch.tensor([IDS])).logits
+    return {"logits": logits[0, -1, :16].tolist(), "tokenizer": len(scope["tokenizer"])}
 
 
 def _train(tmp_path, model, name: str):
@@ -70,10 +64,10 @@ def test_an_adapter_on_an_embedded_base_loads_as_the_card_says(tmp_path, monkeyp
     assert "embedded `pf-trl/tiny-llama` config" in card
     snippet = _snippet(card)
     assert str(tmp_path) not in snippet and 'model_dir = "adapter"' in snippet
-    got = _run(snippet, cwd=tmp_path)  # "run from the folder that contains `adapter`"
+    got = _run(snippet, tmp_path, monkeypatch)  # "run from the folder that contains `adapter`"
     assert got["logits"] == pytest.approx(want, abs=1e-5) and got["tokenizer"] == 32000
     # negative control: another seed is another base, and the check sees it
-    wrong = _run(snippet.replace("seed=7", "seed=8"), cwd=tmp_path)
+    wrong = _run(snippet.replace("seed=7", "seed=8"), tmp_path, monkeypatch)
     assert wrong["logits"] != pytest.approx(want, abs=1e-5)
 
 
@@ -90,4 +84,4 @@ def test_an_adapter_on_a_local_base_folder_names_the_folder(tmp_path, monkeypatc
     snippet = _snippet(card)
     assert str(tmp_path) not in snippet and 'from_pretrained("my-base")' in snippet
     assert "base_model: ''" not in card
-    assert _run(snippet, cwd=tmp_path)["logits"] == pytest.approx(want, abs=1e-5)
+    assert _run(snippet, tmp_path, monkeypatch)["logits"] == pytest.approx(want, abs=1e-5)

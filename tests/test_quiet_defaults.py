@@ -109,7 +109,7 @@ def test_every_pf_trl_logger_is_filtered():
 
 
 TRAINER_SCRIPT = r"""
-import logging, datasets
+import logging, os, sys, datasets
 logging.basicConfig(level=logging.WARNING)
 from pf_trl.models import build_model
 from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
@@ -118,8 +118,11 @@ rows = [{"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistan
 args = PaddingFreeConfig(output_dir="out", report_to=[], use_cpu=True, max_steps=1, save_strategy="no")
 model = build_model("pf-trl/tiny-llama", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
                     num_attention_heads=2, num_key_value_heads=1)
-PaddingFreeSFTTrainer(model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                      eval_dataset=datasets.Dataset.from_list(rows[:4]))
+for rank in ("1", "0"):  # the process starts as rank 1 (RANK=1); each trainer begins a run of its own
+    os.environ["RANK"] = rank
+    print(f"--- rank {rank} ---", file=sys.stderr, flush=True)
+    PaddingFreeSFTTrainer(model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                          eval_dataset=datasets.Dataset.from_list(rows[:4]))
 print("built")
 """
 
@@ -127,18 +130,18 @@ print("built")
 @pytest.mark.slow
 def test_a_trainer_says_each_warning_once_and_no_deepspeed_banner(tmp_path):
     """Through PaddingFreeSFTTrainer (train and eval chat rows, assistant_only_loss unset): the warning once, no
-    DeepSpeed banner (deepspeed is installed and imported by accelerate); on rank 1, not at all."""
+    DeepSpeed banner (deepspeed is installed and imported by accelerate); on rank 1, not at all. One process: the
+    rank-1 trainer first, then the rank-0 one (the negative control of the rank-1 silence: the same process says it)."""
     pytest.importorskip("deepspeed")
-    env = {**os.environ, "PF_TRL_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PF_TRL_CACHE": str(tmp_path / "cache"), "RANK": "1"}
     env.pop("ACCELERATE_USE_DEEPSPEED", None)
     proc = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT], capture_output=True, text=True, timeout=300, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
-    assert proc.stderr.count("assistant_only_loss is unset") == 1, proc.stderr
+    rank1, rank0 = proc.stderr.split("--- rank 1 ---", 1)[1].split("--- rank 0 ---", 1)
+    assert "assistant_only_loss is unset" not in rank1, rank1
+    assert rank0.count("assistant_only_loss is unset") == 1, rank0
     assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr  # DeepSpeed's handler writes to stdout
-    proc = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT], capture_output=True, text=True, timeout=300,
-                          env={**env, "RANK": "1"}, cwd=tmp_path)
-    assert proc.returncode == 0 and "assistant_only_loss is unset" not in proc.stderr, proc.stderr[-3000:]
 
 
 BANNER_SCRIPT = r"""

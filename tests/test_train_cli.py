@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import shlex
+import warnings
+from pathlib import Path
 
+import in_process
 import pytest
 
 from tolerances import BF16_LOSS_RTOL, assert_same_math
@@ -48,7 +51,7 @@ def run_cli(args: str | list[str]) -> int:
 @pytest.mark.slow
 def test_seed_command_line_parses_and_runs(tmp_path, seed_json, capsys):
     out = tmp_path / "ilab"
-    cmd = SEED_CMD.format(data=seed_json, out=out).replace("--max_steps 100", "--max_steps 3")
+    cmd = SEED_CMD.format(data=seed_json, out=out).replace("--max_steps 100", "--max_steps 1")
     assert run_cli(cmd) == 0
     text = capsys.readouterr().out
     assert "float16 on CPU: training in float32" in text
@@ -168,10 +171,22 @@ def test_plain_cpu_run_is_quiet_and_says_where_things_are(tmp_path, seed_json):
     noise = [line for line in first.stderr.splitlines() if "Warning" in line or "Writing model shards" in line]
     assert noise == [], noise
     assert f"pf-trl: model saved to {out}" in first.stdout
-    resumed = run("--max_steps", "3", "--resume_from_checkpoint", "True")
+    # the resumed run in the test's process (tests/in_process.py): every warning it raises is recorded as
+    # PYTHONWARNINGS=default prints it (those of the imports were the first run's, above)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("default")
+        warnings.warn("pf-trl test: recorded", UserWarning, stacklevel=1)  # control: the record sees a warning raised here
+        resumed = in_process.run_cli(["train", *base[4:], "--max_steps", "3", "--resume_from_checkpoint", "True"],
+                                     env=env, cwd=Path.cwd())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"pf-trl: resuming from {out / 'checkpoint-2'}: step 2, epoch 1, after batch 2 of" in resumed.stdout
     assert not [line for line in resumed.stderr.splitlines() if "Warning" in line]
-    unsaved = run("--max_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path / "unsaved"))
+    assert [str(w.message) for w in raised[:1]] == ["pf-trl test: recorded"]
+    assert not raised[1:], [f"{w.category.__name__}: {w.message}" for w in raised[1:]]
+    # in the test's process (tests/in_process.py): this claim is the command's output alone
+    unsaved = in_process.run_cli(["train", *base[4:], "--max_steps", "1", "--save_strategy", "no", "--output_dir",
+                                  str(tmp_path / "unsaved")], env=env, cwd=Path.cwd())
+    assert unsaved.returncode == 0, unsaved.stderr[-3000:]
     assert "no model saved" in unsaved.stdout
 
 
