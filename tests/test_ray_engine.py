@@ -64,6 +64,12 @@ def _node_cache(path: Path) -> str:
     return str(path)
 
 
+# What this suite does not look at, off in every process of the cluster and in the CLI's driver (they inherit the
+# environment): usage reports, the metrics every Ray process exports, Ray Data's progress bars (~14% of a run's CPU
+# seconds, measured on the folder run: 38.8 -> 33.5 CPU-s, medians of two)
+LEAN_RAY = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_metrics_collection": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+
+
 @pytest.fixture(scope="module")
 def cluster(request, tmp_path_factory):
     """A local Ray of 2 CPUs started in this process, with the S3 environment and a node cache of its own (its
@@ -74,13 +80,13 @@ def cluster(request, tmp_path_factory):
         s3_env = request.getfixturevalue("s3").env()
     except pytest.skip.Exception:  # PF_TRL_SKIP_S3=1: no S3 server here; the folder test still runs
         s3_env = {}
-    env = {**s3_env, "PF_TRL_CACHE": _node_cache(tmp_path_factory.mktemp("cluster") / "node")}
+    env = {**s3_env, "PF_TRL_CACHE": _node_cache(tmp_path_factory.mktemp("cluster") / "node"), **LEAN_RAY}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     filesystem.forget_filesystems()
     temp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's Unix sockets live under it
     context = ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False,
-                       _temp_dir=temp, configure_logging=False)
+                       _temp_dir=temp, configure_logging=False, _system_config={"enable_metrics_collection": False})
     try:
         yield context
     finally:
