@@ -208,14 +208,14 @@ def test_a_folder_dest_holds_the_rows_of_one_process(cluster, source, tmp_path, 
     assert capsys.readouterr().err.strip().split("error:")[1] == err.split("error:")[1]
 
 
-def _wait_until(condition, what: str, timeout_s: float = 240.0):
-    """Poll ``condition()`` (a bucket has no change notification) every 20 ms until it holds; its last value."""
+def _wait_until(condition, what: str, timeout_s: float = 240.0, every_s: float = 0.02):
+    """Poll ``condition()`` (a bucket has no change notification) every ``every_s`` until it holds; its last value."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(every_s)
     return value
 
 
@@ -239,11 +239,14 @@ def test_a_bucket_run_interrupted_resumes_from_committed_parts_loses_no_row_and_
                             env={**os.environ, "RAY_ADDRESS": cluster.address_info["gcs_address"]},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
-    def committed() -> dict[str, str]:  # {part: writer} of the committed attempts
+    def committed(at_least: int = 2) -> dict[str, str]:  # {part: writer} of the committed attempts
         found = fs.glob(f"{prefix}/w-*/part-*/pf_manifest.json")
-        return {p.split("/")[-2]: p.split("/")[-3] for p in found} if len(found) >= 2 or proc.poll() is not None \
-            else {}
+        return {p.split("/")[-2]: p.split("/")[-3] for p in found} \
+            if len(found) >= at_least or proc.poll() is not None else {}
 
+    # the job's start (a process importing Ray and pf-trl, an actor) takes seconds: a bucket listing every 0.2 s until
+    # its first part, every 20 ms from there (a part takes longer than that), not 50 listings a second throughout
+    _wait_until(lambda: committed(1), "a committed part", every_s=0.2)
     _wait_until(committed, "two committed parts")
     workers = _ray_workers_of_this_cluster()
     for pid in workers:
