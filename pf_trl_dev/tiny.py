@@ -45,7 +45,8 @@ _SIZES: dict[str, int] = {
     ),
     **dict.fromkeys(
         ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads", "encoder_attention_heads",
-         "attention_heads", "swa_num_attention_heads", "num_encoder_attention_heads", "num_decoder_attention_heads"),
+         "attention_heads", "swa_num_attention_heads", "num_encoder_attention_heads", "num_decoder_attention_heads",
+         "linear_num_heads"),
         4,
     ),
     **dict.fromkeys(
