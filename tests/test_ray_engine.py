@@ -65,8 +65,9 @@ def _node_cache(path: Path) -> str:
 
 
 # What this suite does not look at, off in every process of the cluster and in the CLI's driver (they inherit the
-# environment): usage reports, the metrics every Ray process exports, Ray Data's progress bars (~14% of a run's CPU
-# seconds, measured on the folder run: 38.8 -> 33.5 CPU-s, medians of two)
+# environment): usage reports, the metrics every Ray process exports, Ray Data's progress bars. Periodic work, so it
+# counts when the run is stretched by the other suites beside it (the folder run on a loaded machine: 38.8 -> 33.5
+# CPU-s, medians of two); on a quiet machine it is within noise
 LEAN_RAY = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_metrics_collection": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
 
 
