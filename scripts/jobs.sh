@@ -3,6 +3,7 @@
 # the same time never interleave their output.
 #   source scripts/jobs.sh
 #   job_start NAME CMD...   # CMD in the background, stdout and stderr to $JOB_DIR/NAME.log
+#   JOB_NICE=N job_start ...  # the same at a lower CPU priority (nice N): it yields the cores to the critical path
 #   job_finish NAME         # waits for it, prints its log; returns its exit status
 #   job_last_line NAME      # the last non-empty line of its log (pytest's closing line, for a summary)
 # On exit (an interrupt included) the jobs not collected yet are stopped, with their child processes, and the logs
@@ -15,6 +16,7 @@ job_start() {
   local name=$1
   shift
   (
+    [[ -n "${JOB_NICE:-}" ]] && renice -n "$JOB_NICE" -p "$BASHPID" > /dev/null 2>&1
     start=$(date +%s)
     rc=0
     "$@" || rc=$?

@@ -40,7 +40,7 @@ workers=${PF_TRL_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT npro
 
 # The legacy suite needs only python3, pip and the checkout (its venv installs pf-trl itself, --no-deps): its venv is
 # built while setup.sh builds .venv, and its tests run right after, beside everything else.
-(( legacy )) && job_start legacy bash scripts/test_legacy.sh
+(( legacy )) && JOB_NICE=5 job_start legacy bash scripts/test_legacy.sh
 # The Hub tests run against a real Hub protocol server (olah, in its own venv .venv-olah: ~25 s to build from the
 # registry, mostly download) that they start themselves. Built while setup.sh builds .venv; required on this path
 # (CI): they skip only when PF_TRL_SKIP_OLAH=1 says olah is not available on this machine.
@@ -98,9 +98,11 @@ run_real() {
   install_real || return 1
   .venv/bin/python -m pytest -q -p no:cacheprovider -m real tests/test_real_model.py
 }
-# .venv is ready: the suites layered on it start now (each prepares itself, then runs its tests)
-(( newest )) && job_start newest bash scripts/test_newest.sh
-(( real )) && job_start real run_real
+# .venv is ready: the suites layered on it start now (each prepares itself, then runs its tests). The main suite is
+# the run's critical path: the side suites that have no deadlines of their own run at a lower CPU priority (nice 5)
+# and fill the cores when its tests wait (servers, subprocess start-ups, retry back-offs); they end well before it.
+(( newest )) && JOB_NICE=5 job_start newest bash scripts/test_newest.sh
+(( real )) && JOB_NICE=5 job_start real run_real
 # The Ray Data engine's suite (`pytest -m ray`: `pf-trl pretokenize --engine ray` on a local 2-CPU Ray cluster and an
 # S3 server (weed) the tests start and stop themselves): the `ray` extra (~240 MB) is
 # installed, then the suite runs, beside the main suite. PF_TRL_SKIP_RAY=1: off.
