@@ -117,11 +117,13 @@ class ForkServer:
         ours, theirs, targets = {}, [], []
         if stdin:
             r, w = os.pipe()
-            theirs.append(r), targets.append(0)
+            theirs.append(r)
+            targets.append(0)
             ours["stdin"] = os.fdopen(w, "wb")
         if stdout:
             r, w = os.pipe()
-            theirs.append(w), targets.append(1)
+            theirs.append(w)
+            targets.append(1)
             ours["stdout"] = os.fdopen(r, "rb")
         try:
             with self._lock:

@@ -28,6 +28,12 @@ SECRET_ENV = ("PF_SERVICE_TOKEN", "PF_SERVICE_DATABASE_URL")
 """Environment variables never passed on to worker processes."""
 
 
+def child_environment(settings) -> dict[str, str]:
+    """The environment of the replica's template process, hence of its workers and preflight sandboxes: this
+    process's without the secrets, with every cache inside ``cache_dir`` (``settings.child_env()``)."""
+    return {**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, **settings.child_env()}
+
+
 class Supervisor:
     """Starts ``settings.workers`` worker processes, restarts the ones that die (failing their job with
     the reason), kills one on request (DELETE of a running job) and detects orphaned jobs."""
@@ -36,10 +42,7 @@ class Supervisor:
         self.settings, self.store = settings, store
         # the workers are forked from the replica's template process; without one given, the supervisor has its own
         self._own_forks = forks is None
-        if forks is None:
-            env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-            forks = ForkServer({**env, **settings.child_env()})
-        self.forks = forks
+        self.forks = forks if forks is not None else ForkServer(child_environment(settings))
         self.procs: dict[int, ForkedProcess] = {}
         self.index_of: dict[int, int] = {}
         self.cancelled: set[int] = set()

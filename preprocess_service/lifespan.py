@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import shutil
 import threading
 import time
@@ -19,7 +18,7 @@ from pf_trl._version import __version__
 from preprocess_service import uploads as upload_store
 from preprocess_service.forks import ForkServer
 from preprocess_service.integrity import DatasetIntegrity
-from preprocess_service.jobs import SECRET_ENV, Supervisor
+from preprocess_service.jobs import Supervisor, child_environment
 from preprocess_service.preflight import PreflightPool
 from preprocess_service.settings import Settings, SettingsError
 from preprocess_service.store import log_event, open_store
@@ -76,7 +75,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         logger.warning("job %s was running when the service stopped: %s", job_id, action)
     # Workers and preflight sandboxes are forked from one template process that has imported torch, transformers
     # and datasets once; its environment is theirs (the caches inside cache_dir; no secret).
-    child_env = {**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, **settings.child_env()}
+    child_env = child_environment(settings)
     forks = ForkServer(child_env)
     supervisor = Supervisor(settings, store, forks)
     supervisor.start()

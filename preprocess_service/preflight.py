@@ -3,9 +3,10 @@
 The API process never parses client data: a row nested 20,000 deep crashes Arrow's JSON reader, a 200 MB line is
 held whole by every reader, a hostile tokenizer folder can hold anything. The API only resolves paths (``stat``)
 and streams bytes into a hash; everything that parses runs here, in ``python -m preprocess_service.preflight``
-processes (forked from the replica's template process, :mod:`preprocess_service.forks`), each in its own session, under an address-space limit (``RLIMIT_AS``, ``--preflight-memory``) and
-given at most ``--preflight-timeout-s`` per request. A sandbox that crashes, runs out of memory or time is
-replaced; the request that did it gets a 422 naming what happened, and the API answers the next one.
+processes (forked from the replica's template process, :mod:`preprocess_service.forks`), each in its own session,
+under an address-space limit (``RLIMIT_AS``, ``--preflight-memory``) and given at most ``--preflight-timeout-s``
+per request. A sandbox that crashes, runs out of memory or time is replaced; the request that did it gets a 422
+naming what happened, and the API answers the next one.
 
 Protocol: one JSON request per line on the sandbox's stdin, one JSON answer per line on a private pipe (its
 stdout; stray prints of libraries go to stderr). Requests (``op``):
@@ -313,7 +314,7 @@ class PreflightPool:
     def __init__(self, settings, env: dict[str, str], forks=None):
         from preprocess_service.forks import ForkServer
 
-        self.settings, self.env = settings, env
+        self.settings = settings
         # sandboxes are forked from the replica's template process; without one given, the pool has its own
         self._own_forks = forks is None
         self.forks = forks if forks is not None else ForkServer(env)

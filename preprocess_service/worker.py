@@ -3,9 +3,9 @@
 Started by the supervisor as ``python -m preprocess_service.worker`` would be, forked from the service's template
 process (:mod:`preprocess_service.forks`); its settings (with the database URL, a secret) arrive as JSON on stdin,
 never in argv or the environment. A watchdog thread exits the process when its parent is gone (the template leaves
-with the API process), so a ``kill -9`` of the server leaves no worker behind; a heartbeat in the job row lets a restarted server (or another replica)
-detect orphans. A job cancelled or deleted elsewhere (another replica) is noticed by the heartbeat or
-the next progress report, and abandoned.
+with the API process), so a ``kill -9`` of the server leaves no worker behind; a heartbeat in the job row lets a
+restarted server (or another replica) detect orphans. A job cancelled or deleted elsewhere (another replica) is
+noticed by the heartbeat or the next progress report, and abandoned.
 """
 
 from __future__ import annotations

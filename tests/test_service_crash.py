@@ -321,9 +321,10 @@ def forks(tmp_path_factory):
     warm, so each crash case pays for its crash, not for a template's imports. Its environment's caches are the
     module's; the jobs read local files with the embedded tokenizer."""
     from preprocess_service.forks import ForkServer
+    from preprocess_service.jobs import child_environment
     from preprocess_service.settings import Settings
 
-    server = ForkServer({**os.environ, **Settings(cache_dir=tmp_path_factory.mktemp("forks")).child_env()})
+    server = ForkServer(child_environment(Settings(cache_dir=tmp_path_factory.mktemp("forks"))))
     yield server
     server.stop()
 
