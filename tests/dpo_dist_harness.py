@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc_per_node 2 tests/dpo_dist_harness.py SPEC.json
 
-``SPEC``: ``{"out": DIR, "jobs": [JOB, ...]}``, each ``JOB`` as :func:`tests.dpo_support.run_job` takes it. The jobs
-run one after the other in the same two processes (one launch: the imports are paid once). Each writes
-``OUT/NAME/result_RANK.pt`` (the logged history, the pairs of every micro-batch, the budget sampler's batches, the
-first step's gradient after the ranks' reduction, the final weights).
+``SPEC``: ``{"out": DIR, "folder": TINY_MODEL_FOLDER, "jobs": [JOB, ...]}``, each ``JOB`` as
+:func:`tests.dpo_support.run_job` takes it (DPO), or with a ``kind`` as :func:`tests.rl_kto_dist_jobs.run_job` takes
+it (GRPO / RLOO from the model in ``folder``, KTO). The jobs run one after the other in the same two processes (one
+launch: the imports are paid once). Each writes ``OUT/NAME/result_RANK.pt`` (DPO: the logged history, the pairs of
+every micro-batch, the budget sampler's batches, the first step's gradient after the ranks' reduction, the final
+weights).
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from tests import dpo_support as S
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     for job in spec["jobs"]:
-        result = S.run_job(job, spec["out"])
+        if job.get("kind", "dpo") == "dpo":
+            result = S.run_job(job, spec["out"])
+        else:  # GRPO / KTO jobs, run in the same launch (their imports added, not a second launch's)
+            from tests import rl_kto_dist_jobs
+
+            result = rl_kto_dist_jobs.run_job(job, spec)
         folder = Path(spec["out"]) / job["name"]
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(result, folder / f"result_{result['rank']}.pt")

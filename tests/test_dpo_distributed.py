@@ -8,7 +8,20 @@ One ``torchrun --nproc_per_node 2`` launch (tests/dpo_dist_harness.py) trains, i
 - ``budget``: token-budget micro-batches (whole pairs, rank-balanced; the two ranks hold different numbers of pairs):
   the reduced gradient of the step, its logged loss and TRL's metrics (per-pair values gathered from ranks of uneven
   pair counts) equal TRL's for one batch holding all the step's pairs; control: each rank's plain mean
-  (``budget_unweighted``) gives another gradient and loss.
+  (``budget_unweighted``) gives another gradient and loss;
+
+and, in the same launch (tests/rl_kto_dist_jobs.py: their imports added, not a second launch's):
+
+- GRPO's ``max_tokens_per_forward``, one step, for ``grpo`` (a per-sequence mean of each rank's micro-batch) and
+  ``dapo`` (a sum over tokens divided by ``num_items_in_batch``, the completion tokens of every rank): without a budget
+  and with one that splits every micro-batch of both ranks into several packed forwards (the ranks holding different
+  numbers of completion tokens). The split step's loss, every logged metric and the gradient after DDP's reduction
+  equal the unsplit step's, within ``sum_rtol`` of the step's tokens (the forwards' per-token values round
+  differently and everything is a sum over them); control: ``dapo``'s pieces normalised by their rank's own completion
+  tokens instead of by ``num_items_in_batch`` give another gradient;
+- KTO, two steps, TRL's KTOTrainer and PaddingFreeKTOTrainer on the same rows: the loss, the gradient norm, every KTO
+  metric (tests/test_kto_trainer.py's tolerance) and the first step's reduced gradient equal; the KL term is the mean
+  of both ranks' estimates (TRL gathers it); control: each rank's own estimate differs from it.
 """
 
 from __future__ import annotations
@@ -21,6 +34,10 @@ import torch
 from test_distributed import _env, _failure, _torchrun  # the project's torchrun harness (gloo on loopback)
 
 from tests import dpo_support as S
+from tests import rl_support as R
+from tests.test_kto_trainer import RTOL as KTO_RTOL
+from tests.test_kto_trainer import assert_same_metrics
+from tests.tolerances import assert_other_math, assert_same_math, sum_rtol
 
 from tolerances import assert_bit_equal
 
@@ -35,12 +52,22 @@ BUDGET_KW = dict(max_steps=1, per_device_train_batch_size=1, max_tokens_per_batc
                  max_grad_norm=1e9)
 
 
+# GRPO: a budget under every micro-batch of 2 groups (each rank's 4 sequences) that still holds several sequences:
+# forwards of uneven sizes, a group's prompt held once in each
+RL_BUDGET = 24
+RL_LOSS_TYPES = ("grpo", "dapo")
+RL_JOBS = [*(dict(name=f"{loss}_{how}", kind="rl", loss_type=loss, budget=budget, control=None)
+             for loss in RL_LOSS_TYPES for how, budget in (("whole", None), ("split", RL_BUDGET))),
+           dict(name="dapo_local", kind="rl", loss_type="dapo", budget=RL_BUDGET, control="local"),
+           dict(name="kto_trl", kind="kto", trainer="trl"), dict(name="kto_pf", kind="kto", trainer="pf")]
+
+
 def _two_ranks(out) -> dict[str, list[dict]]:
     jobs = [dict(name="fixed", trainer="pf", rows=FIXED_ROWS, kw=FIXED),
             dict(name="budget", trainer="pf", rows=BUDGET_ROWS, kw=BUDGET_KW),
-            dict(name="budget_unweighted", trainer="pf", rows=BUDGET_ROWS, kw=BUDGET_KW, unweighted=True)]
+            dict(name="budget_unweighted", trainer="pf", rows=BUDGET_ROWS, kw=BUDGET_KW, unweighted=True), *RL_JOBS]
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    spec.write_text(json.dumps({"out": str(out), "folder": R.model_folder(out), "jobs": jobs}))
     proc = subprocess.run(_torchrun(HARNESS, str(spec)), env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, _failure(proc)
     return {job["name"]: [torch.load(out / job["name"] / f"result_{r}.pt") for r in (0, 1)] for job in jobs}
@@ -106,3 +133,68 @@ def test_two_ranks_token_budget_step_is_the_mean_over_all_its_pairs(runs):
     assert _worst(one["trl_whole"]["grad"], unweighted["grad"]) > 1e-3
     assert [b.split(":")[0] for b in S.compare_logs(one["trl_whole"]["history"], unweighted["history"])] == [
         "step 0 loss", "step 0 grad_norm"]
+
+
+# ------------------------------------------------------------------------------------- GRPO budget, KTO (same launch)
+
+
+def _numbers(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in history]
+
+
+def _rl_rtol(ranks: list[dict]) -> float:
+    """``sum_rtol`` of the step's tokens: the completions' and the prompts' (at most 16 a prompt, 4 per rank)."""
+    return sum_rtol(sum(int(s["completion_mask"].sum()) for r in ranks for s in r["seen"]) + 2 * 4 * 16)
+
+
+@pytest.mark.parametrize("loss_type", RL_LOSS_TYPES)
+def test_two_ranks_grpo_budget_keeps_the_unsplit_step(runs, loss_type):
+    two, _ = runs
+    whole, split = two[f"{loss_type}_whole"], two[f"{loss_type}_split"]
+    assert [r["world"] for r in whole + split] == [2] * 4
+    for w, s in zip(whole, split):
+        # the same completions (generation comes before the loss), every micro-batch split into several forwards
+        assert len(w["seen"]) == len(s["seen"]) == 1
+        assert torch.equal(w["seen"][0]["completion_ids"], s["seen"][0]["completion_ids"])
+        assert w["plans"] == [] and len(s["plans"]) == 1 and s["plans"][0] >= 2
+    tokens = [int(r["seen"][0]["completion_mask"].sum()) for r in split]
+    assert tokens[0] != tokens[1]  # the ranks' local token counts differ from their mean (dapo's normaliser)
+    assert [r["seen"][0]["num_items_in_batch"] for r in split] == [float(sum(tokens))] * 2
+    rtol = _rl_rtol(split)
+    assert_same_math(split[0]["grad"], split[1]["grad"], what="the reduced gradient on the two ranks")
+    assert_same_math(_numbers(split[0]["history"]), _numbers(whole[0]["history"]), what=f"{loss_type} logs",
+                     rtol=rtol)
+    assert_same_math(split[0]["grad"], whole[0]["grad"], what=f"{loss_type} gradient", rtol=rtol)
+    first = whole[0]["history"][0]
+    assert {"loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean"} <= set(first)
+    assert abs(first["loss"]) > 1e-4 and first["kl"] > 1e-4  # not a zero loss that any weighting keeps
+
+
+def test_two_ranks_grpo_budget_control_local_normaliser_differs(runs):
+    two, _ = runs
+    whole, local = two["dapo_whole"], two["dapo_local"]
+    assert local[0]["plans"][0] >= 2
+    rtol = _rl_rtol(local)
+    assert_other_math(local[0]["grad"], whole[0]["grad"], what="dapo pieces under the local normaliser", rtol=rtol)
+    assert_other_math(local[0]["history"][0]["grad_norm"], whole[0]["history"][0]["grad_norm"],
+                      what="dapo gradient norm under the local normaliser", rtol=rtol)
+
+
+def test_two_ranks_kto_equals_trl(runs):
+    two, _ = runs
+    trl, pf = two["kto_trl"], two["kto_pf"]
+    assert [r["world"] for r in trl + pf] == [2] * 4
+    expected, got = trl[0]["history"], pf[0]["history"]
+    keys = {k for h in expected for k in h}
+    assert {"loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen"} <= keys
+    assert len(expected) == len(got) and sum("kl" in h for h in got) == 2
+    for step, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
+        assert_same_metrics(mine, {k: v for k, v in theirs.items() if k in keys}, f"log {step}")
+    assert_same_math(pf[0]["grad"], trl[0]["grad"], what="first step's reduced gradient", rtol=S.GRAD_RTOL)
+    # the KL term is both ranks' (TRL gathers it): the mean of their own estimates, which differ from it
+    for step, logged in enumerate(h["kl"] for h in got if "kl" in h):
+        own = [r["local_kl"][step] for r in pf]
+        assert logged > 0.5
+        assert_same_math(logged, sum(own) / 2, what=f"step {step} kl", rtol=KTO_RTOL)
+        for value in own:
+            assert_other_math(value, logged, what=f"step {step}: one rank's own kl", rtol=KTO_RTOL)

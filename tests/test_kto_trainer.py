@@ -75,12 +75,15 @@ def runs(tmp_path_factory):
     trl, pf = build(KTOTrainer, tmp, max_steps=2), build(PaddingFreeKTOTrainer, tmp, max_steps=2)
     calls: list = []
     _record_backbone(pf, calls)
-    logs = []
-    for t in (trl, pf):
-        t.train()
-        logs.append([{k: v for k, v in h.items() if not k.endswith(_TIMES) and not k.startswith("train_")}
-                     for h in t.state.log_history])
+    logs = [_trained_logs(t) for t in (trl, pf)]
     return trl, pf, logs, calls
+
+
+def _trained_logs(trainer) -> list[dict]:
+    """``trainer`` trained; its logged values but timings and the end-of-training summary."""
+    trainer.train()
+    return [{k: v for k, v in h.items() if not k.endswith(_TIMES) and not k.startswith("train_")}
+            for h in trainer.state.log_history]
 
 
 @pytest.mark.slow
@@ -160,6 +163,25 @@ def test_step_and_precompute_equal_trl_and_control_fails(runs, monkeypatch):
                       rtol=RTOL)
     assert_other_math(ref_trl, pf.compute_ref_log_probs(pf.ref_model, batch), what="reference without boundaries",
                       rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_sync_ref_model_training_equals_trl(runs, tmp_path):
+    """``sync_ref_model``: TRL's callback mixes the policy into the reference model after each step (here alpha 0.5,
+    every step); the packed reference forwards read the mixed weights, so the second step's KL and rewards are TRL's.
+    Control: the same step without the update (the ``runs`` fixture) logs another KL."""
+    from trl import KTOTrainer
+
+    from pf_trl.trainer.preference import PaddingFreeKTOTrainer
+
+    kw = dict(max_steps=2, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    expected, got = (_trained_logs(build(cls, tmp_path, **kw)) for cls in (KTOTrainer, PaddingFreeKTOTrainer))
+    keys = {k for h in expected for k in h}
+    for step, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
+        assert_same_metrics(mine, {k: v for k, v in theirs.items() if k in keys}, f"log {step}")
+    unsynced = runs[2][0]
+    assert_same_metrics(unsynced[0], expected[0], "first step (the reference is updated after it)")
+    assert_other_math(unsynced[1]["kl"], expected[1]["kl"], what="second step's kl without the update", rtol=RTOL)
 
 
 def test_budgets_and_unsupported_inputs_refused(tmp_path):
