@@ -103,35 +103,67 @@ class _EpochPlan:
     dropped_bin_tokens: np.ndarray  # tokens of each dropped bin
 
 
-def _best_fit_decreasing(idx: np.ndarray, lens: np.ndarray, capacity: int) -> list[list[int]]:
-    """Pack examples into bins of ``capacity`` tokens with best-fit-decreasing.
+def _packed_bins(idx: np.ndarray, lens: np.ndarray, capacity: int) -> tuple[list[list[int]], list[int]]:
+    """Best-fit-decreasing: the bins (lists of ``idx`` entries) and the tokens each holds.
 
     ``idx`` / ``lens`` must already be sorted by decreasing length. Each example goes into the open
-    bin whose remaining capacity is the smallest that still fits it, else into a new bin.
+    bin whose remaining capacity is the smallest that still fits it (the lowest bin id among equal rooms),
+    else into a new bin.
+
+    Examples of one length are placed in runs: the bin that is the best fit for an example stays the best
+    fit for the next one of the same length while it still has room for it (its room only shrinks, and no
+    other bin had room between), so it takes ``room // length`` of them at once, and a new bin
+    ``capacity // length``. The bins are those of placing one example at a time, bin for bin and in the same
+    order; the Python work is per (length, bin) touched instead of per example (a million rows: ~0.5 s).
     """
+    n = len(idx)
+    if n == 0:
+        return [], []
     keys: list[int] = []  # sorted remaining-capacity keys of bins that can still take an example
     bins: list[list[int]] = []
+    rooms: list[int] = []  # room left in each bin
+    ids = idx.tolist()
+    lens = np.asarray(lens)
     min_len = int(lens[-1])  # examples come in decreasing order: nothing shorter than this will come
-    probe_base = 1 << _SHIFT
-    for i, length in zip(idx.tolist(), lens.tolist()):
-        pos = bisect.bisect_left(keys, length * probe_base)
-        if pos == len(keys):
-            b = len(bins)
-            bins.append([i])
-            rem = capacity - length
-        else:
+    cuts = (np.flatnonzero(lens[1:] != lens[:-1]) + 1).tolist()
+    for start, end in zip([0, *cuts], [*cuts, n]):
+        length = int(lens[start])
+        probe = length << _SHIFT
+        i = start
+        while i < end:
+            pos = bisect.bisect_left(keys, probe)
+            if pos == len(keys):  # no open bin fits: new bins, each filled with as many as fit
+                per_bin = capacity // length
+                full, rest = divmod(end - i, per_bin)
+                room = capacity - per_bin * length
+                for _ in range(full):
+                    if room >= min_len:  # bins that cannot take the shortest example are closed
+                        bisect.insort(keys, (room << _SHIFT) | len(bins))
+                    bins.append(ids[i : i + per_bin])
+                    i += per_bin
+                rooms.extend([room] * full)
+                if rest:
+                    room = capacity - rest * length
+                    if room >= min_len:
+                        bisect.insort(keys, (room << _SHIFT) | len(bins))
+                    bins.append(ids[i : i + rest])
+                    rooms.append(room)
+                    i += rest
+                break
             key = keys.pop(pos)
-            b = key & _MASK
-            bins[b].append(i)
-            rem = (key >> _SHIFT) - length
-        # Bins that cannot take even the shortest remaining example are closed: keeps ``keys`` short.
-        if rem >= min_len:
-            bisect.insort(keys, (rem << _SHIFT) | b)
-    return bins
+            b, room = key & _MASK, key >> _SHIFT
+            take = min(end - i, room // length)
+            bins[b].extend(ids[i : i + take])
+            i += take
+            room -= take * length
+            rooms[b] = room
+            if room >= min_len:
+                bisect.insort(keys, (room << _SHIFT) | b)
+    return bins, [capacity - room for room in rooms]
 
 
 def _bfd_bin_count(lengths: np.ndarray, capacity: int) -> int:
-    """How many bins :func:`_best_fit_decreasing` packs ``lengths`` into (all of them, sorted by decreasing length),
+    """How many bins :func:`_packed_bins` packs ``lengths`` into (all of them, sorted by decreasing length),
     computed on counts: bins left with the same room are interchangeable for what comes after, so only how many
     bins have each remaining room matters, and the examples of one length are placed in bulk (a bin with room ``r``,
     the smallest that fits length ``l``, takes ``r // l`` of them in a row). Linear in the dataset for the counting,
@@ -439,11 +471,11 @@ class TokenBudgetBatchSampler:
             lens = lengths[idx]
             # Stable sort keeps the shuffled order among equal lengths (so ties are random too).
             by_len = np.argsort(-lens, kind="stable")
-            win_bins = _best_fit_decreasing(idx[by_len], lens[by_len], self.max_tokens)
+            win_bins, win_loads = _packed_bins(idx[by_len], lens[by_len], self.max_tokens)
             last = start + window >= n
             carried = np.empty(0, dtype=np.int64)
             if not last and carry_tokens > 0:
-                loads = np.fromiter((int(lengths[b].sum()) for b in win_bins), dtype=np.int64, count=len(win_bins))
+                loads = np.asarray(win_loads, dtype=np.int64)
                 under = np.flatnonzero(loads < carry_tokens)
                 if under.size:
                     # Least-filled first, and never more than half a window: what is carried is packed
@@ -687,9 +719,10 @@ class TokenBudgetBatchSampler:
         plan = self._plan()
         start = self._resume_at if skip_batches is None else int(skip_batches)
         column = plan.steps[max(start, 0):, self.rank]
-        if column.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([plan.flat[plan.offsets[b]:plan.offsets[b + 1]] for b in column.tolist()])
+        begins, sizes = plan.offsets[column], np.diff(plan.offsets)[column]
+        # each bin's slice of ``flat``, bin after bin: positions counted from each bin's first entry
+        shift = begins - np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        return plan.flat[np.repeat(shift, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)]
 
     def __len__(self) -> int:
         """Batches this rank yields in one epoch: the same for every epoch and on every rank.

@@ -166,9 +166,11 @@ class LazyShards:
         which = np.searchsorted(self._offsets, rows, side="right") - 1
         if which.size:  # one entry per run of rows of a file: a streamed file is fetched again where it is read again
             which = which[np.concatenate([[True], which[1:] != which[:-1]])]
+        if not self._ahead.streaming:  # each file downloaded once: its first read alone orders it (no per-row list)
+            which = which[np.sort(np.unique(which, return_index=True)[1])]
         order = [self._files[f] for f in which.tolist()]
         logger.info("pf-trl: read-ahead of %s: %d of its %d files in the order this rank's first epoch reads them",
-                    self.uri, len(set(order)), len(self._files))
+                    self.uri, len(np.unique(which)), len(self._files))
         self._ahead.follow(order)
 
     def materialize(self, reason: str):
