@@ -531,8 +531,7 @@ class TokenBudgetBatchSampler:
         """
         if len(bins) <= target:
             return bins, 0
-        lengths = self.lengths
-        heap = [(int(lengths[b].sum()), j) for j, b in enumerate(bins)]
+        heap = list(zip(self._bin_loads(bins).tolist(), range(len(bins))))
         heapq.heapify(heap)
         alive = list(bins)
         merged = 0
@@ -546,6 +545,15 @@ class TokenBudgetBatchSampler:
             merged += 1
         return [b for b in alive if b], merged
 
+    def _bin_loads(self, bins: list[list[int]]) -> np.ndarray:
+        """Tokens of each bin (int64)."""
+        sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+        if not len(bins):
+            return sizes
+        flat = np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        return np.add.reduceat(self.lengths[flat], starts)
+
     def _fit_count(self, bins: list[list[int]], target: int) -> tuple[list[list[int]], int, np.ndarray]:
         """Bring ``len(bins)`` (at least ``target`` when drop_last is off) to ``target``.
 
@@ -557,20 +565,23 @@ class TokenBudgetBatchSampler:
             if not self.drop_last:  # cannot happen: the global BFD count is <= target (see _base_bin_count)
                 raise AssertionError(f"packing left {len(bins)} bins above the fixed count {target}")
             # Drop the bins with the fewest tokens: loses the least data. Ties: packing order (random).
-            loads = [int(lengths[b].sum()) for b in bins]
-            order = sorted(range(len(bins)), key=lambda j: loads[j])
+            loads = self._bin_loads(bins)
+            order = np.argsort(loads, kind="stable")
             drop = len(bins) - target
-            keep = sorted(order[drop:])
-            dropped = np.asarray([loads[j] for j in order[:drop]], dtype=np.int64)
-            return [bins[j] for j in keep], 0, dropped
+            keep = np.sort(order[drop:]).tolist()
+            return [bins[j] for j in keep], 0, loads[order[:drop]]
         extra = target - len(bins)
         if extra == 0:
             return bins, 0, none
         # Split the bins holding the most tokens (among those with >= 2 examples) in two, one at a time:
         # each split adds one bin, keeps coverage exactly-once and never creates an empty batch. Possible
         # while target <= number of examples (checked by _target_bins, or implied by drop_last's rounding down).
-        heap = [(-int(lengths[b].sum()), j) for j, b in enumerate(bins) if len(b) >= 2]
-        heapq.heapify(heap)
+        # Only the ``extra`` largest splittable bins can ever be popped from the start: the heap starts with them
+        # alone, in heap order (tokens descending, then bin order), which a sorted list is.
+        loads = self._bin_loads(bins)
+        splittable = np.flatnonzero(np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)) >= 2)
+        first = splittable[np.lexsort((splittable, -loads[splittable]))[:extra]]
+        heap = list(zip((-loads[first]).tolist(), first.tolist()))
         bins = list(bins)
         for _ in range(extra):
             _, j = heapq.heappop(heap)
