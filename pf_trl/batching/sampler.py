@@ -338,7 +338,8 @@ class TokenBudgetBatchSampler:
         self._plan_cache: _EpochPlan | None = None
         self._fingerprint: str | None = None
         self._base_count: int | None = None  # bins of epoch 0's packing (or the global BFD count if larger)
-        self._epoch0_bins: list[list[int]] | None = None  # that packing, until epoch 0 is planned from it
+        # that packing with the order and generator it was made from, until epoch 0 is planned from them
+        self._epoch0_bins: tuple[list[list[int]], np.ndarray, np.ndarray, np.random.Generator] | None = None
         self._partial: tuple[int, int] | None = None  # (epoch, batches) of a fractional last epoch
 
     # ------------------------------------------------------------------ construction helpers
@@ -505,8 +506,10 @@ class TokenBudgetBatchSampler:
         decides on lengths only), so every epoch can be brought down to at most this count.
         """
         if self._base_count is None:
-            first = self._pack_windows(*self._order(self._rng(0)), self.window)
-            self._epoch0_bins = first  # epoch 0's plan starts from this packing: kept until it is planned
+            rng = self._rng(0)
+            order, cuts = self._order(rng)
+            first = self._pack_windows(order, cuts, self.window)
+            self._epoch0_bins = (first, order, cuts, rng)  # epoch 0's plan goes on from here: kept until it is planned
             self._base_count = max(len(first), _bfd_bin_count(self.lengths, self.max_tokens))
         return self._base_count
 
@@ -595,12 +598,15 @@ class TokenBudgetBatchSampler:
 
     def _build_plan(self, epoch: int) -> _EpochPlan:
         target = self._target_bins()
-        rng = self._rng(epoch)
-        order, cuts = self._order(rng)
         n = len(self.lengths)
         window = self.window
-        bins, self._epoch0_bins = (self._epoch0_bins if epoch == 0 and self._epoch0_bins is not None
-                                   else self._pack_windows(order, cuts, window)), None
+        if epoch == 0 and self._epoch0_bins is not None:  # the packing the fixed count was taken from
+            bins, order, cuts, rng = self._epoch0_bins
+        else:
+            rng = self._rng(epoch)
+            order, cuts = self._order(rng)
+            bins = self._pack_windows(order, cuts, window)
+        self._epoch0_bins = None
         num_packed = len(bins)
         bins, num_merged = self._merge_least_filled(bins, target)
         while len(bins) > target and not self.drop_last and (window < n or len(cuts) > 2):
