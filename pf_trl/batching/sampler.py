@@ -465,13 +465,16 @@ class TokenBudgetBatchSampler:
         max_carry = max(1, window // 2)
         bins: list[list[int]] = []
         carried = np.empty(0, dtype=np.int64)
+        budget = self.max_tokens
+        room_key = (lambda lens: (budget - lens).astype(np.uint16)) if budget < 1 << 16 else None
         for start in range(0, n, window):
             idx = order[start : start + window]
             if carried.size:
                 idx = np.concatenate([carried, idx])
             lens = lengths[idx]
-            # Stable sort keeps the shuffled order among equal lengths (so ties are random too).
-            by_len = np.argsort(-lens, kind="stable")
+            # Stable sort keeps the shuffled order among equal lengths (so ties are random too); on 16-bit keys
+            # numpy's stable sort is a radix sort (several times faster than on int64, the same order).
+            by_len = np.argsort(room_key(lens) if room_key else -lens, kind="stable")
             win_bins, win_loads = _packed_bins(idx[by_len], lens[by_len], self.max_tokens)
             last = start + window >= n
             carried = np.empty(0, dtype=np.int64)
