@@ -535,3 +535,18 @@ def test_a_streamed_dataset_resumed_mid_epoch_fetches_only_what_is_still_to_be_r
     readahead.close_all()
     with pytest.raises(StorageError, match="holds fewer than three of its largest files"):
         open_lazy_shards(URI)
+
+
+def test_files_are_ordered_by_their_first_planned_row_from_the_shortest_prefix():
+    """The read-ahead's order of a plan read whole (each file downloaded once): every file the plan reads, in the
+    order of its first read; a file first read late in the plan (past the first prefix looked at) is still there."""
+    from pf_trl.data.lazy_shards import _first_reads
+
+    rng = np.random.default_rng(0)
+    for files, rows in ((700, 5_000), (3, 50), (100, 200_000)):
+        which = rng.integers(0, files, rows)
+        which[-1] = files  # one more file, read only by the plan's last row
+        expected = list(dict.fromkeys(which.tolist()))
+        assert _first_reads(which, files + 1).tolist() == expected
+    # negative control (100 files, 200,000 rows): told one file fewer, it stops at a prefix without the late file
+    assert _first_reads(which, files).tolist() == expected[:-1]

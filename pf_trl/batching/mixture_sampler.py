@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from pf_trl.batching.sampler import SamplerError, TokenBudgetBatchSampler, _best_fit_decreasing
+from pf_trl.batching.sampler import SamplerError, TokenBudgetBatchSampler, _bfd_bin_count
 
 __all__ = ["MixtureBatchSampler", "MixtureSchedule"]
 
@@ -188,8 +188,7 @@ class _FixedCountSampler(TokenBudgetBatchSampler):
     def natural_bins(self, epoch: int) -> int:
         """Bins this epoch packs into before the count is fixed (at least the global best-fit-decreasing count)."""
         first = len(self._pack_windows(*self._order(self._rng(epoch)), self.window))
-        lengths = np.sort(self.lengths)[::-1]
-        return max(first, len(_best_fit_decreasing(np.arange(len(lengths)), lengths, self.max_tokens)))
+        return max(first, _bfd_bin_count(self.lengths, self.max_tokens))
 
     def _base_bin_count(self) -> int:
         return self._fixed_bins if self._fixed_bins is not None else super()._base_bin_count()

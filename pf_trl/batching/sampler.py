@@ -103,35 +103,67 @@ class _EpochPlan:
     dropped_bin_tokens: np.ndarray  # tokens of each dropped bin
 
 
-def _best_fit_decreasing(idx: np.ndarray, lens: np.ndarray, capacity: int) -> list[list[int]]:
-    """Pack examples into bins of ``capacity`` tokens with best-fit-decreasing.
+def _packed_bins(idx: np.ndarray, lens: np.ndarray, capacity: int) -> tuple[list[list[int]], list[int]]:
+    """Best-fit-decreasing: the bins (lists of ``idx`` entries) and the tokens each holds.
 
     ``idx`` / ``lens`` must already be sorted by decreasing length. Each example goes into the open
-    bin whose remaining capacity is the smallest that still fits it, else into a new bin.
+    bin whose remaining capacity is the smallest that still fits it (the lowest bin id among equal rooms),
+    else into a new bin.
+
+    Examples of one length are placed in runs: the bin that is the best fit for an example stays the best
+    fit for the next one of the same length while it still has room for it (its room only shrinks, and no
+    other bin had room between), so it takes ``room // length`` of them at once, and a new bin
+    ``capacity // length``. The bins are those of placing one example at a time, bin for bin and in the same
+    order; the Python work is per (length, bin) touched instead of per example (a million rows: ~0.5 s).
     """
+    n = len(idx)
+    if n == 0:
+        return [], []
     keys: list[int] = []  # sorted remaining-capacity keys of bins that can still take an example
     bins: list[list[int]] = []
+    rooms: list[int] = []  # room left in each bin
+    ids = idx.tolist()
+    lens = np.asarray(lens)
     min_len = int(lens[-1])  # examples come in decreasing order: nothing shorter than this will come
-    probe_base = 1 << _SHIFT
-    for i, length in zip(idx.tolist(), lens.tolist()):
-        pos = bisect.bisect_left(keys, length * probe_base)
-        if pos == len(keys):
-            b = len(bins)
-            bins.append([i])
-            rem = capacity - length
-        else:
+    cuts = (np.flatnonzero(lens[1:] != lens[:-1]) + 1).tolist()
+    for start, end in zip([0, *cuts], [*cuts, n]):
+        length = int(lens[start])
+        probe = length << _SHIFT
+        i = start
+        while i < end:
+            pos = bisect.bisect_left(keys, probe)
+            if pos == len(keys):  # no open bin fits: new bins, each filled with as many as fit
+                per_bin = capacity // length
+                full, rest = divmod(end - i, per_bin)
+                room = capacity - per_bin * length
+                for _ in range(full):
+                    if room >= min_len:  # bins that cannot take the shortest example are closed
+                        bisect.insort(keys, (room << _SHIFT) | len(bins))
+                    bins.append(ids[i : i + per_bin])
+                    i += per_bin
+                rooms.extend([room] * full)
+                if rest:
+                    room = capacity - rest * length
+                    if room >= min_len:
+                        bisect.insort(keys, (room << _SHIFT) | len(bins))
+                    bins.append(ids[i : i + rest])
+                    rooms.append(room)
+                    i += rest
+                break
             key = keys.pop(pos)
-            b = key & _MASK
-            bins[b].append(i)
-            rem = (key >> _SHIFT) - length
-        # Bins that cannot take even the shortest remaining example are closed: keeps ``keys`` short.
-        if rem >= min_len:
-            bisect.insort(keys, (rem << _SHIFT) | b)
-    return bins
+            b, room = key & _MASK, key >> _SHIFT
+            take = min(end - i, room // length)
+            bins[b].extend(ids[i : i + take])
+            i += take
+            room -= take * length
+            rooms[b] = room
+            if room >= min_len:
+                bisect.insort(keys, (room << _SHIFT) | b)
+    return bins, [capacity - room for room in rooms]
 
 
 def _bfd_bin_count(lengths: np.ndarray, capacity: int) -> int:
-    """How many bins :func:`_best_fit_decreasing` packs ``lengths`` into (all of them, sorted by decreasing length),
+    """How many bins :func:`_packed_bins` packs ``lengths`` into (all of them, sorted by decreasing length),
     computed on counts: bins left with the same room are interchangeable for what comes after, so only how many
     bins have each remaining room matters, and the examples of one length are placed in bulk (a bin with room ``r``,
     the smallest that fits length ``l``, takes ``r // l`` of them in a row). Linear in the dataset for the counting,
@@ -306,7 +338,8 @@ class TokenBudgetBatchSampler:
         self._plan_cache: _EpochPlan | None = None
         self._fingerprint: str | None = None
         self._base_count: int | None = None  # bins of epoch 0's packing (or the global BFD count if larger)
-        self._epoch0_bins: list[list[int]] | None = None  # that packing, until epoch 0 is planned from it
+        # that packing with the order and generator it was made from, until epoch 0 is planned from them
+        self._epoch0_bins: tuple[list[list[int]], np.ndarray, np.ndarray, np.random.Generator] | None = None
         self._partial: tuple[int, int] | None = None  # (epoch, batches) of a fractional last epoch
 
     # ------------------------------------------------------------------ construction helpers
@@ -432,18 +465,21 @@ class TokenBudgetBatchSampler:
         max_carry = max(1, window // 2)
         bins: list[list[int]] = []
         carried = np.empty(0, dtype=np.int64)
+        budget = self.max_tokens
+        room_key = (lambda lens: (budget - lens).astype(np.uint16)) if budget < 1 << 16 else None
         for start in range(0, n, window):
             idx = order[start : start + window]
             if carried.size:
                 idx = np.concatenate([carried, idx])
             lens = lengths[idx]
-            # Stable sort keeps the shuffled order among equal lengths (so ties are random too).
-            by_len = np.argsort(-lens, kind="stable")
-            win_bins = _best_fit_decreasing(idx[by_len], lens[by_len], self.max_tokens)
+            # Stable sort keeps the shuffled order among equal lengths (so ties are random too); on 16-bit keys
+            # numpy's stable sort is a radix sort (several times faster than on int64, the same order).
+            by_len = np.argsort(room_key(lens) if room_key else -lens, kind="stable")
+            win_bins, win_loads = _packed_bins(idx[by_len], lens[by_len], self.max_tokens)
             last = start + window >= n
             carried = np.empty(0, dtype=np.int64)
             if not last and carry_tokens > 0:
-                loads = np.fromiter((int(lengths[b].sum()) for b in win_bins), dtype=np.int64, count=len(win_bins))
+                loads = np.asarray(win_loads, dtype=np.int64)
                 under = np.flatnonzero(loads < carry_tokens)
                 if under.size:
                     # Least-filled first, and never more than half a window: what is carried is packed
@@ -473,8 +509,10 @@ class TokenBudgetBatchSampler:
         decides on lengths only), so every epoch can be brought down to at most this count.
         """
         if self._base_count is None:
-            first = self._pack_windows(*self._order(self._rng(0)), self.window)
-            self._epoch0_bins = first  # epoch 0's plan starts from this packing: kept until it is planned
+            rng = self._rng(0)
+            order, cuts = self._order(rng)
+            first = self._pack_windows(order, cuts, self.window)
+            self._epoch0_bins = (first, order, cuts, rng)  # epoch 0's plan goes on from here: kept until it is planned
             self._base_count = max(len(first), _bfd_bin_count(self.lengths, self.max_tokens))
         return self._base_count
 
@@ -499,8 +537,7 @@ class TokenBudgetBatchSampler:
         """
         if len(bins) <= target:
             return bins, 0
-        lengths = self.lengths
-        heap = [(int(lengths[b].sum()), j) for j, b in enumerate(bins)]
+        heap = list(zip(self._bin_loads(bins).tolist(), range(len(bins))))
         heapq.heapify(heap)
         alive = list(bins)
         merged = 0
@@ -514,6 +551,15 @@ class TokenBudgetBatchSampler:
             merged += 1
         return [b for b in alive if b], merged
 
+    def _bin_loads(self, bins: list[list[int]]) -> np.ndarray:
+        """Tokens of each bin (int64)."""
+        sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+        if not len(bins):
+            return sizes
+        flat = np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        return np.add.reduceat(self.lengths[flat], starts)
+
     def _fit_count(self, bins: list[list[int]], target: int) -> tuple[list[list[int]], int, np.ndarray]:
         """Bring ``len(bins)`` (at least ``target`` when drop_last is off) to ``target``.
 
@@ -525,20 +571,23 @@ class TokenBudgetBatchSampler:
             if not self.drop_last:  # cannot happen: the global BFD count is <= target (see _base_bin_count)
                 raise AssertionError(f"packing left {len(bins)} bins above the fixed count {target}")
             # Drop the bins with the fewest tokens: loses the least data. Ties: packing order (random).
-            loads = [int(lengths[b].sum()) for b in bins]
-            order = sorted(range(len(bins)), key=lambda j: loads[j])
+            loads = self._bin_loads(bins)
+            order = np.argsort(loads, kind="stable")
             drop = len(bins) - target
-            keep = sorted(order[drop:])
-            dropped = np.asarray([loads[j] for j in order[:drop]], dtype=np.int64)
-            return [bins[j] for j in keep], 0, dropped
+            keep = np.sort(order[drop:]).tolist()
+            return [bins[j] for j in keep], 0, loads[order[:drop]]
         extra = target - len(bins)
         if extra == 0:
             return bins, 0, none
         # Split the bins holding the most tokens (among those with >= 2 examples) in two, one at a time:
         # each split adds one bin, keeps coverage exactly-once and never creates an empty batch. Possible
         # while target <= number of examples (checked by _target_bins, or implied by drop_last's rounding down).
-        heap = [(-int(lengths[b].sum()), j) for j, b in enumerate(bins) if len(b) >= 2]
-        heapq.heapify(heap)
+        # Only the ``extra`` largest splittable bins can ever be popped from the start: the heap starts with them
+        # alone, in heap order (tokens descending, then bin order), which a sorted list is.
+        loads = self._bin_loads(bins)
+        splittable = np.flatnonzero(np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)) >= 2)
+        first = splittable[np.lexsort((splittable, -loads[splittable]))[:extra]]
+        heap = list(zip((-loads[first]).tolist(), first.tolist()))
         bins = list(bins)
         for _ in range(extra):
             _, j = heapq.heappop(heap)
@@ -552,12 +601,15 @@ class TokenBudgetBatchSampler:
 
     def _build_plan(self, epoch: int) -> _EpochPlan:
         target = self._target_bins()
-        rng = self._rng(epoch)
-        order, cuts = self._order(rng)
         n = len(self.lengths)
         window = self.window
-        bins, self._epoch0_bins = (self._epoch0_bins if epoch == 0 and self._epoch0_bins is not None
-                                   else self._pack_windows(order, cuts, window)), None
+        if epoch == 0 and self._epoch0_bins is not None:  # the packing the fixed count was taken from
+            bins, order, cuts, rng = self._epoch0_bins
+        else:
+            rng = self._rng(epoch)
+            order, cuts = self._order(rng)
+            bins = self._pack_windows(order, cuts, window)
+        self._epoch0_bins = None
         num_packed = len(bins)
         bins, num_merged = self._merge_least_filled(bins, target)
         while len(bins) > target and not self.drop_last and (window < n or len(cuts) > 2):
@@ -687,9 +739,10 @@ class TokenBudgetBatchSampler:
         plan = self._plan()
         start = self._resume_at if skip_batches is None else int(skip_batches)
         column = plan.steps[max(start, 0):, self.rank]
-        if column.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([plan.flat[plan.offsets[b]:plan.offsets[b + 1]] for b in column.tolist()])
+        begins, sizes = plan.offsets[column], np.diff(plan.offsets)[column]
+        # each bin's slice of ``flat``, bin after bin: positions counted from each bin's first entry
+        shift = begins - np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        return plan.flat[np.repeat(shift, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)]
 
     def __len__(self) -> int:
         """Batches this rank yields in one epoch: the same for every epoch and on every rank.

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pf_trl.batching.sampler import SamplerError, _best_fit_decreasing
+from pf_trl.batching.sampler import SamplerError, _packed_bins
 
 __all__ = ["StreamPacker"]
 
@@ -109,8 +109,7 @@ class StreamPacker:
     def _take_fullest(self) -> list[dict[str, Any]]:
         lens = np.fromiter((e["length"] for e in self._buffer), dtype=np.int64, count=len(self._buffer))
         order = np.argsort(-lens, kind="stable")  # ties keep the stream order
-        bins = _best_fit_decreasing(order, lens[order], self.max_tokens)
-        loads = [int(lens[b].sum()) for b in bins]
+        bins, loads = _packed_bins(order, lens[order], self.max_tokens)
         chosen = sorted(bins[int(np.argmax(loads))])  # the first fullest bin; examples in stream order
         taken = set(chosen)
         batch = [self._buffer[i] for i in chosen]

@@ -166,9 +166,12 @@ class LazyShards:
         which = np.searchsorted(self._offsets, rows, side="right") - 1
         if which.size:  # one entry per run of rows of a file: a streamed file is fetched again where it is read again
             which = which[np.concatenate([[True], which[1:] != which[:-1]])]
+        read = int(np.count_nonzero(np.bincount(which, minlength=len(self._files))))
+        if not self._ahead.streaming:  # each file downloaded once: its first read alone orders it (no per-row list)
+            which = _first_reads(which, read)
         order = [self._files[f] for f in which.tolist()]
         logger.info("pf-trl: read-ahead of %s: %d of its %d files in the order this rank's first epoch reads them",
-                    self.uri, len(set(order)), len(self._files))
+                    self.uri, read, len(self._files))
         self._ahead.follow(order)
 
     def materialize(self, reason: str):
@@ -195,6 +198,18 @@ class LazyShards:
         local = sum(self._ahead.is_local(n) for n in self._files)
         return (f"LazyShards({self.uri!r}, rows={self.num_rows}, columns={self.column_names}, "
                 f"files local={local}/{len(self._files)})")
+
+
+def _first_reads(which: np.ndarray, files: int) -> np.ndarray:
+    """The distinct entries of ``which`` (``files`` of them) in the order of their first occurrence, from the
+    shortest prefix that holds them all (a shuffled plan reads every file within its first rows: no sort of the
+    whole plan)."""
+    k = max(1024, 4 * files)
+    while True:
+        seen, first = np.unique(which[:k], return_index=True)
+        if len(seen) == files or k >= len(which):
+            return which[np.sort(first)]
+        k *= 4
 
 
 def shard_window(dataset) -> int | None:
