@@ -571,6 +571,17 @@ def test_a_hub_split_of_several_files_is_tokenized_by_the_service_as_the_cli_doe
         in_order = [hashlib.sha256(MULTI_FILES[name].encode()).hexdigest() for name in MULTI_TRAIN]
         assert record["source_sha256"] == cli_record["source_sha256"] == in_order
         assert record["data_paths"] == status["source"]["files"]
+        # a mixture's Hub source of several files: the same concatenation, as one of its sources
+        sources = [{"source": {"hub": {"repo_id": "org/multi"}}}, {"source": {"hub": {"repo_id": "org/chat",
+                                                                                    "config": "short"}}}]
+        mixed = client.post("/v1/mixtures", json={"sources": sources})
+        assert mixed.status_code == 202, mixed.text
+        mixed = wait_state(client, mixed.json()["id"], timeout=180)
+        assert mixed["state"] == "succeeded", mixed
+        parts = mixed["manifest"]["sources"]
+        assert [p["counts"]["source_rows"] for p in parts] == [12, 6] and parts[0]["data_paths"] == record["data_paths"]
+        cli_ids = _rows(str(base / "cli"))[0]
+        assert _rows(mixed["shards_path"])[0][:len(cli_ids)] == cli_ids
         for config, word in (("up", "'../x.jsonl'"), ("odd", "data/notes.txt")):
             refused = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/multi", "config": config}}})
             detail = refused.json()["detail"]
