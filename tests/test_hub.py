@@ -157,6 +157,8 @@ def _text_rows(n: int) -> str:
 # the Hub server's access rules
 RULES = {"gated": {"org/gated": "good"}, "unsized": ["org/unsized", "org/multiunsized"]}
 LIMIT = 2_000_000  # the service's hub_max_download_bytes
+# a split of two files each under LIMIT, together over it (distinct bytes: the same bytes twice are one blob)
+MULTI_HALVES = {"data/train-0.jsonl": _text_rows(1100), "data/train-1.jsonl": _text_rows(1101)}
 
 
 def _pairs(n: int) -> str:
@@ -232,7 +234,7 @@ def hub(tmp_path_factory):
                                             "data/notes.txt": "notes\n", "other/train.jsonl": _chat(2, "mo")},
                   "a split of several files")
     # a split of two files each under the service's download limit, together over it (sizes told / not told)
-    halves = {"data/train-0.jsonl": _text_rows(1100), "data/train-1.jsonl": _text_rows(1100)}
+    halves = MULTI_HALVES
     server.commit("datasets", "org/multibig", {"README.md": "# multibig\n", **halves}, "2 x 1.2 MB")
     server.commit("datasets", "org/multiunsized", {"README.md": "# multiunsized\n", **halves}, "2 x 1.2 MB")
     server.set_rules(**RULES)
@@ -587,7 +589,7 @@ def test_a_hub_split_of_several_files_is_tokenized_by_the_service_as_the_cli_doe
             detail = refused.json()["detail"]
             assert refused.status_code == 422 and word in detail and "\n" not in detail, refused.text
         assert _snapshot_files(service["hf"], "org/multi") == sorted(["README.md", *MULTI_TRAIN])
-        size = 2 * len(_text_rows(1100).encode())
+        size = sum(len(text.encode()) for text in MULTI_HALVES.values())
         for repo, over in (("org/multibig", f"are {size:,} bytes"), ("org/multiunsized", "are over ")):
             r = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": repo}}})
             assert r.status_code == 202, r.text
