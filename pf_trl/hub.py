@@ -499,6 +499,8 @@ def fetch_files(repo_id: str, names: list[str], *, repo_type: str, commit: str, 
             path = Path(hf_hub_download(repo_id, name, repo_type=repo_type, revision=commit, tqdm_class=_Meter))
             if state["done"] == before:  # cached already: nothing fetched, its size counts all the same
                 state["done"] += sizes[name] or path.stat().st_size
+                if path.resolve() in {f.resolve() for f in fetched}:  # the bytes of a file this call fetched
+                    fetched.append(path)  # (the same content twice): its link goes with that blob
             else:
                 fetched.append(path)
             folder = Path(str(path)[: -len(name) - 1])

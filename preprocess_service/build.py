@@ -91,6 +91,34 @@ def progress_reporter(store, job_id: str, pid: int, abandon: threading.Event | N
     return on_progress
 
 
+def tokenize_files(settings, files: list[Path], out: Path, config, tokenizer, *, name: str, shown: list[str],
+                   path: str, report: Callable[[tuple[int, int]], Callable[[int, int, int], None]]) -> dict[str, Any]:
+    """A source of several files (a Hub split) into ``out`` as ``pf-trl pretokenize ORG/NAME`` writes it: each file
+    tokenized on its own (into ``out``'s sibling ``OUT-files/``), then concatenated in order as the one dataset
+    ``name`` of a data config (:func:`pf_trl.data.mixture.write_mixture_shards`): the same rows, and the same
+    ``source.sha256`` (the dataset's name, the files' bytes, its options). The manifest names the files by
+    ``shown`` (their ``hf://`` URLs) and the whole by ``path``, not the job's scratch folders. ``report(base)``:
+    the progress callback of a file, given the rows and tokens of the files before it. Returns the manifest."""
+    from pf_trl.data.data_config import DataConfig, MixtureSource
+    from pf_trl.data.mixture import load_mixture, write_mixture_shards
+    from pf_trl.data.pretokenize import pretokenize
+
+    done_rows = done_tokens = 0
+    parts = []
+    for i, file in enumerate(files):
+        part = out.with_name(f"{out.name}-files") / f"file-{i}"
+        manifest = pretokenize(file, part, config, tokenizer=tokenizer, num_proc=settings.num_proc, progress=False,
+                               progress_callback=report((done_rows, done_tokens)), limits=settings.limits())
+        done_rows += manifest["counts"]["source_rows"]
+        done_tokens += manifest["counts"]["tokens"]
+        parts.append(str(part))
+    data_config = DataConfig(sources=[MixtureSource(name=name, data_paths=parts)], path=path)
+    loaded = load_mixture(data_config, tokenizer, config, progress=False)
+    record = loaded.pf_manifest["sources"][0]
+    record["data_paths"], record["shards"] = list(shown), None
+    return write_mixture_shards(loaded, out, shard_size=config.shard_size)
+
+
 def publisher(settings, built: Path, target: Path, scratch: Path) -> Callable[[], dict[str, Any] | None]:
     """The publish step handed to ``store.finish_success``: rename ``built`` to ``target`` (atomic). The same dataset
     published already (a crash after its rename, another replica) is kept, with its manifest, when its files are

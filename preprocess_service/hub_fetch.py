@@ -6,7 +6,7 @@ which downloads nothing but the README); here huggingface_hub downloads those fi
 (:func:`pf_trl.hub.fetch_files`): the sizes the Hub tells are checked against the limit before any download, and the
 bytes are counted while downloading. Over the limit the job fails in one line naming the size, the limit and the
 setting, and what it downloaded is removed from the Hub cache. Each step is a ``downloading`` event of the job
-(``"downloading 1 file, 12.5 MB"``, then every MB and each file done).
+(``"downloading 3 files, 12.5 MB"``, then every MB and each file done).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ LIMIT_NAME = "hub_max_download_bytes, --hub-max-download-bytes / PF_SERVICE_HUB_
 
 
 def fetch_hub_sources(settings, store, job_id: str, pid: int, fetches: list[dict[str, Any]],
-                      abandon: threading.Event | None) -> list[Path]:
-    """The local file of each Hub source ``fetches`` (what the submit recorded: repository, revision, commit,
-    files, sizes), downloaded into the service's Hub cache within ``settings.hub_max_download_bytes`` in all.
+                      abandon: threading.Event | None) -> list[list[Path]]:
+    """The local files of each Hub source ``fetches`` (what the submit recorded: repository, revision, commit,
+    files, sizes), in their order, downloaded into the service's Hub cache within ``settings.hub_max_download_bytes``
+    in all (a split's files together: their sizes summed before any download).
 
     Raises:
         JobError: ``too_large`` over the limit, ``hub`` when the Hub refused or could not be reached (one line).
@@ -57,5 +58,5 @@ def fetch_hub_sources(settings, store, job_id: str, pid: int, fetches: list[dict
         register(fetch["repo_id"], "dataset", fetch.get("revision"), folder)  # the manifest names the revision
         files = [folder / name for name in fetch["files"]]
         used += sum(f.stat().st_size for f in files)
-        paths.append(files[0])
+        paths.append(files)
     return paths

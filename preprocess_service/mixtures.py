@@ -14,7 +14,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from preprocess_service.build import ensure_free_space, ensure_source_unchanged, progress_reporter, tokenizer_for
+from preprocess_service.build import (
+    ensure_free_space,
+    ensure_source_unchanged,
+    progress_reporter,
+    tokenize_files,
+    tokenizer_for,
+)
 from preprocess_service.hub_fetch import fetch_hub_sources
 from preprocess_service.schemas import MixtureRequest
 from preprocess_service.security import ServiceError
@@ -112,14 +118,22 @@ def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any
     done_rows = done_tokens = 0
     sources = []
     for i, part in enumerate(parts):
-        on_progress = progress_reporter(store, job_id, pid, abandon, delay_s=settings.debug_progress_delay_s,
-                                        base=(done_rows, done_tokens), total=total)
+        def report(base: tuple[int, int], done=(done_rows, done_tokens)):
+            return progress_reporter(store, job_id, pid, abandon, delay_s=settings.debug_progress_delay_s,
+                                     base=(done[0] + base[0], done[1] + base[1]), total=total)
+
         out = work / "parts" / f"part-{i}"
         hub = local.get(id(part))
-        manifest = pretokenize(hub or Path(part["source_path"]), out, PretokenizeConfig(**part["options"]),
-                               tokenizer=tok, num_proc=settings.num_proc, progress=False, progress_callback=on_progress,
-                               source_fingerprint_value=None if hub else part["source_sha256"],
-                               limits=settings.limits())
+        options = PretokenizeConfig(**part["options"])
+        if hub is not None and len(hub) > 1:  # a Hub split of several files: concatenated as the CLI does
+            shown = part["source_shown"]
+            manifest = tokenize_files(settings, hub, out, options, tok, name=part["hub_fetch"]["name"],
+                                      shown=shown["files"], path=shown["path"], report=report)
+        else:
+            manifest = pretokenize(hub[0] if hub else Path(part["source_path"]), out, options, tokenizer=tok,
+                                   num_proc=settings.num_proc, progress=False, progress_callback=report((0, 0)),
+                                   source_fingerprint_value=None if hub else part["source_sha256"],
+                                   limits=settings.limits())
         done_rows += manifest["counts"]["source_rows"]
         done_tokens += manifest["counts"]["tokens"]
         sources.append(MixtureSource(name=part["name"], data_paths=[str(out)], sampling=part["weight"],
@@ -129,6 +143,7 @@ def build_mixture(settings, store, job_id: str, pid: int, request: dict[str, Any
                         stopping_strategy=rule["stopping_strategy"], path="service mixture")
     mixture = load_mixture(config, tok, PretokenizeConfig(**parts[0]["options"]), progress=False)
     for record, part in zip(mixture.pf_manifest["sources"], parts):  # name the real sources, not the scratch parts
-        record["data_paths"] = [part["source_shown"].get("path") or f"upload {part['source_shown'].get('upload_id')}"]
+        shown = part["source_shown"]
+        record["data_paths"] = shown.get("files") or [shown.get("path") or f"upload {shown.get('upload_id')}"]
         record["shards"] = None
     return write_mixture_shards(mixture, work / "out", shard_size=PretokenizeConfig(**parts[0]["options"]).shard_size)

@@ -87,10 +87,11 @@ class _Sandbox:
         return {"fingerprint": self._tokenizers.fingerprint(req["name"])}
 
     def op_hub(self, req: dict[str, Any]) -> dict[str, Any]:
-        """A Hub dataset's split -> its one file (a repository path, not downloaded: the job downloads it, outside
-        this sandbox's time limit), its size as the Hub tells it, and the repository and commit. The cheap checks
-        only: the revision resolved, the README `configs:` parsed and confined (the README the one file fetched),
-        the split's files as ``datasets`` resolves them."""
+        """A Hub dataset's split -> its files in the order ``datasets`` lists them (repository paths, not downloaded:
+        the job downloads them, outside this sandbox's time limit), their sizes as the Hub tells them, and the
+        repository and commit. The cheap checks only: the revision resolved, the README `configs:` parsed and
+        confined (the README the one file fetched), the split's files as ``datasets`` resolves them, each confined to
+        the repository and of a suffix the service reads."""
         from pf_trl.data.hub_datasets import HubDatasetError, HubSplitFiles, hub_split_files
         from pf_trl.data.pretokenize import SOURCE_SUFFIXES
         from pf_trl.hub import HubError, file_sizes
@@ -107,13 +108,11 @@ class _Sandbox:
             if not files:
                 raise _unprocessable("source.hub.split", f"source.hub {repo_id}: no {split!r} split (its splits: "
                                      f"{', '.join(found.files) or 'none'})", "invalid-source")
-            if len(files) != 1:
-                raise _unprocessable("source.hub.split", f"source.hub {repo_id}: the {split!r} split has "
-                                     f"{len(files)} files; the service reads a split of one file (train the rest "
-                                     "with pf-trl train --dataset_name)", "invalid-source")
-            if not files[0].lower().endswith(tuple(SOURCE_SUFFIXES)):
-                raise _unprocessable("source.hub.split", f"source.hub {repo_id}: {files[0]} is not a file the "
-                                     f"service reads (suffixes: {', '.join(SOURCE_SUFFIXES)})", "invalid-source")
+            for name in files:  # each file of the split; the first one the service does not read is named
+                if not name.lower().endswith(tuple(SOURCE_SUFFIXES)):
+                    raise _unprocessable("source.hub.split", f"source.hub {repo_id}: {name} (of the {split!r} "
+                                         "split) is not a file the service reads (suffixes: "
+                                         f"{', '.join(SOURCE_SUFFIXES)})", "invalid-source")
             sizes = file_sizes(repo_id, files, repo_type="dataset", commit=found.commit, flag="source.hub")
         except (HubError, HubDatasetError) as exc:
             raise _unprocessable("source.hub", str(exc), "invalid-source") from exc

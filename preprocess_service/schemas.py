@@ -191,10 +191,14 @@ class ErrorInfo(BaseModel):
 
 
 class SourceInfo(BaseModel):
-    path: str | None = None
+    path: str | None = Field(None, description="the file under a data root; of a Hub source its one file "
+                             "(hf://datasets/ORG/NAME@COMMIT/PATH), or the repository at that commit when the split "
+                             "has several files")
     upload_id: str | None = None
+    files: list[str] | None = Field(None, description="of a Hub source: every file of the split the job downloads "
+                                    "and tokenizes, in the order they are concatenated (hf:// URLs at the commit)")
     sha256: str = Field(description="the source bytes' sha256; of a Hub source (downloaded by the job), the sha256 of "
-                        "its repository, commit and file (the manifest has the bytes' own)")
+                        "its repository, commit and files (the manifest has the bytes' own)")
     size_bytes: int = Field(description="of a Hub source, its size as the Hub tells it (0: not told)")
 
 

@@ -96,9 +96,11 @@ class Submitter:
         return path, shown
 
     def _hub_source(self, hub) -> tuple[None, dict[str, Any]]:
-        """A split of a Hub dataset that ``hub_allow`` names, resolved in the sandbox to a commit and its one file
-        (the cheap checks: nothing but the README is downloaded there). The job downloads the file
-        (:mod:`preprocess_service.hub_fetch`): no local path yet; ``shown["fetch"]`` says what to download."""
+        """A split of a Hub dataset that ``hub_allow`` names, resolved in the sandbox to a commit and its files (the
+        cheap checks: nothing but the README is downloaded there). The job downloads the files
+        (:mod:`preprocess_service.hub_fetch`): no local path yet; ``shown["fetch"]`` says what to download,
+        ``shown["files"]`` every file's ``hf://`` URL and ``shown["path"]`` the one file (of several, the repository
+        at that commit)."""
         if not self.settings.hub_allows(hub.repo_id):
             allowed = ", ".join(self.settings.hub_allow) or "none"
             raise ServiceError(403, "Forbidden", f"source.hub.repo_id: {hub.repo_id} is not a Hub dataset this service "
@@ -109,8 +111,12 @@ class Submitter:
         origin = answer["hub"]
         self._check_hub_revision(hub.revision, origin["commit"])  # a short commit hash spelled as a name
         files = list(answer["files"])
-        shown = {"path": f"hf://datasets/{hub.repo_id}@{origin['commit']}/{files[0]}"}
-        return None, {**shown, "hub": origin, "fetch": {**origin, "files": files, "sizes": answer["sizes"]}}
+        at = f"hf://datasets/{hub.repo_id}@{origin['commit']}"
+        urls = [f"{at}/{name}" for name in files]
+        shown = {"path": urls[0] if len(urls) == 1 else at, "files": urls}
+        # the name `pf-trl pretokenize ORG/NAME` gives a split of several files (its manifest's source name)
+        fetch = {**origin, "files": files, "sizes": answer["sizes"], "name": f"{hub.repo_id.split('/')[-1]}-{hub.split}"}
+        return None, {**shown, "hub": origin, "fetch": fetch}
 
     def _check_hub_revision(self, revision: str | None, commit: str | None) -> None:
         refusal = self.settings.hub_revision_refusal(revision, commit)

@@ -31,6 +31,7 @@ from preprocess_service.build import (
     ensure_source_unchanged,
     progress_reporter,
     publisher,
+    tokenize_files,
     tokenizer_for,
 )
 from preprocess_service.hub_fetch import fetch_hub_sources
@@ -101,13 +102,22 @@ def run_job(settings: Settings, store: JobStore, job: dict[str, Any], tokenizers
 
 def build_dataset(settings: Settings, store: JobStore, job_id: str, pid: int, request: dict[str, Any],
                   tokenizers: TokenizerCache, work: Path, abandon: threading.Event | None) -> dict[str, Any]:
-    """Tokenize the job's one source into ``work/out``; returns its manifest."""
+    """Tokenize the job's one source into ``work/out`` (a Hub split of several files: :func:`tokenize_files`);
+    returns its manifest."""
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
 
     fetch = request.get("hub_fetch")
     if fetch is not None:  # a Hub source: downloaded here, within hub_max_download_bytes (the commit fixes its bytes)
         ensure_free_space(settings, request["source_size"])
-        source = fetch_hub_sources(settings, store, job_id, pid, [fetch], abandon)[0]
+        files = fetch_hub_sources(settings, store, job_id, pid, [fetch], abandon)[0]
+        if len(files) > 1:  # a split of several files: concatenated as `pf-trl pretokenize ORG/NAME` does
+            tok = tokenizer_for(tokenizers, request)
+            shown = request["source_shown"]
+            return tokenize_files(settings, files, work / "out", PretokenizeConfig(**request["options"]), tok,
+                                  name=fetch["name"], shown=shown["files"], path=shown["path"],
+                                  report=lambda base: progress_reporter(store, job_id, pid, abandon, base=base, total=0,
+                                                                        delay_s=settings.debug_progress_delay_s))
+        source = files[0]
         fingerprint = None  # the bytes' own hash, computed by pretokenize for the manifest
     else:
         source = Path(request["source_path"])

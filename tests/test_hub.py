@@ -52,6 +52,33 @@ configs:
 # chat
 """
 
+MULTI_FILES = {"data/train-b.jsonl": _chat(5, "mb"), "data/train-a.jsonl": _chat(3, "ma"),
+               "data/train-c.jsonl": _chat(4, "mc")}
+MULTI_TRAIN = list(MULTI_FILES)  # the order the card lists them, the order datasets resolves and pf-trl concatenates
+MULTI_README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: [data/train-b.jsonl, data/train-a.jsonl, data/train-c.jsonl]
+  - split: test
+    path: data/test.jsonl
+- config_name: other
+  data_files:
+  - split: train
+    path: other/train.jsonl
+- config_name: up
+  data_files:
+  - split: train
+    path: [data/train-a.jsonl, ../x.jsonl]
+- config_name: odd
+  data_files:
+  - split: train
+    path: [data/train-a.jsonl, data/notes.txt, data/train-b.jsonl]
+---
+# multi
+"""
+
 SECRET = "PF-SECRET-OUTSIDE-7c1e"  # the rows of a file outside org/evil: they must land in no cache and no shard
 EVIL_README = """---
 configs:
@@ -127,8 +154,11 @@ def _text_rows(n: int) -> str:
                    for i in range(n))
 
 
-RULES = {"gated": {"org/gated": "good"}, "unsized": ["org/unsized"]}  # the Hub server's access rules
+# the Hub server's access rules
+RULES = {"gated": {"org/gated": "good"}, "unsized": ["org/unsized", "org/multiunsized"]}
 LIMIT = 2_000_000  # the service's hub_max_download_bytes
+# a split of two files each under LIMIT, together over it (distinct bytes: the same bytes twice are one blob)
+MULTI_HALVES = {"data/train-0.jsonl": _text_rows(1100), "data/train-1.jsonl": _text_rows(1101)}
 
 
 def _pairs(n: int) -> str:
@@ -198,6 +228,15 @@ def hub(tmp_path_factory):
     server.commit("datasets", "org/unsized", {"README.md": "# unsized\n", "data/train.jsonl": over}, "3 MB")
     server.commit("datasets", "org/medium", {"README.md": "# medium\n", "data/train.jsonl": _text_rows(1200)}, "1 MB")
     server.commit("datasets", "org/racing", {"README.md": "# racing\n", "data/train.jsonl": _chat(6, "r")}, "racing")
+    # org/multi: a train split of three files (listed out of name order), a test split and another configuration;
+    # configurations `up` and `odd` name a file outside the repository and a file of a suffix pf-trl does not read
+    server.commit("datasets", "org/multi", {"README.md": MULTI_README, **MULTI_FILES, "data/test.jsonl": _chat(2, "mt"),
+                                            "data/notes.txt": "notes\n", "other/train.jsonl": _chat(2, "mo")},
+                  "a split of several files")
+    # a split of two files each under the service's download limit, together over it (sizes told / not told)
+    halves = MULTI_HALVES
+    server.commit("datasets", "org/multibig", {"README.md": "# multibig\n", **halves}, "2 x 1.2 MB")
+    server.commit("datasets", "org/multiunsized", {"README.md": "# multiunsized\n", **halves}, "2 x 1.2 MB")
     server.set_rules(**RULES)
     yield {"server": server, "root": root, "model": model, "data": local_data, "v1": v1, "chat_v1": chat_v1,
            "custom": custom, "pairs": local_pairs, "big": big, "leak": leak}
@@ -366,7 +405,8 @@ def service(hub):
     online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
     started = Server(root / "service-cache", [], env={
         "HF_ENDPOINT": server.url, "HF_HUB_DISABLE_TELEMETRY": "1", **online,
-        "PF_SERVICE_HUB_ALLOW": "org/chat,org/evil,org/fresh,org/large,org/unsized,org/medium",
+        "PF_SERVICE_HUB_ALLOW": "org/chat,org/evil,org/fresh,org/large,org/unsized,org/medium,org/multi,org/multibig,"
+                                "org/multiunsized",
         "PF_SERVICE_HUB_MAX_DOWNLOAD_BYTES": str(LIMIT)}).start()
     yield {"server": started, "hf": root / "service-cache" / "hf", "cache": root / "service-cache"}  # its HF_HOME
     started.stop()
@@ -456,6 +496,109 @@ def test_a_hub_source_over_the_download_limit_fails_its_job_in_one_line_and_leav
                 rows = [source["counts"]["source_rows"] for source in status["manifest"]["sources"]]
                 assert rows == [6, 12], status["manifest"]["sources"]
         assert status["error"]["type"] == "too_large" and "org/medium, org/large" in status["error"]["message"]
+
+
+MULTI_API = r"""
+import json, sys
+import pf_trl
+from pf_trl.errors import PfTrlError
+
+manifest = pf_trl.pretokenize("org/multi", sys.argv[1] + "/api", progress=False)
+try:  # the Ray engine tokenizes one file: refused in one line naming the engine that takes the split
+    pf_trl.pretokenize("org/multi", sys.argv[1] + "/ray", engine="ray")
+    ray = None
+except PfTrlError as exc:
+    ray = str(exc)
+print("RESULT " + json.dumps({"sha256": manifest["source"]["sha256"], "rows": manifest["counts"]["source_rows"],
+                              "ray": ray}))
+"""
+
+
+def _multi_steps(base: Path, hub) -> list:
+    """`pf-trl pretokenize org/multi` (a train split of three files) and pf_trl.pretokenize of the same id."""
+    return [["main", ["pretokenize", "org/multi", str(base / "cli"), "--no_progress"], {}],
+            ["script", [MULTI_API, str(base)], {}]]
+
+
+def _snapshot_files(hf: Path, repo: str) -> list[str]:
+    folder = hf / "hub" / f"datasets--{repo.replace('/', '--')}"
+    return sorted(p.relative_to(s).as_posix() for s in folder.glob("snapshots/*") for p in s.rglob("*") if p.is_file())
+
+
+def _rows(path: str) -> list[list[list[int]]]:
+    from pf_trl.data.shards import load_shards
+
+    ds = load_shards(path)
+    return [ds["input_ids"], ds["labels"]]
+
+
+def test_a_hub_split_of_several_files_is_tokenized_by_the_service_as_the_cli_does(hub, service, runs):
+    """org/multi's train split is three files (listed out of name order): the service downloads those three and
+    nothing else (not the test split, not another configuration), shows each in the status, and writes the rows of
+    `pf-trl pretokenize org/multi` token for token, with the same source identity; pf_trl.pretokenize takes the id
+    the same way (the Ray engine refuses it in one line). Each file is checked: configurations naming `../x.jsonl`
+    or a `.txt` file beside good files are refused in one line naming that file (control: the default configuration,
+    good files only, is built). Over the download limit by the files together (each under it; sizes told, or not told
+    and counted while downloading), the job fails in one line and nothing of the split stays cached."""
+    import hashlib
+
+    results, base = runs["multi"]
+    (rc, err, _, _, _, fetched, _), (api_rc, api_err, said, *_) = results
+    assert rc == 0, err[-3000:]
+    assert fetched["datasets--org--multi"] == sorted(["README.md", *MULTI_TRAIN]), fetched
+    assert api_rc == 0, api_err[-3000:]
+    api = json.loads(said.split("RESULT ", 1)[1])
+    cli = json.loads((base / "cli" / "pf_manifest.json").read_text())
+    assert api["sha256"] == cli["source"]["sha256"] and api["rows"] == cli["counts"]["source_rows"] == 12, api
+    assert _rows(str(base / "api")) == _rows(str(base / "cli"))
+    assert "\n" not in api["ray"] and "3 files" in api["ray"] and "engine='local'" in api["ray"], api["ray"]
+    with service["server"].client() as client:
+        r = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/multi"}}})
+        assert r.status_code == 202, r.text
+        status = wait_state(client, r.json()["id"], timeout=180)
+        assert status["state"] == "succeeded", status
+        commit = hub["server"].repo_head("datasets", "org/multi")
+        at = f"hf://datasets/org/multi@{commit}"
+        assert status["source"]["path"] == at, status["source"]
+        assert status["source"]["files"] == [f"{at}/{name}" for name in MULTI_TRAIN], status["source"]
+        assert _snapshot_files(service["hf"], "org/multi") == sorted(["README.md", *MULTI_TRAIN])
+        downloads = [e for e in _events(client, r.json()["id"]) if e["kind"] == "downloading"]
+        assert downloads[0]["message"].startswith("downloading 3 files, ") and downloads[-1]["files_done"] == 3
+        manifest = status["manifest"]
+        assert _rows(status["shards_path"]) == _rows(str(base / "cli"))  # token for token, in the same order
+        assert manifest["source"]["sha256"] == cli["source"]["sha256"], (manifest["source"], cli["source"])
+        assert manifest["counts"] == cli["counts"]
+        (record,), (cli_record,) = manifest["sources"], cli["sources"]
+        assert record["name"] == cli_record["name"] == "multi-train"
+        in_order = [hashlib.sha256(MULTI_FILES[name].encode()).hexdigest() for name in MULTI_TRAIN]
+        assert record["source_sha256"] == cli_record["source_sha256"] == in_order
+        assert record["data_paths"] == status["source"]["files"]
+        # a mixture's Hub source of several files: the same concatenation, as one of its sources
+        sources = [{"source": {"hub": {"repo_id": "org/multi"}}}, {"source": {"hub": {"repo_id": "org/chat",
+                                                                                    "config": "short"}}}]
+        mixed = client.post("/v1/mixtures", json={"sources": sources})
+        assert mixed.status_code == 202, mixed.text
+        mixed = wait_state(client, mixed.json()["id"], timeout=180)
+        assert mixed["state"] == "succeeded", mixed
+        parts = mixed["manifest"]["sources"]
+        assert [p["counts"]["source_rows"] for p in parts] == [12, 6] and parts[0]["data_paths"] == record["data_paths"]
+        cli_ids = _rows(str(base / "cli"))[0]
+        assert _rows(mixed["shards_path"])[0][:len(cli_ids)] == cli_ids
+        for config, word in (("up", "'../x.jsonl'"), ("odd", "data/notes.txt")):
+            refused = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": "org/multi", "config": config}}})
+            detail = refused.json()["detail"]
+            assert refused.status_code == 422 and word in detail and "\n" not in detail, refused.text
+        assert _snapshot_files(service["hf"], "org/multi") == sorted(["README.md", *MULTI_TRAIN])
+        size = sum(len(text.encode()) for text in MULTI_HALVES.values())
+        for repo, over in (("org/multibig", f"are {size:,} bytes"), ("org/multiunsized", "are over ")):
+            r = client.post("/v1/datasets", json={"source": {"hub": {"repo_id": repo}}})
+            assert r.status_code == 202, r.text
+            status = wait_state(client, r.json()["id"], timeout=120)
+            assert status["state"] == "failed" and status["error"]["type"] == "too_large", status
+            message = status["error"]["message"]
+            assert "\n" not in message and repo in message and "2 file(s)" in message and over in message, message
+            assert f"{LIMIT:,} bytes" in message and _cached_data(service["hf"], repo) == [], (repo, message)
+            assert len(status["source"]["files"]) == 2, status["source"]
 
 
 API = r"""
@@ -635,7 +778,8 @@ print("RESULT " + json.dumps(out))
 
 # The groups of steps of the shared process, in its order (only-what-a-run-reads first: the Hub cache still empty).
 GROUPS = {"fetched": "_fetched_steps", "ids": "_ids_steps", "dpo": "_dpo_steps", "custom": "_custom_steps",
-          "failures": "_failure_steps", "evil": "_evil_steps", "identity": "_identity_steps", "api": "_api_steps"}
+          "failures": "_failure_steps", "evil": "_evil_steps", "identity": "_identity_steps", "api": "_api_steps",
+          "multi": "_multi_steps"}
 
 
 @pytest.fixture(scope="module")

@@ -105,24 +105,13 @@ def _read_data_config(path: str):
 
 
 def _pretokenize_mixture(data_config, args: argparse.Namespace, config: PretokenizeConfig, tokenizer) -> dict:
-    """Each dataset into its own content-addressed shards, then all of them as one shards directory."""
-    from pathlib import Path
+    """Each dataset into its own content-addressed shards, then all of them as one shards directory
+    (:func:`pf_trl.data.engines.pretokenize_data_config`, which ``pf_trl.pretokenize`` runs too)."""
+    from pf_trl.data.engines import pretokenize_data_config
 
-    from pf_trl.data.mixture import load_mixture, write_mixture_shards
-    from pf_trl.storage import is_remote
-
-    if is_remote(args.output_dir):  # written into staging, then uploaded (manifest last)
-        from pf_trl.data.remote import publish_through_staging
-
-        return publish_through_staging(args.output_dir, lambda local: write_mixture_shards(
-            load_mixture(data_config, tokenizer, config, num_proc=args.num_proc, progress=not args.no_progress),
-            local, shard_size=config.shard_size), overwrite=args.overwrite)
-    if Path(args.output_dir).exists() and not args.overwrite:
-        raise PretokenizeCLIError(f"output {args.output_dir} already exists; choose a new directory or pass --overwrite")
     say = (lambda *_: None) if args.no_progress else (lambda msg: print(f"pf-trl: {msg}", file=sys.stderr, flush=True))
-    mixture = load_mixture(data_config, tokenizer, config, num_proc=args.num_proc, progress=not args.no_progress,
-                           say=say)
-    return write_mixture_shards(mixture, args.output_dir, overwrite=args.overwrite, shard_size=config.shard_size)
+    return pretokenize_data_config(data_config, args.output_dir, config, tokenizer, num_proc=args.num_proc,
+                                   progress=not args.no_progress, overwrite=args.overwrite, say=say)
 
 
 def _hub_source(args: argparse.Namespace):
