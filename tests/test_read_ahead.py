@@ -494,6 +494,52 @@ def test_a_dataset_three_times_the_cache_streams_shard_grouped_within_the_limit_
     assert len(after) == 8 and after[4:] == from_bucket[4:]  # the first four: the checkpoint's log history
 
 
+@pytest.mark.slow
+def test_a_streamed_dataset_is_fetched_ahead_in_each_epochs_plan(relay, s3, tmp_path, monkeypatch):
+    """Two epochs of a dataset three times the node cache: the read-ahead follows the first epoch's plan when the
+    dataloader is built, then the second epoch's when it starts (not the first one's again, nor on demand)."""
+    from transformers import TrainerCallback
+
+    from pf_trl.batching.sampler import TokenBudgetBatchSampler
+    from pf_trl.data.lazy_shards import LazyShards
+    from pf_trl.models import build_model
+    from pf_trl.trainer import PaddingFreeConfig, PaddingFreeSFTTrainer
+
+    arrow = _arrow_bytes(s3)
+    monkeypatch.setenv("PF_TRL_REMOTE_CACHE_SIZE", str(sum(arrow.values()) // 3))
+    followed: list[np.ndarray] = []
+    real_follow = LazyShards.follow
+
+    def follow(self, rows):  # records what the read-ahead was told, then tells it
+        followed.append(np.asarray(rows).copy())
+        return real_follow(self, rows)
+
+    monkeypatch.setattr(LazyShards, "follow", follow)
+    class StopInSecondEpoch(TrainerCallback):  # its first step is enough: the plan is followed when it starts
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.epoch > 1
+
+    relay.gate_control.open()
+    args = PaddingFreeConfig(output_dir=str(tmp_path / "out"), report_to=[], disable_tqdm=True, num_train_epochs=2,
+                             max_tokens_per_batch=8192, use_cpu=True, save_strategy="no", learning_rate=1e-3,
+                             dataloader_num_workers=0, seed=0, max_length=None)
+    model = build_model("pf-trl/tiny-llama", attn_implementation="sdpa", seed=0, **TINY)
+    trainer = PaddingFreeSFTTrainer(model, args=args, train_dataset=URI, processing_class=_tokenizer(),
+                                    callbacks=[StopInSecondEpoch()])
+    trainer.train()
+    data, sampler = trainer.train_dataset, trainer._pf_train_sampler
+    assert data.streamed and sampler.grouped and trainer.state.global_step == len(sampler) + 1
+    plans = []
+    for epoch in (0, 1):
+        fresh = TokenBudgetBatchSampler(data.pf_lengths, sampler.max_tokens, seed=0, shard_bounds=data._offsets,
+                                        group_shards=sampler.group_shards)
+        fresh.set_epoch(epoch)
+        plans.append(fresh.planned_rows())
+    assert not np.array_equal(plans[0], plans[1])  # control: the epochs' plans differ, so the check below can fail
+    assert len(followed) == 2 and all(np.array_equal(f, p) for f, p in zip(followed, plans))
+    assert data._ahead.stats["files_downloaded"] > len(arrow)  # both epochs streamed: files downloaded again
+
+
 def test_a_streamed_dataset_resumed_mid_epoch_fetches_only_what_is_still_to_be_read(relay, s3, local_shards,
                                                                                   monkeypatch):
     from pf_trl.batching.sampler import TokenBudgetBatchSampler

@@ -156,6 +156,12 @@ class LazyShards:
                               f"{list(COLUMNS)}; write the dataset again with `pf-trl pretokenize`")
         return table
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the dataset does not fit the node cache: only the planned rows' files are downloaded, each evicted
+        once read (:mod:`pf_trl.storage.readahead`)."""
+        return bool(self._ahead.streaming)
+
     def is_local(self) -> bool:
         """Whether every Arrow file is in the node cache."""
         return all(self._ahead.is_local(name) for name in self._files)
@@ -167,10 +173,10 @@ class LazyShards:
         if which.size:  # one entry per run of rows of a file: a streamed file is fetched again where it is read again
             which = which[np.concatenate([[True], which[1:] != which[:-1]])]
         read = int(np.count_nonzero(np.bincount(which, minlength=len(self._files))))
-        if not self._ahead.streaming:  # each file downloaded once: its first read alone orders it (no per-row list)
+        if not self.streamed:  # each file downloaded once: its first read alone orders it (no per-row list)
             which = _first_reads(which, read)
         order = [self._files[f] for f in which.tolist()]
-        logger.info("pf-trl: read-ahead of %s: %d of its %d files in the order this rank's first epoch reads them",
+        logger.info("pf-trl: read-ahead of %s: %d of its %d files in the order this rank's epoch reads them",
                     self.uri, read, len(self._files))
         self._ahead.follow(order)
 

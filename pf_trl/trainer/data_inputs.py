@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import TrainerCallback
 
 from pf_trl.data.inputs import rank_and_world, stream_budget
 from pf_trl.data.prepare import dataset_lengths, derive_token_budget
@@ -120,6 +121,25 @@ def read_ahead(trainer, dataset, sampler) -> None:
     resumed = getattr(trainer, "_pf_resumed_state", None) if trainer._pf_resume_dir else None
     skipped = ((resumed or {}).get("sampler") or {}).get("batches_yielded", 0)  # Trainer skips them unread
     dataset.follow(sampler.planned_rows(skip_batches=int(skipped or 0)))
+    trainer.pop_callback(FollowEachEpoch)  # a dataloader built again (another train() call) follows its own sampler
+    if dataset.streamed:
+        trainer.add_callback(FollowEachEpoch(dataset, sampler))
+
+
+class FollowEachEpoch(TrainerCallback):
+    """A dataset streamed through a bounded node cache (its files downloaded as their rows come, evicted once read)
+    is fetched ahead in every epoch's planned order, not only the first's: at an epoch's start the sampler plans that
+    epoch and the read-ahead follows the plan (:func:`read_ahead` gave it the first epoch's, or a resumed one's)."""
+
+    def __init__(self, dataset, sampler) -> None:
+        self.dataset, self.sampler, self.followed = dataset, sampler, sampler.epoch
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        epoch = math.floor((state.epoch or 0.0) + 1e-6)  # Trainer's epoch loop index (its state counts steps in it)
+        if epoch != self.followed:
+            self.sampler.set_epoch(epoch)  # what Trainer sets next; setting it again keeps the position
+            self.dataset.follow(self.sampler.planned_rows())
+            self.followed = epoch
 
 
 def packed_dataloader(trainer, dataset, sampler, *, training: bool, wrap_collator=None, collate_fn=None):
