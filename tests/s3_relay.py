@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import http.client
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,15 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your '
              b'request rate.</Message><RequestId>pf-trl-relay</RequestId></Error>')
 SLOW_DOWN_REFUSAL = (503, "Slow Down", "application/xml", SLOW_DOWN)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client that went away (a read cancelled, a kept-alive connection closed): nothing to say
+        super().handle_error(request, client_address)
 
 
 class S3Relay:
@@ -104,8 +114,7 @@ class S3Relay:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

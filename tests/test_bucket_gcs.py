@@ -134,6 +134,14 @@ def test_gcs_s_503s_were_answered_and_each_refused_request_sent_again(runs):
     assert relay.throttled >= 5, relay.throttled  # the relay did refuse: the runs above proved something
     forwarded = set(relay.log)
     assert all(request in forwarded for request in relay.refused), sorted(set(relay.refused) - forwarded)
+    said = runs["said"] + runs["resumed_said"]
+    # gcsfs's retries, one line each (it logs them at DEBUG only): one for each refusal gcsfs read (a read-ahead
+    # request cancelled when its command ends may be refused unread; the burst test below counts them exactly)
+    retried = "pf-trl: gcs: a request answered Backend Error, 503; gcsfs tries it again (up to 6 tries)"
+    assert relay.throttled - 2 <= said.count(retried) <= relay.throttled, said[-3000:]
+    # pf-trl talks to the emulator with gcsfs's JSON-API filesystem: its default one asks the Storage Control gRPC
+    # API for each bucket's layout, which no emulator serves, and warns on every operation
+    assert "Could not determine bucket type" not in said and "Traceback" not in said
 
 
 def test_a_burst_longer_than_gcsfs_s_retries_is_retried_by_pf_trl(gcs, monkeypatch, caplog):
@@ -157,6 +165,11 @@ def test_a_burst_longer_than_gcsfs_s_retries_is_retried_by_pf_trl(gcs, monkeypat
     retried = [r.getMessage() for r in caplog.records if r.name == "pf_trl.storage"]
     assert len(retried) == 1 and retried[0].startswith(f"pf-trl: gs://{BUCKET}/burst/probe.json: reading it: "
                                                        "Backend Error, 503; retry 1 of 3 in "), retried
+    by_gcsfs = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "gcsfs"]
+    # gcsfs's 5 retries of the request, one line each; its giving up (an ERROR with a traceback) not said: pf-trl is
+    # about to try again, or to fail in one line
+    assert by_gcsfs == [("WARNING", "pf-trl: gcs: a request answered Backend Error, 503; gcsfs tries it again (up to "
+                                    "6 tries)")] * 5, by_gcsfs
 
 
 @pytest.mark.extended
@@ -181,4 +194,5 @@ def test_503s_beyond_every_retry_end_the_command_in_one_line(gcs, tmp_path):
                            "refusing with throttling or server errors after 4 tries (Backend Error, 503)"), line
     assert "no credentials, the emulator at STORAGE_EMULATOR_HOST=" in line and "AWS_MAX_ATTEMPTS" not in line
     assert done.stderr.count("retry 3 of 3") == 1
+    assert "Traceback" not in done.stderr and "out of retries" not in done.stderr
     assert relay.throttled >= 24  # gcsfs's 6 tries of the first request, 4 times

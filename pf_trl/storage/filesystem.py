@@ -29,7 +29,14 @@ from typing import Any, TypeVar
 
 from pf_trl.storage.credentials import credential_source, gcs_emulator
 from pf_trl.storage.errors import RemoteNotFound, StorageError
-from pf_trl.storage.retries import botocore_retries, error_status, is_throttled, is_transient, s3_session
+from pf_trl.storage.retries import (
+    botocore_retries,
+    error_status,
+    gcsfs_retry_lines,
+    is_throttled,
+    is_transient,
+    s3_session,
+)
 from pf_trl.storage.uri import PACKAGES, RemoteURI, parse_uri
 
 logger = logging.getLogger("pf_trl.storage")
@@ -80,6 +87,8 @@ def filesystem(uri: str | RemoteURI):
                                "(pip install 'pf-trl[cloud]')") from exc
         if protocol == "s3":
             fs.retries = 1  # s3fs's own loop off: botocore retries each request, call() the whole operation
+        elif protocol == "gcs":
+            gcsfs_retry_lines()  # gcsfs's retries of a request said in one line each, its give-up traceback not
         for stale in [k for k in _FILESYSTEMS if k[0] != key[0]]:
             del _FILESYSTEMS[stale]  # a parent's handles: never used in this process
         _FILESYSTEMS[key] = fs
