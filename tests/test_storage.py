@@ -57,7 +57,7 @@ def test_each_cloud_names_where_credentials_come_from(monkeypatch, tmp_path):
     from pf_trl.storage.credentials import credential_source
 
     for name in list(os.environ):
-        if name.startswith(("AWS_", "AZURE_", "GOOGLE_")):
+        if name.startswith(("AWS_", "AZURE_", "GOOGLE_", "STORAGE_EMULATOR_HOST")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert "instance metadata" in credential_source("s3") and "AWS S3" in credential_source("s3")
@@ -71,6 +71,10 @@ def test_each_cloud_names_where_credentials_come_from(monkeypatch, tmp_path):
     assert "AKIAEXAMPLE" not in said
     assert "metadata server (Workload Identity" in credential_source("gcs")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "sa.json"))
+    assert "sa.json: no such file" in credential_source("gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9023")  # gcsfs's emulator variable: no credentials
+    assert credential_source("gcs") == "no credentials, the emulator at STORAGE_EMULATOR_HOST=http://127.0.0.1:9023"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "default")  # gcsfs's word for GCS itself
     assert "sa.json: no such file" in credential_source("gcs")
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
     assert "DefaultAzureCredential for account acct" in credential_source("az")

@@ -189,8 +189,8 @@ class GcsfsRetryLines(logging.Filter):
             return False
         if " retrying after exception: " in text:
             record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg = (f"pf-trl: gcs: a request answered {' '.join(text.split(': ', 1)[-1].split())[:200]}; "
-                          f"gcsfs tries it again (up to {GCSFS_RETRIES} tries)")
+            error = " ".join(text.split(": ", 1)[-1].split())[:200] or "an error"  # gcsfs's 502 has no text
+            record.msg = f"pf-trl: gcs: a request answered {error}; gcsfs tries it again (up to {GCSFS_RETRIES} tries)"
             record.args = ()
             return True
         return record.levelno >= self.level
@@ -204,5 +204,10 @@ def gcsfs_retry_lines() -> None:
         return
     level = log.getEffectiveLevel()
     if log.level == logging.NOTSET:
+        # its modules' own loggers (gcsfs.credentials, ...; made when gcsfs is imported) keep the level they had:
+        # a logger's filter does not see its children's records
+        for name, child in list(logging.root.manager.loggerDict.items()):
+            if name.startswith("gcsfs.") and isinstance(child, logging.Logger) and child.level == logging.NOTSET:
+                child.setLevel(level)
         log.setLevel(logging.DEBUG)
     log.addFilter(GcsfsRetryLines(level))
