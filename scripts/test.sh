@@ -76,6 +76,8 @@ if [[ -z "${PF_TRL_SKIP_S3:-}" ]]; then
     export PF_TRL_WEED=$weed
   fi
 fi
+# The gs:// tests start a GCS emulator the same way (gcp-storage-emulator, a Python package of the dev extra that
+# setup.sh installs); they skip only when PF_TRL_SKIP_GCS=1 says it cannot run.
 
 install_real() {
   # the `real` extra's packages only (pip install -e ".[real]" would reinstall pf-trl itself while the main suite

@@ -95,6 +95,7 @@ ONE_WORKER_MODULES = frozenset({
     "tests/test_service_fuzz.py", "tests/test_service_hostile.py", "tests/test_k8s_object_storage.py",
     "tests/test_storage.py", "tests/test_bucket_training.py", "tests/test_read_ahead.py",
     "tests/test_bucket_models.py", "tests/test_bucket_throttling.py", "tests/test_checkpoint_uploads.py",
+    "tests/test_bucket_gcs.py",
     "tests/test_hub.py", "tests/test_gpu_runbook_dry_run.py", "tests/test_dpo_distributed.py", "tests/test_parts.py",
 })
 

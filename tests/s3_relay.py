@@ -9,9 +9,13 @@ the relay's address) still verifies at the server. What the tests of read-ahead 
 - ``bytes_per_s``: responses paced to that rate (a bucket across a network, for the benchmark);
 - ``upload_bytes_per_s``: request bodies (uploads) read at that rate, all of them sharing it (one uplink);
 - ``throttle``: the share of requests answered ``503 SlowDown`` with S3's XML error body instead of being forwarded
-  (drawn from a seeded generator; settable while the relay runs); ``throttled`` counts them;
+  (drawn from a seeded generator; settable while the relay runs); ``throttled`` counts them, ``refused`` lists them;
+- ``refusal``: that answer as ``(status, reason, content type, body)``, S3's by default (tests/gcs_server.py has the
+  GCS JSON API's: the relay serves the GCS emulator the same way);
 - ``throttle_first``: every distinct request (method and path) answered ``503 SlowDown`` that many times before it is
   forwarded (a burst longer than the SDK's own retries);
+- ``throttled_paths``: a function of the method and the path saying which requests ``throttle`` and
+  ``throttle_first`` apply to (all of them by default);
 - ``log``: every (method, path) forwarded, in order.
 
 Point a process at it with ``AWS_ENDPOINT_URL=relay.endpoint``.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import http.client
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +34,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your '
              b'request rate.</Message><RequestId>pf-trl-relay</RequestId></Error>')
+SLOW_DOWN_REFUSAL = (503, "Slow Down", "application/xml", SLOW_DOWN)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client that went away (a read cancelled, a kept-alive connection closed): nothing to say
+        super().handle_error(request, client_address)
 
 
 class S3Relay:
@@ -36,11 +51,15 @@ class S3Relay:
 
     def __init__(self, upstream_port: int, *, gate: Callable[[str, str], None] | None = None,
                  bytes_per_s: float | None = None, upload_bytes_per_s: float | None = None,
-                 throttle: float = 0.0, seed: int = 0, throttle_first: int = 0) -> None:
+                 throttle: float = 0.0, seed: int = 0, throttle_first: int = 0,
+                 refusal: tuple[int, str, str, bytes] = SLOW_DOWN_REFUSAL,
+                 throttled_paths: Callable[[str, str], bool] | None = None) -> None:
         self.upstream_port, self.gate, self.bytes_per_s = upstream_port, gate, bytes_per_s
         self.upload_bytes_per_s, self.throttle, self.throttle_first = upload_bytes_per_s, throttle, throttle_first
+        self.refusal, self.throttled_paths = refusal, throttled_paths
         self._seen: dict[tuple[str, str], int] = {}
         self.log: list[tuple[str, str]] = []
+        self.refused: list[tuple[str, str]] = []
         self.throttled = 0
         self._pace = threading.Lock()
         self._uplink = threading.Lock()
@@ -59,12 +78,13 @@ class S3Relay:
                 body = relay._receive(self.rfile, length) if length else None
                 path = self.path.split("?", 1)[0]
                 if relay._should_throttle(self.command, path):
-                    self.send_response_only(503, "Slow Down")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(SLOW_DOWN)))
+                    status, reason, content_type, text = relay.refusal
+                    self.send_response_only(status, reason)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(text)))
                     self.end_headers()
                     if self.command != "HEAD":
-                        self.wfile.write(SLOW_DOWN)
+                        self.wfile.write(text)
                     return
                 relay.log.append((self.command, path))
                 if relay.gate is not None:
@@ -92,10 +112,9 @@ class S3Relay:
                 finally:
                     upstream.close()
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -105,14 +124,18 @@ class S3Relay:
         return f"http://127.0.0.1:{self.port}"
 
     def _should_throttle(self, method: str, path: str) -> bool:
+        if self.throttled_paths is not None and not self.throttled_paths(method, path):
+            return False
         with self._draw_lock:
             if self.throttle_first:
                 seen = self._seen[(method, path)] = self._seen.get((method, path), 0) + 1
                 if seen <= self.throttle_first:
                     self.throttled += 1
+                    self.refused.append((method, path))
                     return True
             if self.throttle and self._draw.random() < self.throttle:
                 self.throttled += 1
+                self.refused.append((method, path))
                 return True
         return False
 

@@ -57,7 +57,7 @@ def test_each_cloud_names_where_credentials_come_from(monkeypatch, tmp_path):
     from pf_trl.storage.credentials import credential_source
 
     for name in list(os.environ):
-        if name.startswith(("AWS_", "AZURE_", "GOOGLE_")):
+        if name.startswith(("AWS_", "AZURE_", "GOOGLE_", "STORAGE_EMULATOR_HOST")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert "instance metadata" in credential_source("s3") and "AWS S3" in credential_source("s3")
@@ -72,6 +72,10 @@ def test_each_cloud_names_where_credentials_come_from(monkeypatch, tmp_path):
     assert "metadata server (Workload Identity" in credential_source("gcs")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "sa.json"))
     assert "sa.json: no such file" in credential_source("gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9023")  # gcsfs's emulator variable: no credentials
+    assert credential_source("gcs") == "no credentials, the emulator at STORAGE_EMULATOR_HOST=http://127.0.0.1:9023"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "default")  # gcsfs's word for GCS itself
+    assert "sa.json: no such file" in credential_source("gcs")
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
     assert "DefaultAzureCredential for account acct" in credential_source("az")
     monkeypatch.setenv("AZURE_CLIENT_ID", "cid")
@@ -83,13 +87,24 @@ def test_each_cloud_names_where_credentials_come_from(monkeypatch, tmp_path):
 
 def test_gcs_and_azure_filesystems_come_from_their_packages(monkeypatch):
     """gcsfs and adlfs are installed (the cloud extra) and serve gs:// and az:// (no request is made here)."""
-    from pf_trl.storage.filesystem import filesystem
+    from pf_trl.storage.filesystem import filesystem, forget_filesystems
 
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
     monkeypatch.setenv("AZURE_STORAGE_KEY", "a2V5")
     assert type(filesystem("az://container/x")).__module__.startswith("adlfs")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "")
-    import gcsfs  # noqa: F401  (creating one would probe the metadata server)
+    import gcsfs  # (creating one for GCS itself would probe the metadata server)
+
+    # for an emulator: no credentials, and gcsfs's JSON-API filesystem (its default one, gcsfs.GCSFileSystem, asks
+    # GCS's Storage Control gRPC API for each bucket's layout); tests/test_bucket_gcs.py runs it against one
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    forget_filesystems()
+    try:
+        fs = filesystem("gs://bucket/x")
+    finally:
+        forget_filesystems()
+    assert type(fs) is gcsfs.core.GCSFileSystem  # not a subclass: the ExtendedGcsFileSystem
+    assert fs.credentials.method == "anon" and fs._location == "http://127.0.0.1:9"
 
 
 def _pretokenize(env, source, dest, *extra):

@@ -47,6 +47,13 @@ def aws_source() -> str:
             "the environment)")
 
 
+def gcs_emulator() -> str | None:
+    """The GCS emulator's address in ``STORAGE_EMULATOR_HOST`` (gcsfs's and Google's client libraries' variable),
+    or None (``"default"`` and empty mean GCS itself)."""
+    host = _env("STORAGE_EMULATOR_HOST")
+    return None if host in (None, "default") else host
+
+
 def gcs_source() -> str:
     path = _env("GOOGLE_APPLICATION_CREDENTIALS")
     if path:
@@ -77,5 +84,8 @@ def credential_source(protocol: str) -> str:
     if protocol == "s3":
         return f"credentials from the {aws_source()}, endpoint {aws_endpoint()}"
     if protocol == "gcs":
+        emulator = gcs_emulator()
+        if emulator:  # gcsfs sends none to an emulator (pf_trl.storage.filesystem), as Google's own client does
+            return f"no credentials, the emulator at STORAGE_EMULATOR_HOST={emulator}"
         return f"credentials from {gcs_source()}"
     return f"credentials from {azure_source()}"

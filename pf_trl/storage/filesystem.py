@@ -1,6 +1,9 @@
 """Bucket access: one fsspec filesystem per process and protocol, every call retried and translated into one line.
 
-- **Credentials and endpoints** come only from each cloud's standard chain (s3fs / gcsfs / adlfs read it).
+- **Credentials and endpoints** come only from each cloud's standard chain (s3fs / gcsfs / adlfs read it). With
+  ``STORAGE_EMULATOR_HOST`` set, ``gs://`` goes to that GCS emulator with no credentials, as Google's own client
+  library does, through gcsfs's JSON-API filesystem: gcsfs's default one first asks the Storage Control gRPC API,
+  which no emulator serves, for each bucket's layout (failing, with a warning, on every operation).
 - **Fork safety**: a filesystem is created in the process that uses it (keyed by pid, never fsspec's shared instance
   cache): the async loop behind an fsspec handle does not survive a fork, so a DataLoader worker or a service
   worker that forked from a parent holding one makes its own.
@@ -24,9 +27,16 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pf_trl.storage.credentials import credential_source
+from pf_trl.storage.credentials import credential_source, gcs_emulator
 from pf_trl.storage.errors import RemoteNotFound, StorageError
-from pf_trl.storage.retries import botocore_retries, error_status, is_throttled, is_transient, s3_session
+from pf_trl.storage.retries import (
+    botocore_retries,
+    error_status,
+    gcsfs_retry_lines,
+    is_throttled,
+    is_transient,
+    s3_session,
+)
 from pf_trl.storage.uri import PACKAGES, RemoteURI, parse_uri
 
 logger = logging.getLogger("pf_trl.storage")
@@ -47,7 +57,7 @@ def _options(protocol: str) -> dict[str, Any]:
                                   "retries": botocore_retries()},
                 "session": s3_session()}
     if protocol == "gcs":
-        return {"requests_timeout": READ_TIMEOUT_S}
+        return {"requests_timeout": READ_TIMEOUT_S, **({"token": "anon"} if gcs_emulator() else {})}
     # adlfs: the account and credentials from AZURE_STORAGE_* / workload identity
     return {"anon": False, "connection_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}
 
@@ -65,12 +75,20 @@ def filesystem(uri: str | RemoteURI):
         import fsspec
 
         try:
-            fs = fsspec.filesystem(protocol, skip_instance_cache=True, use_listings_cache=False, **_options(protocol))
+            if protocol == "gcs" and gcs_emulator():
+                from gcsfs.core import GCSFileSystem  # the JSON API only: no bucket-layout lookup over gRPC
+
+                fs = GCSFileSystem(skip_instance_cache=True, use_listings_cache=False, **_options(protocol))
+            else:
+                fs = fsspec.filesystem(protocol, skip_instance_cache=True, use_listings_cache=False,
+                                       **_options(protocol))
         except ImportError as exc:
             raise StorageError(f"{uri}: reading {protocol}:// needs the {PACKAGES[protocol]} package "
                                "(pip install 'pf-trl[cloud]')") from exc
         if protocol == "s3":
             fs.retries = 1  # s3fs's own loop off: botocore retries each request, call() the whole operation
+        elif protocol == "gcs":
+            gcsfs_retry_lines()  # gcsfs's retries of a request said in one line each, its give-up traceback not
         for stale in [k for k in _FILESYSTEMS if k[0] != key[0]]:
             del _FILESYSTEMS[stale]  # a parent's handles: never used in this process
         _FILESYSTEMS[key] = fs
@@ -114,12 +132,14 @@ def translate(uri: str | RemoteURI, what: str, exc: BaseException) -> StorageErr
         return StorageError(f"{uri}: access denied ({text}) while {what}, with {where}; fix the credentials (a "
                             "Secret's keys, or the ServiceAccount's IRSA / Workload Identity annotation)")
     if is_throttled(exc):
+        sdk_attempts = " or raise AWS_MAX_ATTEMPTS" if uri.protocol == "s3" else ""  # gcsfs's and adlfs's are fixed
         return StorageError(f"{uri}: the storage server kept refusing with throttling or server errors after "
                             f"{ATTEMPTS} tries ({text}) while {what}; {where}: lower the request rate (fewer ranks "
-                            "or dataloader workers reading at once) or raise AWS_MAX_ATTEMPTS")
+                            f"or dataloader workers reading at once){sdk_attempts}")
     if _is_unreachable(exc) or _is_transient(exc):
+        endpoint = {"s3": "AWS_ENDPOINT_URL", "gcs": "STORAGE_EMULATOR_HOST"}.get(uri.protocol, "the account URL")
         return StorageError(f"{uri}: the storage endpoint is unreachable after {ATTEMPTS} tries ({text}) while "
-                            f"{what}; {where}: check AWS_ENDPOINT_URL / the network")
+                            f"{what}; {where}: check {endpoint} / the network")
     return StorageError(f"{uri}: {what} failed ({type(exc).__name__}: {text}); {where}")
 
 

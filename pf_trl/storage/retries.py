@@ -9,7 +9,10 @@ succeed when tried again a little later. They reach pf-trl in several shapes:
   one warning line. After its last attempt s3fs turns the ``ClientError`` into a plain ``OSError`` carrying only the
   server's message ("Please reduce your request rate."), with the ``ClientError`` (code and HTTP status) as its
   ``__cause__``: :func:`is_transient` follows that chain.
-- **gcsfs**: ``gcsfs.retry.HttpError`` with an integer ``code`` (gcsfs has already retried it itself).
+- **gcsfs**: ``gcsfs.retry.HttpError`` with an integer ``code`` (gcsfs has already retried it itself: 6 tries of each
+  request, its own fixed backoff of 1, 2, 4, 8, 16 s plus up to 1 s; no setting changes them). gcsfs says its retries
+  only at DEBUG and its giving up as an ERROR with a traceback; :class:`GcsfsRetryLines` makes each retry one warning
+  line and drops the traceback (the exception reaches pf-trl, which retries the operation or fails in one line).
 - **adlfs** / azure-core: ``HttpResponseError`` with ``status_code``; ``ServiceRequestError`` /
   ``ServiceResponseError`` for a connection that failed (azure-core's retry policy has already retried them).
 """
@@ -23,7 +26,8 @@ from typing import Any
 
 logger = logging.getLogger("pf_trl.storage")
 
-__all__ = ["DEFAULT_MAX_ATTEMPTS", "botocore_retries", "error_status", "is_throttled", "is_transient", "s3_session"]
+__all__ = ["DEFAULT_MAX_ATTEMPTS", "GcsfsRetryLines", "botocore_retries", "error_status", "gcsfs_retry_lines",
+           "is_throttled", "is_transient", "s3_session"]
 
 DEFAULT_MAX_ATTEMPTS = 3
 RETRY_MODES = ("standard", "adaptive", "legacy")
@@ -163,3 +167,47 @@ def s3_session():
     session.register("needs-retry.s3", _remember_failure)
     session.register("request-created.s3", _warn_retry)
     return session
+
+
+GCSFS_RETRIES = 6  # gcsfs.core.GCSFileSystem.retries: the tries of each request (fixed when gcsfs is imported)
+
+
+class GcsfsRetryLines(logging.Filter):
+    """On gcsfs's logger: its ``"<call> retrying after exception: <error>"`` (DEBUG) said as one warning line, its
+    ``"out of retries"`` / ``"non-retriable exception"`` records (ERROR, with a traceback) dropped: the exception is
+    raised to pf-trl, which retries the operation (one line) or fails in one line. Its other records below WARNING
+    pass only when someone asked for them (:func:`gcsfs_retry_lines` lowers the logger's level only when unset)."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level  # what the logger's level let through before DEBUG was opened for the retry records
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.levelno >= logging.ERROR and (" out of retries on exception: " in text
+                                                or " non-retriable exception: " in text):
+            return False
+        if " retrying after exception: " in text:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            error = " ".join(text.split(": ", 1)[-1].split())[:200] or "an error"  # gcsfs's 502 has no text
+            record.msg = f"pf-trl: gcs: a request answered {error}; gcsfs tries it again (up to {GCSFS_RETRIES} tries)"
+            record.args = ()
+            return True
+        return record.levelno >= self.level
+
+
+def gcsfs_retry_lines() -> None:
+    """Install :class:`GcsfsRetryLines` on gcsfs's logger (once); its DEBUG retry records are created only when the
+    logger lets DEBUG through, so an unset level becomes DEBUG, the filter keeping the rest at the effective level."""
+    log = logging.getLogger("gcsfs")
+    if any(isinstance(f, GcsfsRetryLines) for f in log.filters):
+        return
+    level = log.getEffectiveLevel()
+    if log.level == logging.NOTSET:
+        # its modules' own loggers (gcsfs.credentials, ...; made when gcsfs is imported) keep the level they had:
+        # a logger's filter does not see its children's records
+        for name, child in list(logging.root.manager.loggerDict.items()):
+            if name.startswith("gcsfs.") and isinstance(child, logging.Logger) and child.level == logging.NOTSET:
+                child.setLevel(level)
+        log.setLevel(logging.DEBUG)
+    log.addFilter(GcsfsRetryLines(level))
