@@ -23,6 +23,8 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,7 @@ from pf_trl.data.inputs import rank_and_world
 from pf_trl.errors import ResumeError
 
 __all__ = ["SAMPLER_STATE_NAME", "CheckpointCompleteCallback", "SamplerStateCallback", "data_identity",
-           "describe_change", "load_stream_state",
+           "describe_change", "load_stream_state", "resume_dir_for_call",
            "restore_sampler", "sampler_position", "write_sampler_state", "write_stream_state"]
 
 logger = logging.getLogger("pf_trl.trainer")
@@ -186,6 +188,18 @@ def _train_data_identity(trainer) -> dict[str, Any]:
         cached = (trainer.train_dataset, data_identity(trainer.train_dataset))
         trainer._pf_identity_cache = cached
     return cached[1]
+
+
+@contextmanager
+def resume_dir_for_call(trainer, resume_from_checkpoint: Any) -> Iterator[None]:
+    """For one ``train()`` call: ``trainer._pf_resume_dir`` is the checkpoint folder a resumed run's sampler or
+    stream state is read from (:func:`restore_sampler`, :func:`load_stream_state`), None unless
+    ``resume_from_checkpoint`` is a path; cleared on the way out, so a later call does not resume from it."""
+    trainer._pf_resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+    try:
+        yield
+    finally:
+        trainer._pf_resume_dir = None
 
 
 def restore_sampler(trainer, sampler) -> None:

@@ -66,7 +66,7 @@ from pf_trl.trainer.loss import (
 )
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY
 from pf_trl.trainer.predict import EXAMPLES_KEY
-from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback, restore_sampler
+from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback, restore_sampler, resume_dir_for_call
 
 logger = logging.getLogger("pf_trl.trainer")
 
@@ -451,15 +451,14 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ResumeError(f"resume_from_checkpoint=True but no checkpoint found in {self.args.output_dir}")
-        self._pf_resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        finally:
-            self._pf_resume_dir = None
-            if hasattr(self, "_pf_saved_ignore_data_skip"):  # set while a stream resumed from its saved position
-                self.args.ignore_data_skip = self._pf_saved_ignore_data_skip
-                del self._pf_saved_ignore_data_skip
+        with resume_dir_for_call(self, resume_from_checkpoint):
+            try:
+                return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                     ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            finally:
+                if hasattr(self, "_pf_saved_ignore_data_skip"):  # set while a stream resumed from its saved position
+                    self.args.ignore_data_skip = self._pf_saved_ignore_data_skip
+                    del self._pf_saved_ignore_data_skip
 
 def _untied_missing_keys(model, missing: list[str]) -> list[str]:
     """The missing checkpoint keys whose parameter is not shared with a parameter that was loaded (tied weights share

@@ -49,13 +49,11 @@ class PairBudgetMixin:
     _pf_resume_dir: str | None = None
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        # the checkpoint folder a resumed run's sampler state is read from (restore_sampler), for this call only
-        self._pf_resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        try:
+        from pf_trl.trainer.resume import resume_dir_for_call
+
+        with resume_dir_for_call(self, resume_from_checkpoint):  # the folder restore_sampler reads, for this call
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        finally:
-            self._pf_resume_dir = None
 
     def _pf_pair_lengths(self, dataset) -> np.ndarray:
         raise NotImplementedError
