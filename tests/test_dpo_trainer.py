@@ -332,6 +332,8 @@ def _budget_trainer(tmp_path, **kw):
 
 @pytest.mark.slow
 def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
+    from pf_trl.errors import ResumeError
+
     kw = dict(max_steps=1, save_strategy="steps", save_steps=1, save_only_model=False)
     whole = _budget_trainer(tmp_path / "whole", **kw)
     per_epoch = len(whole.get_train_dataloader())
@@ -354,6 +356,9 @@ def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
     np.testing.assert_allclose(resumed_losses(), losses[saved:], rtol=1e-5, atol=1e-6)
     # control: resumed without skipping the epoch's consumed batches, the next steps train on other pairs
     assert not np.allclose(resumed_losses(ignore_data_skip=True), losses[saved:], rtol=1e-5, atol=1e-6)
+    # the checkpoint's sampler state is read on resume (restore_sampler): another accumulation is refused
+    with pytest.raises(ResumeError, match="gradient_accumulation_steps=1, now 2"):
+        resumed_losses(gradient_accumulation_steps=2)
 
 
 @pytest.mark.slow
