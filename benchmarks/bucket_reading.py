@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from s3_bench import s3_bench_server
+
 TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 
 
@@ -99,21 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bucket_reading.json"))
     args = ap.parse_args(argv)
-    from s3_server import S3Server, weed_binary
-
     from pf_trl.data.remote import fetch_shards, publish_shards
-    from pf_trl.storage.filesystem import forget_filesystems
 
-    weed = weed_binary()
-    if weed is None:
-        raise SystemExit("bucket_reading: no `weed` binary; run `bash scripts/seaweedfs.sh`")
     with tempfile.TemporaryDirectory(prefix="pf-bucket-bench-", dir=os.environ.get("PF_BENCH_TMP")) as tmp:
         tmp = Path(tmp)
-        server = S3Server(weed, tmp / "s3").start()
-        try:
-            server.make_bucket("bench")
-            os.environ.update(server.env())
-            forget_filesystems()
+        with s3_bench_server(tmp / "s3"):
             t0 = time.perf_counter()
             local = make_dataset(tmp / "data", args.rows, args.max_seq_len)
             build_s = time.perf_counter() - t0
@@ -132,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["PF_TRL_CACHE"] = str(tmp / "node-bucket")
             from_bucket = train_from(uri, args.steps, tmp / "out-bucket")
             assert Path(cached).is_dir()
-        finally:
-            server.stop()
     result = {
         "rows": args.rows, "max_seq_len": args.max_seq_len, "dataset_mb": round(size / 1e6, 1),
         "build_s": round(build_s, 1), "upload_mb_per_s": round(size / 1e6 / upload_s, 1),

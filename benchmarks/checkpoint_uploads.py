@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from s3_bench import s3_bench_server
+
 TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 RELAY = """
 import sys, time
@@ -90,38 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "checkpoint_uploads.json"))
     args = ap.parse_args(argv)
-    from s3_server import S3Server, weed_binary
-
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
     from pf_trl.data.samples import SHAREGPT_SAMPLE
 
-    weed = weed_binary()
-    if weed is None:
-        raise SystemExit("checkpoint_uploads: no `weed` binary; run `bash scripts/seaweedfs.sh`")
     runs: dict[str, list[dict]] = {"no saves": [], "saves, uploads in the background": []}
     with tempfile.TemporaryDirectory(prefix="pf-ckpt-upload-bench-", dir=os.environ.get("PF_BENCH_TMP")) as tmp:
         tmp = Path(tmp)
-        server = S3Server(weed, tmp / "s3").start()
-        relay = None
-        try:
-            server.make_bucket("bench")
-            os.environ.update(server.env())
+        with s3_bench_server(tmp / "s3") as server:
             data = tmp / "data"
             pretokenize(SHAREGPT_SAMPLE, data, PretokenizeConfig(max_seq_len=256), progress=False)
             relay, port = start_relay(server.port, args.link_mb_s)
-            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
-            train_into(data, "s3://bench/runs/warm-up", 4, 2, tmp / "node-warm-up")  # imports, first calls
-            n = 0
-            for _ in range(args.repeats):
-                for name, save_steps in (("no saves", None), ("saves, uploads in the background", args.save_steps)):
-                    n += 1
-                    runs[name].append(train_into(data, f"s3://bench/runs/r{n}", args.steps, save_steps,
-                                                 tmp / f"node-{n}"))
-        finally:
-            if relay is not None:
+            try:
+                os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+                train_into(data, "s3://bench/runs/warm-up", 4, 2, tmp / "node-warm-up")  # imports, first calls
+                n = 0
+                for _ in range(args.repeats):
+                    for name, save_steps in (("no saves", None),
+                                             ("saves, uploads in the background", args.save_steps)):
+                        n += 1
+                        runs[name].append(train_into(data, f"s3://bench/runs/r{n}", args.steps, save_steps,
+                                                     tmp / f"node-{n}"))
+            finally:
                 relay.kill()
                 relay.wait()
-            server.stop()
     base = statistics.median(r["wall_s"] for r in runs["no saves"])
     saved = runs["saves, uploads in the background"]
     summary = {

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from read_ahead import TINY
+from s3_bench import s3_bench_server
 
 
 def synthetic_shards(where: Path, rows: int, rows_per_file: int, template: dict, seed: int = 0) -> Path:
@@ -108,26 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "first_step.json"))
     args = ap.parse_args(argv)
-    from s3_server import S3Server, weed_binary
-
     from pf_trl.data.pretokenize import PretokenizeConfig, pretokenize
     from pf_trl.data.remote import publish_shards
     from pf_trl.data.samples import SHAREGPT_SAMPLE
     from pf_trl.data.shards import read_manifest
-    from pf_trl.storage.filesystem import forget_filesystems
 
-    weed = weed_binary()
-    if weed is None:
-        raise SystemExit("first_step: no `weed` binary; run `bash scripts/seaweedfs.sh`")
     runs: dict[int, list[dict]] = {n: [] for n in args.sizes}
     built: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pf-first-step-", dir=os.environ.get("PF_BENCH_TMP")) as tmp:
         tmp = Path(tmp)
-        server = S3Server(weed, tmp / "s3").start()
-        try:
-            server.make_bucket("bench")
-            os.environ.update(server.env())
-            forget_filesystems()
+        with s3_bench_server(tmp / "s3"):
             pretokenize(SHAREGPT_SAMPLE, tmp / "sample", PretokenizeConfig(max_seq_len=64), progress=False)
             template = read_manifest(tmp / "sample")  # the tokenizer's identity, as a real dataset carries it
             for n in args.sizes:
@@ -142,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.repeats):  # interleaved: a load change hits every size alike
                 for n in args.sizes:
                     runs[n].append(first_step(f"s3://bench/rows-{n}", tmp / f"node-{n}-{i}", tmp / "out"))
-        finally:
-            server.stop()
     phases = ("open_s", "trainer_s", "plan_s", "first_step_s", "total_s")
     medians = {n: {p: statistics.median(r[p] for r in rs) for p in phases} for n, rs in runs.items()}
     small, large = args.sizes[0], args.sizes[-1]

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from s3_bench import s3_bench_server
+
 TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 RELAY = """
 import sys, time
@@ -149,51 +151,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link_mb_s", type=float, default=25.0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "read_ahead.json"))
     args = ap.parse_args(argv)
-    from s3_server import S3Server, weed_binary
-
     from pf_trl.data.remote import fetch_shards, publish_shards
     from pf_trl.storage.filesystem import forget_filesystems
 
-    weed = weed_binary()
-    if weed is None:
-        raise SystemExit("read_ahead: no `weed` binary; run `bash scripts/seaweedfs.sh`")
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pf-read-ahead-bench-", dir=os.environ.get("PF_BENCH_TMP")) as tmp:
         tmp = Path(tmp)
-        server = S3Server(weed, tmp / "s3").start()
-        relay = None
-        try:
-            server.make_bucket("bench")
-            os.environ.update(server.env())
-            forget_filesystems()
+        with s3_bench_server(tmp / "s3") as server:
             local = make_dataset(tmp / "data", args.rows, args.max_seq_len, args.files)
             size = folder_bytes(local)
             uri = "s3://bench/datasets/big"
             publish_shards(local, uri)
             train_from(str(local), 2, tmp / "out", tmp / "node-warm-up")  # imports and first calls, not measured
             relay, relay_port = start_relay(server.port, args.link_mb_s)
-            for link, endpoint in (("loopback", server.endpoint), (f"{args.link_mb_s:g} MB/s link",
-                                                                   f"http://127.0.0.1:{relay_port}")):
-                os.environ["AWS_ENDPOINT_URL"] = endpoint
-                os.environ["PF_TRL_CACHE"] = str(tmp / f"fetch-{len(runs)}")
-                forget_filesystems()
-                t0 = time.perf_counter()
-                fetch_shards(uri)  # the whole download alone: its MB/s
-                whole_mb_s = round(size / 1e6 / (time.perf_counter() - t0), 1)
-                os.environ["PF_TRL_READ_AHEAD"] = "0"
-                runs[f"bucket, whole download ({link})"] = {
-                    **train_from(uri, args.steps, tmp / "out", tmp / f"node-{len(runs)}"),
-                    "download_mb_per_s": whole_mb_s}
-                os.environ.pop("PF_TRL_READ_AHEAD")
-                runs[f"bucket, read-ahead ({link})"] = train_from(uri, args.steps, tmp / "out",
-                                                                   tmp / f"node-{len(runs)}")
-            os.environ["AWS_ENDPOINT_URL"] = server.endpoint
-            runs["local folder"] = train_from(str(local), args.steps, tmp / "out", tmp / "node-local")
-        finally:
-            if relay is not None:
+            try:
+                for link, endpoint in (("loopback", server.endpoint), (f"{args.link_mb_s:g} MB/s link",
+                                                                       f"http://127.0.0.1:{relay_port}")):
+                    os.environ["AWS_ENDPOINT_URL"] = endpoint
+                    os.environ["PF_TRL_CACHE"] = str(tmp / f"fetch-{len(runs)}")
+                    forget_filesystems()
+                    t0 = time.perf_counter()
+                    fetch_shards(uri)  # the whole download alone: its MB/s
+                    whole_mb_s = round(size / 1e6 / (time.perf_counter() - t0), 1)
+                    os.environ["PF_TRL_READ_AHEAD"] = "0"
+                    runs[f"bucket, whole download ({link})"] = {
+                        **train_from(uri, args.steps, tmp / "out", tmp / f"node-{len(runs)}"),
+                        "download_mb_per_s": whole_mb_s}
+                    os.environ.pop("PF_TRL_READ_AHEAD")
+                    runs[f"bucket, read-ahead ({link})"] = train_from(uri, args.steps, tmp / "out",
+                                                                       tmp / f"node-{len(runs)}")
+                os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+                runs["local folder"] = train_from(str(local), args.steps, tmp / "out", tmp / "node-local")
+            finally:
                 relay.kill()
                 relay.wait()
-            server.stop()
     result = {
         "rows": args.rows, "files": args.files, "max_seq_len": args.max_seq_len, "dataset_mb": round(size / 1e6, 1),
         "steps": args.steps, "per_device_train_batch_size": 16, "runs": runs,

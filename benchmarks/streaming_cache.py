@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from read_ahead import TINY, folder_bytes, make_dataset
+from s3_bench import s3_bench_server
 
 
 def train_from(path: str, steps: int, output_dir: Path, cache: Path) -> dict:
@@ -103,22 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "streaming_cache.json"))
     args = ap.parse_args(argv)
-    from s3_server import S3Server, weed_binary
-
     from pf_trl.data.remote import publish_shards
-    from pf_trl.storage.filesystem import forget_filesystems
 
-    weed = weed_binary()
-    if weed is None:
-        raise SystemExit("streaming_cache: no `weed` binary; run `bash scripts/seaweedfs.sh`")
     runs: dict[str, list[dict]] = {"local folder": [], "bucket, streamed": []}
     with tempfile.TemporaryDirectory(prefix="pf-stream-bench-", dir=os.environ.get("PF_BENCH_TMP")) as tmp:
         tmp = Path(tmp)
-        server = S3Server(weed, tmp / "s3").start()
-        try:
-            server.make_bucket("bench")
-            os.environ.update(server.env())
-            forget_filesystems()
+        with s3_bench_server(tmp / "s3"):
             local = make_dataset(tmp / "data", args.rows, args.max_seq_len, args.files)
             size = folder_bytes(local)
             arrow = sum(p.stat().st_size for p in local.glob("*.arrow"))
@@ -131,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ["PF_TRL_REMOTE_CACHE_SIZE"] = str(limit)
                 runs["bucket, streamed"].append(train_from(uri, args.steps, tmp / "out", tmp / f"node-b{i}"))
                 os.environ.pop("PF_TRL_REMOTE_CACHE_SIZE")
-        finally:
-            server.stop()
     local_tps = statistics.median(r["steady_tokens_per_s"] for r in runs["local folder"])
     bucket_tps = statistics.median(r["steady_tokens_per_s"] for r in runs["bucket, streamed"])
     same = all(r["losses"] == rs[0]["losses"] for rs in runs.values() for r in rs)
