@@ -170,7 +170,7 @@ DDP_SCRIPT = textwrap.dedent(
         result = trainer.train(resume_from_checkpoint=os.path.join(out, "full", "checkpoint-2") if resume == "resume" else None)
         with open(os.path.join(out, f"{resume}_{rank}.json"), "w") as f:
             json.dump({"trained": trained, "metrics": result.metrics, "world": trainer.args.world_size,
-                       "budget": trainer.pf_token_budget}, f)
+                       "budget": trainer.pf_token_budget, "ignore_data_skip": trainer.args.ignore_data_skip}, f)
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                        os.path.join(out, f"weights_{resume}.pt"))
@@ -215,6 +215,8 @@ def test_stream_under_ddp_two_ranks_packs_and_resumes_exactly(alpaca_file, tmp_p
         fill = sum(t[2] for t in full[r]["trained"]) / (1024 * len(steps))
         assert fill >= 0.95, fill
         assert resumed[r]["trained"] == full[r]["trained"][2:], f"rank {r}: steps 3-4 after the resume"
+        # the resume set ignore_data_skip for the call only (the packer starts at the checkpoint's position)
+        assert resumed[r]["ignore_data_skip"] is False, f"rank {r}: ignore_data_skip left set after train()"
     keys = [{k for t in full[r]["trained"] for k in t[1]} for r in (0, 1)]
     assert keys[0] and keys[1] and not keys[0] & keys[1], "the ranks read disjoint parts of the stream"
     for state in ("pf_trl_stream_state_rank0.json", "pf_trl_stream_state_rank1.json"):
