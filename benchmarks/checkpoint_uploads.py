@@ -28,24 +28,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from s3_bench import s3_bench_server
+from s3_bench import paced_relay, s3_bench_server
 
 TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-RELAY = """
-import sys, time
-sys.path.insert(0, {tests!r})
-from s3_relay import S3Relay
-relay = S3Relay({upstream}, upload_bytes_per_s={rate})
-print(relay.port, flush=True)
-while True:
-    time.sleep(3600)
-"""
 
 
 def train_into(data: Path, uri: str, steps: int, save_steps: int | None, cache: Path) -> dict:
@@ -78,12 +67,6 @@ def train_into(data: Path, uri: str, steps: int, save_steps: int | None, cache: 
             "losses_last": [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]}
 
 
-def start_relay(upstream: int, mb_s: float) -> tuple[subprocess.Popen, int]:
-    code = RELAY.format(tests=str(REPO / "tests"), upstream=upstream, rate=mb_s * 1e6)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    return proc, int(proc.stdout.readline())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -101,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         with s3_bench_server(tmp / "s3") as server:
             data = tmp / "data"
             pretokenize(SHAREGPT_SAMPLE, data, PretokenizeConfig(max_seq_len=256), progress=False)
-            relay, port = start_relay(server.port, args.link_mb_s)
-            try:
+            with paced_relay(server.port, upload_bytes_per_s=args.link_mb_s * 1e6) as port:
                 os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
                 train_into(data, "s3://bench/runs/warm-up", 4, 2, tmp / "node-warm-up")  # imports, first calls
                 n = 0
@@ -112,9 +94,6 @@ def main(argv: list[str] | None = None) -> int:
                         n += 1
                         runs[name].append(train_into(data, f"s3://bench/runs/r{n}", args.steps, save_steps,
                                                      tmp / f"node-{n}"))
-            finally:
-                relay.kill()
-                relay.wait()
     base = statistics.median(r["wall_s"] for r in runs["no saves"])
     saved = runs["saves, uploads in the background"]
     summary = {

@@ -29,24 +29,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from s3_bench import s3_bench_server
+from s3_bench import paced_relay, s3_bench_server
 
 TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-RELAY = """
-import sys, time
-sys.path.insert(0, {tests!r})
-from s3_relay import S3Relay
-relay = S3Relay({upstream}, bytes_per_s={rate})
-print(relay.port, flush=True)
-while True:
-    time.sleep(3600)
-"""
 
 
 def make_dataset(where: Path, rows: int, max_seq_len: int, files: int) -> Path:
@@ -136,12 +125,6 @@ def train_from(path: str, steps: int, output_dir: Path, cache: Path) -> dict:
     return row
 
 
-def start_relay(upstream: int, mb_s: float) -> tuple[subprocess.Popen, int]:
-    code = RELAY.format(tests=str(REPO / "tests"), upstream=upstream, rate=mb_s * 1e6)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    return proc, int(proc.stdout.readline())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -163,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             uri = "s3://bench/datasets/big"
             publish_shards(local, uri)
             train_from(str(local), 2, tmp / "out", tmp / "node-warm-up")  # imports and first calls, not measured
-            relay, relay_port = start_relay(server.port, args.link_mb_s)
-            try:
+            with paced_relay(server.port, bytes_per_s=args.link_mb_s * 1e6) as relay_port:
                 for link, endpoint in (("loopback", server.endpoint), (f"{args.link_mb_s:g} MB/s link",
                                                                        f"http://127.0.0.1:{relay_port}")):
                     os.environ["AWS_ENDPOINT_URL"] = endpoint
@@ -182,9 +164,6 @@ def main(argv: list[str] | None = None) -> int:
                                                                        tmp / f"node-{len(runs)}")
                 os.environ["AWS_ENDPOINT_URL"] = server.endpoint
                 runs["local folder"] = train_from(str(local), args.steps, tmp / "out", tmp / "node-local")
-            finally:
-                relay.kill()
-                relay.wait()
     result = {
         "rows": args.rows, "files": args.files, "max_seq_len": args.max_seq_len, "dataset_mb": round(size / 1e6, 1),
         "steps": args.steps, "per_device_train_batch_size": 16, "runs": runs,

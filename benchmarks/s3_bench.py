@@ -1,21 +1,34 @@
 """The S3 server of the bucket benchmarks: the tests' SeaweedFS ``weed mini`` (tests/s3_server.py) started in a
 folder of the benchmark's own, with a bucket made and the AWS environment pointing at it, as a user's job reaches a
-bucket (the code measured reads the environment, never an argument)."""
+bucket (the code measured reads the environment, never an argument); and a relay in front of it that paces the
+link (tests/s3_relay.py)."""
 
 from __future__ import annotations
 
-import offline  # noqa: F401  (tests/ on the import path, offline hub variables)
+from offline import REPO  # tests/ on the import path, offline hub variables
 
 # isort: split
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from s3_server import S3Server, weed_binary
 
-__all__ = ["s3_bench_server"]
+__all__ = ["paced_relay", "s3_bench_server"]
+
+_RELAY = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from s3_relay import S3Relay
+relay = S3Relay({upstream}, **{pace!r})
+print(relay.port, flush=True)
+while True:
+    time.sleep(3600)
+"""
 
 
 @contextmanager
@@ -48,3 +61,17 @@ def s3_bench_server(directory: Path, bucket: str = "bench") -> Iterator[S3Server
             else:
                 os.environ[name] = value
         forget_filesystems()
+
+
+@contextmanager
+def paced_relay(upstream_port: int, **pace: float) -> Iterator[int]:
+    """The port of a relay to the server on ``upstream_port``, paced by ``pace`` (S3Relay's ``bytes_per_s`` for
+    downloads, ``upload_bytes_per_s`` for uploads); killed on the way out. A process of its own, so its copying does
+    not hold the measured process's interpreter."""
+    code = _RELAY.format(tests=str(REPO / "tests"), upstream=upstream_port, pace=pace)
+    relay = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(relay.stdout.readline())
+    finally:
+        relay.kill()
+        relay.wait()
