@@ -152,6 +152,26 @@ def test_refusals_name_the_problem(tmp_path):
         PaddingFreeRewardConfig(**S.fields(tmp_path), padding_free_mode="none")
 
 
+def test_prompt_learning_peft_refused_as_config_or_model(tmp_path):
+    """Prompt tuning prepends virtual tokens to each sequence of the padded batch: refused as TRL's ``peft_config``
+    and as a ``PeftModel`` passed in (which reached the packed forward and failed there, a raw KeyError)."""
+    peft = pytest.importorskip("peft")
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.adapters import refuse_prompt_learning
+    from pf_trl.trainer.preference import PaddingFreeRewardTrainer
+
+    def prompt_tuning():
+        return peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=2)
+
+    with pytest.raises(ConfigError, match=r"^PromptTuningConfig \(prompt learning\) .* use LoRA"):
+        build(PaddingFreeRewardTrainer, ROWS, tmp_path, peft_config=prompt_tuning())
+    with pytest.raises(ConfigError, match=r"^PromptTuningConfig \(prompt learning\) .* use LoRA"):
+        build(PaddingFreeRewardTrainer, ROWS, tmp_path, model=peft.get_peft_model(reward_model(), prompt_tuning()))
+    # control: the same check takes a LoRA PeftModel (test_lora_reward_model_trains_as_trl trains one)
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS")
+    assert refuse_prompt_learning(peft.get_peft_model(reward_model(), lora), None) is None
+
+
 @pytest.mark.slow
 def test_lora_reward_model_trains_as_trl(tmp_path):
     """TRL's ``peft_config`` (LoRA on the attention, the score head a trained copy: PEFT's ``SEQ_CLS`` task): two steps
