@@ -4,7 +4,8 @@
 
 ``SPEC``: ``{"out": DIR, "folder": TINY_MODEL_FOLDER, "jobs": [JOB, ...]}``, each ``JOB`` as
 :func:`tests.dpo_support.run_job` takes it (DPO), or with a ``kind`` as :func:`tests.rl_kto_dist_jobs.run_job` takes
-it (GRPO / RLOO from the model in ``folder``, KTO). The jobs run one after the other in the same two processes (one
+it (GRPO / RLOO from the model in ``folder``, KTO), or ``kind="reward"`` as :func:`tests.reward_dist_jobs.run_job`
+takes it. The jobs run one after the other in the same two processes (one
 launch: the imports are paid once). Each writes ``OUT/NAME/result_RANK.pt`` (DPO: the logged history, the pairs of
 every micro-batch, the budget sampler's batches, the first step's gradient after the ranks' reduction, the final
 weights).
@@ -29,6 +30,10 @@ def main(spec_path: str) -> None:
     for job in spec["jobs"]:
         if job.get("kind", "dpo") == "dpo":
             result = S.run_job(job, spec["out"])
+        elif job["kind"] == "reward":  # TRL's RewardTrainer or PaddingFreeRewardTrainer, in the same launch
+            from tests import reward_dist_jobs
+
+            result = reward_dist_jobs.run_job(job, spec)
         else:  # GRPO / KTO jobs, run in the same launch (their imports added, not a second launch's)
             from tests import rl_kto_dist_jobs
 

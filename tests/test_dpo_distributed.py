@@ -22,7 +22,12 @@ and, in the same launch (tests/rl_kto_dist_jobs.py: their imports added, not a s
   tokens instead of by ``num_items_in_batch`` give another gradient;
 - KTO, two steps, TRL's KTOTrainer and PaddingFreeKTOTrainer on the same rows: the loss, the gradient norm, every KTO
   metric (tests/test_kto_trainer.py's tolerance) and the first step's reduced gradient equal; the KL term is the mean
-  of both ranks' estimates (TRL gathers it); control: each rank's own estimate differs from it.
+  of both ranks' estimates (TRL gathers it); control: each rank's own estimate differs from it;
+- the reward model, two steps, TRL's RewardTrainer and PaddingFreeRewardTrainer on the same pairs (the ranks'
+  micro-batches of different lengths; margins, ``center_rewards_coefficient``): the loss, every logged metric and the
+  first step's reduced gradient equal within ``sum_rtol`` of the step's real tokens; the logged accuracy and margin
+  are the mean of both ranks' own values and the min / mean / max reward those of both ranks' rewards (TRL gathers
+  them); control: one rank's own margin differs from the gathered one.
 """
 
 from __future__ import annotations
@@ -61,12 +66,14 @@ RL_JOBS = [*(dict(name=f"{loss}_{how}", kind="rl", loss_type=loss, budget=budget
              for loss in RL_LOSS_TYPES for how, budget in (("whole", None), ("split", RL_BUDGET))),
            dict(name="dapo_local", kind="rl", loss_type="dapo", budget=RL_BUDGET, control="local"),
            dict(name="kto_trl", kind="kto", trainer="trl"), dict(name="kto_pf", kind="kto", trainer="pf")]
+REWARD_JOBS = [dict(name=f"reward_{trainer}", kind="reward", trainer=trainer) for trainer in ("trl", "pf")]
 
 
 def _two_ranks(out) -> dict[str, list[dict]]:
     jobs = [dict(name="fixed", trainer="pf", rows=FIXED_ROWS, kw=FIXED),
             dict(name="budget", trainer="pf", rows=BUDGET_ROWS, kw=BUDGET_KW),
-            dict(name="budget_unweighted", trainer="pf", rows=BUDGET_ROWS, kw=BUDGET_KW, unweighted=True), *RL_JOBS]
+            dict(name="budget_unweighted", trainer="pf", rows=BUDGET_ROWS, kw=BUDGET_KW, unweighted=True), *RL_JOBS,
+            *REWARD_JOBS]
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "folder": R.model_folder(out), "jobs": jobs}))
     proc = subprocess.run(_torchrun(HARNESS, str(spec)), env=_env(), capture_output=True, text=True, timeout=600)
@@ -202,3 +209,35 @@ def test_two_ranks_kto_equals_trl(runs):
         assert_same_math(logged, sum(own) / 2, what=f"step {step} kl", rtol=KTO_RTOL)
         for value in own:
             assert_other_math(value, logged, what=f"step {step}: one rank's own kl", rtol=KTO_RTOL)
+
+
+# ------------------------------------------------------------------------------------- reward model (same launch)
+
+
+def test_two_ranks_reward_model_equals_trl(runs):
+    two, _ = runs
+    trl, pf = two["reward_trl"], two["reward_pf"]
+    assert [r["world"] for r in trl + pf] == [2] * 4
+    for step in range(2):  # the ranks' micro-batches hold pairs of different lengths
+        assert pf[0]["local"][step]["tokens"] != pf[1]["local"][step]["tokens"]
+    # each reward is a linear map of a hidden state that attention summed over its sequence: the step's real tokens
+    rtol = sum_rtol(sum(r["local"][0]["tokens"] for r in pf))
+    expected, got = _numbers(trl[0]["history"]), _numbers(pf[0]["history"])
+    keys = {k for h in expected for k in h}
+    assert {"loss", "grad_norm", "num_tokens", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"} <= keys
+    assert len(expected) == len(got) == 3 and all(h.keys() <= g.keys() for h, g in zip(expected, got))
+    assert_same_math(expected, [{k: v for k, v in g.items() if k in h} for h, g in zip(expected, got)],
+                     what="reward logs", rtol=rtol)
+    assert_same_math(pf[0]["grad"], pf[1]["grad"], what="the reduced gradient on the two ranks")
+    assert_same_math(pf[0]["grad"], trl[0]["grad"], what="first step's reduced gradient", rtol=rtol)
+    for step, logged in enumerate(got[:2]):  # both ranks' values, gathered (pf-trl's as TRL's)
+        own = [r["local"][step] for r in pf]
+        rewards = torch.tensor(own[0]["rewards"] + own[1]["rewards"])
+        assert logged["accuracy"] == sum(o["accuracy"] for o in own) / 2
+        assert_same_math([logged["margin"], logged["min_reward"], logged["mean_reward"], logged["max_reward"]],
+                         [sum(o["margin"] for o in own) / 2, *map(float, (rewards.min(), rewards.mean(),
+                                                                         rewards.max()))],
+                         what=f"step {step} gathered metrics", rtol=rtol)
+        # control: a rank's own margin (what it logs without the gather) is not the step's
+        for value in own:
+            assert_other_math(value["margin"], logged["margin"], what=f"step {step}: one rank's own margin", rtol=rtol)

@@ -26,7 +26,7 @@ def reward_model(seed: int = 0):
     return LlamaForSequenceClassification(config).float()
 
 
-def build(cls, rows, tmp_path, *, eval_rows=None, model=None, **kw):
+def build(cls, rows, tmp_path, *, eval_rows=None, model=None, peft_config=None, **kw):
     from trl import RewardConfig
 
     from pf_trl.trainer.preference.reward_config import PaddingFreeRewardConfig
@@ -36,7 +36,7 @@ def build(cls, rows, tmp_path, *, eval_rows=None, model=None, **kw):
     return cls(model if model is not None else reward_model(), args=args,
                train_dataset=datasets.Dataset.from_list(rows),
                eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-               processing_class=S.tokenizer())
+               processing_class=S.tokenizer(), peft_config=peft_config)
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +150,70 @@ def test_refusals_name_the_problem(tmp_path):
                                  train_dataset=datasets.Dataset.from_list(ROWS), data_collator=lambda x: x)
     with pytest.raises(ConfigError, match="padding_free_mode"):
         PaddingFreeRewardConfig(**S.fields(tmp_path), padding_free_mode="none")
+
+
+def test_prompt_learning_peft_refused_as_config_or_model(tmp_path):
+    """Prompt tuning prepends virtual tokens to each sequence of the padded batch: refused as TRL's ``peft_config``
+    and as a ``PeftModel`` passed in (which reached the packed forward and failed there, a raw KeyError)."""
+    peft = pytest.importorskip("peft")
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.adapters import refuse_prompt_learning
+    from pf_trl.trainer.preference import PaddingFreeRewardTrainer
+
+    def prompt_tuning():
+        return peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=2)
+
+    with pytest.raises(ConfigError, match=r"^PromptTuningConfig \(prompt learning\) .* use LoRA"):
+        build(PaddingFreeRewardTrainer, ROWS, tmp_path, peft_config=prompt_tuning())
+    with pytest.raises(ConfigError, match=r"^PromptTuningConfig \(prompt learning\) .* use LoRA"):
+        build(PaddingFreeRewardTrainer, ROWS, tmp_path, model=peft.get_peft_model(reward_model(), prompt_tuning()))
+    # control: the same check takes a LoRA PeftModel (test_lora_reward_model_trains_as_trl trains one)
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS")
+    assert refuse_prompt_learning(peft.get_peft_model(reward_model(), lora), None) is None
+
+
+@pytest.mark.slow
+def test_lora_reward_model_trains_as_trl(tmp_path):
+    """TRL's ``peft_config`` (LoRA on the attention, the score head a trained copy: PEFT's ``SEQ_CLS`` task): two steps
+    of TRL's RewardTrainer and of PaddingFreeRewardTrainer log the same loss and metrics and end with the same adapter
+    weights; control: the packed step with the adapters disabled is not TRL's step."""
+    peft = pytest.importorskip("peft")
+    from trl import RewardTrainer
+
+    from pf_trl.trainer.preference import PaddingFreeRewardTrainer
+
+    def lora():  # random B (not zero): the adapters change the rewards from the first step
+        return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                               init_lora_weights=False, task_type="SEQ_CLS")
+
+    kw = dict(per_device_train_batch_size=3, max_steps=2, learning_rate=1e-2, center_rewards_coefficient=0.05)
+    runs = []
+    for cls in (RewardTrainer, PaddingFreeRewardTrainer):
+        t = build(cls, ROWS, tmp_path, peft_config=lora(), **kw)
+        assert isinstance(t.model, peft.PeftModel)
+        start = {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+        t.train()
+        trained = {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+        runs.append((t, start, trained, [{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second"))
+                                          and not k.startswith("train_")} for h in t.state.log_history]))
+    (trl, trl_start, trl_w, trl_logs), (pf, pf_start, pf_w, pf_logs) = runs
+    assert any("lora_A" in n for n in trl_w) and any("score" in n for n in trl_w)  # adapters and the head's copy
+    torch.testing.assert_close(pf_start, trl_start, rtol=0, atol=0)  # the same adapters to start from
+    keys = {k for h in trl_logs for k in h}
+    assert {"loss", "grad_norm", "accuracy", "margin", "mean_reward", "min_reward", "max_reward"} <= keys
+    assert S.compare_logs(trl_logs, [{k: v for k, v in h.items() if k in keys} for h in pf_logs]) == []
+    for name, value in trl_w.items():
+        torch.testing.assert_close(pf_w[name], value, rtol=1e-4, atol=2e-6, msg=name)
+    assert any(not torch.allclose(trl_start[n], trl_w[n]) for n in trl_w)  # training moved the adapters
+    # control: the same packed step without the adapters (the base model alone) is not TRL's step
+    expected = S.one_step(trl, range(3))
+    shapes = []  # the backbone runs the packed row under PEFT's wrapper: [1, real tokens]
+    backbone = pf.model.get_base_model().model
+    hook = backbone.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
+                                              with_kwargs=True)
+    assert S.differences(expected, S.one_step(pf, range(3))) == []
+    hook.remove()
+    batch = pf.data_collator([pf.train_dataset[i] for i in range(3)])
+    assert shapes == [(1, int(batch["attention_mask"].sum()))] and batch["input_ids"].numel() > shapes[0][1]
+    with pf.model.disable_adapter():
+        assert S.differences(expected, S.one_step(pf, range(3)))

@@ -53,6 +53,16 @@ def save_merged(trainer, directory: str) -> str:
     return directory
 
 
+def refuse_prompt_learning(model, peft_config) -> None:
+    """Refuse prompt-learning PEFT (prefix / prompt tuning) on packed rows, given as ``peft_config`` or as a
+    ``PeftModel`` passed in: it prepends virtual tokens (or past keys) to every sequence of a padded batch."""
+    configs = [peft_config] if peft_config is not None else list((getattr(model, "peft_config", None) or {}).values())
+    for config in configs:
+        if getattr(config, "is_prompt_learning", False):
+            raise ConfigError(f"{type(config).__name__} (prompt learning) prepends virtual tokens to every sequence, "
+                              "which a packed row cannot hold; use LoRA or another adapter")
+
+
 def transformers_model(model):
     """The transformers model inside a PEFT wrapper (adapters are injected into its modules), else ``model``."""
     get_base = getattr(model, "get_base_model", None)

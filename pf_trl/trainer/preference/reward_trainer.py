@@ -16,7 +16,8 @@ and every metric, is TRL's own code):
 - pf-trl's token metrics (``real_tokens_per_second``, ``padding_share``, ...) counted on the packed rows.
 
 Refused in one line: a model that is not a generic transformers ``*ForSequenceClassification``, a ``data_collator``
-of one's own, prompt-learning PEFT, and under a budget an ``IterableDataset`` or a pair longer than the budget.
+of one's own, prompt-learning PEFT (a ``peft_config`` or a ``PeftModel`` passed in), and under a budget an
+``IterableDataset`` or a pair longer than the budget.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from trl import RewardTrainer
 
 from pf_trl.errors import ConfigError
 from pf_trl.trainer.accounting import TokenAccountingMixin
-from pf_trl.trainer.adapters import transformers_model
+from pf_trl.trainer.adapters import refuse_prompt_learning, transformers_model
 from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
 from pf_trl.trainer.gather import gather_uneven_first_dim
 from pf_trl.trainer.preference.budget import PairBudgetMixin, refuse_over_budget_pairs, refuse_streamed_under_budget
@@ -50,12 +51,10 @@ def reward_pair_lengths(dataset) -> np.ndarray:
     return chosen.astype(np.int64) + rejected.astype(np.int64)
 
 
-def _refuse_unsupported(data_collator, peft_config) -> None:
+def _refuse_unsupported(model, data_collator, peft_config) -> None:
     if data_collator is not None:
         raise ConfigError("PaddingFreeRewardTrainer builds its own packed collator from TRL's; pass no data_collator")
-    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        raise ConfigError(f"{type(peft_config).__name__} (prompt learning) prepends virtual tokens to every sequence, "
-                          "which a packed row cannot hold; use LoRA or another adapter")
+    refuse_prompt_learning(model, peft_config)  # a peft_config, or a PeftModel passed in
 
 
 class PaddingFreeRewardTrainer(PairBudgetMixin, TokenAccountingMixin, RewardTrainer):
@@ -69,7 +68,7 @@ class PaddingFreeRewardTrainer(PairBudgetMixin, TokenAccountingMixin, RewardTrai
 
             args = PaddingFreeRewardConfig(output_dir="pf-trl-reward")
         check_reward_fields(args)
-        _refuse_unsupported(data_collator, peft_config)
+        _refuse_unsupported(model, data_collator, peft_config)
         self.pf_token_budget = getattr(args, "max_tokens_per_batch", None)
         refuse_streamed_under_budget(self.pf_token_budget, train_dataset)
         self.pf_mode = getattr(args, "padding_free_mode", "huggingface")
