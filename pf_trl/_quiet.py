@@ -8,6 +8,10 @@ is used.
   and that import logs "Setting accelerator to CPU" on machines without a GPU. :class:`DeepSpeedBanner` on
   DeepSpeed's logger drops that line unless DeepSpeed is in use (``ACCELERATE_USE_DEEPSPEED``, which
   ``TrainingArguments(deepspeed=...)`` and ``accelerate launch`` set).
+- huggingface_hub warns "Repo card metadata block was not found" for every README without a YAML block; for a Hub
+  dataset that only means no `configs:` section (``datasets`` then finds its files by name), so
+  :class:`CardWithoutMetadata` on its ``huggingface_hub.repocard`` logger drops that line: it would come before
+  whatever the run says next (a refusal of one line, or nothing).
 
 Imports nothing heavy: installing the filters costs nothing, and torch is only asked for the rank when it is already
 imported.
@@ -23,6 +27,8 @@ LOGGERS = ("pf_trl.trainer", "pf_trl.attention", "pf_trl.cli.train", "pf_trl.dat
            "pf_trl.data.ray_engine", "pf_trl.storage")
 DEEPSPEED_LOGGER = "DeepSpeed"
 DEEPSPEED_BANNER = "Setting accelerator to CPU"
+CARD_LOGGER = "huggingface_hub.repocard"
+CARD_WITHOUT_METADATA = "Repo card metadata block was not found"
 
 
 def rank() -> int:
@@ -71,8 +77,16 @@ class DeepSpeedBanner(logging.Filter):
         return not str(record.msg).startswith(DEEPSPEED_BANNER)
 
 
+class CardWithoutMetadata(logging.Filter):
+    """huggingface_hub's "Repo card metadata block was not found" line, dropped (module docstring)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(CARD_WITHOUT_METADATA)
+
+
 _ONCE = OncePerRun()
 _BANNER = DeepSpeedBanner()
+_CARD = CardWithoutMetadata()
 
 
 def install() -> None:
@@ -85,6 +99,9 @@ def install() -> None:
     deepspeed = logging.getLogger(DEEPSPEED_LOGGER)
     if _BANNER not in deepspeed.filters:
         deepspeed.addFilter(_BANNER)
+    card = logging.getLogger(CARD_LOGGER)
+    if _CARD not in card.filters:
+        card.addFilter(_CARD)
 
 
 _held = False  # a run begun by a command (pf-trl train): the trainer it builds is part of it
