@@ -359,6 +359,9 @@ def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
     # the checkpoint's sampler state is read on resume (restore_sampler): another accumulation is refused
     with pytest.raises(ResumeError, match="gradient_accumulation_steps=1, now 2"):
         resumed_losses(gradient_accumulation_steps=2)
+    # ... and so it is when Trainer finds the checkpoint itself (resume_from_checkpoint=True: the last one)
+    with pytest.raises(ResumeError, match=r"cannot resume from .*/checkpoint-\d+: .*now 2"):
+        _budget_trainer(tmp_path / "whole", **kw, gradient_accumulation_steps=2).train(resume_from_checkpoint=True)
 
 
 @pytest.mark.slow

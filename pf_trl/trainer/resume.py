@@ -193,8 +193,13 @@ def _train_data_identity(trainer) -> dict[str, Any]:
 @contextmanager
 def resume_dir_for_call(trainer, resume_from_checkpoint: Any) -> Iterator[None]:
     """For one ``train()`` call: ``trainer._pf_resume_dir`` is the checkpoint folder a resumed run's sampler or
-    stream state is read from (:func:`restore_sampler`, :func:`load_stream_state`), None unless
-    ``resume_from_checkpoint`` is a path; cleared on the way out, so a later call does not resume from it."""
+    stream state is read from (:func:`restore_sampler`, :func:`load_stream_state`): ``resume_from_checkpoint`` when
+    it is a path, the output folder's last checkpoint when it is ``True`` (the one Trainer resumes from), else None;
+    cleared on the way out, so a later call does not resume from it."""
+    if resume_from_checkpoint is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir)  # None: Trainer refuses it itself
     trainer._pf_resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
     try:
         yield
