@@ -201,3 +201,8 @@ def test_budgets_and_unsupported_inputs_refused(tmp_path):
     rows = [dict(r, images=[]) for r in ROWS]
     with pytest.raises(ConfigError, match="vision datasets are refused"):
         PaddingFreeKTOTrainer(S.model(), args=args, train_dataset=datasets.Dataset.from_list(rows))
+    from peft import PrefixTuningConfig
+
+    with pytest.raises(ConfigError, match=r"^PrefixTuningConfig \(prompt learning\) .* use LoRA"):
+        PaddingFreeKTOTrainer(S.model(), args=args, train_dataset=datasets.Dataset.from_list(ROWS),
+                              peft_config=PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))

@@ -35,7 +35,7 @@ from pf_trl.batching.preference import pair_lengths
 from pf_trl.batching.sampler import TokenBudgetBatchSampler
 from pf_trl.errors import ConfigError
 from pf_trl.trainer.accounting import TokenAccountingMixin
-from pf_trl.trainer.adapters import transformers_model
+from pf_trl.trainer.adapters import refuse_prompt_learning, transformers_model
 from pf_trl.trainer.dpo_config import check_pf_fields
 from pf_trl.trainer.dpo_forward import check_head_against_trl, install_packed_preference_forward
 from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
@@ -56,11 +56,7 @@ def _refuse_unsupported(model, data_collator, train_dataset, peft_config, budget
     if "image" in first or "images" in first:
         raise ConfigError("PaddingFreeDPOTrainer trains text preference pairs; vision datasets are refused (train "
                           "them with TRL's DPOTrainer)")
-    configs = [peft_config] if peft_config is not None else list((getattr(model, "peft_config", None) or {}).values())
-    for config in configs:
-        if getattr(config, "is_prompt_learning", False):
-            raise ConfigError(f"{type(config).__name__} (prompt learning) prepends virtual tokens to every sequence, "
-                              "which a packed row cannot hold; use LoRA or another adapter")
+    refuse_prompt_learning(model, peft_config)
 
 
 def dataset_pair_lengths(dataset, max_length: int | None) -> np.ndarray:

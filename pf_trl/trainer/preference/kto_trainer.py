@@ -26,7 +26,7 @@ from trl import KTOTrainer
 
 from pf_trl.errors import ConfigError
 from pf_trl.trainer.accounting import TokenAccountingMixin
-from pf_trl.trainer.adapters import transformers_model
+from pf_trl.trainer.adapters import refuse_prompt_learning, transformers_model
 from pf_trl.trainer.dpo_forward import check_head_against_trl
 from pf_trl.trainer.packed import pack_padded
 from pf_trl.trainer.preference.kto_config import check_kto_fields
@@ -45,11 +45,7 @@ def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> Non
     if "image" in first or "images" in first:
         raise ConfigError("PaddingFreeKTOTrainer trains text rows; vision datasets are refused (train them with TRL's "
                           "KTOTrainer)")
-    configs = [peft_config] if peft_config is not None else list((getattr(model, "peft_config", None) or {}).values())
-    for config in configs:
-        if getattr(config, "is_prompt_learning", False):
-            raise ConfigError(f"{type(config).__name__} (prompt learning) prepends virtual tokens to every sequence, "
-                              "which a packed row cannot hold; use LoRA or another adapter")
+    refuse_prompt_learning(model, peft_config)
 
 
 class PaddingFreeKTOTrainer(TokenAccountingMixin, KTOTrainer):
