@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from s3_server import stop_process_group  # the same way of stopping a server started in its own session
 
 SKIP_ENV = "PF_TRL_SKIP_GCS"
 PACKAGE = "gcp_storage_emulator"
@@ -119,16 +120,7 @@ class GCSServer:
         self._json("DELETE", f"/storage/v1/b/{bucket}/o/{quote(key, safe='')}")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.process)
 
 
 def gcs_server_or_skip(directory: Path) -> GCSServer:

@@ -122,16 +122,21 @@ class S3Server:
         return name
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.process)
+
+
+def stop_process_group(process: subprocess.Popen | None) -> None:
+    """Stop a server started in a session of its own (SIGTERM to its group, SIGKILL after 5 s), if still running."""
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    except ProcessLookupError:
+        pass
 
 
 def s3_server_or_skip(directory: Path) -> S3Server:
