@@ -406,6 +406,28 @@ def test_a_dataset_downloaded_whole_before_is_read_ahead_from_the_cache(relay, l
     assert [lazy[i]["input_ids"] for i in range(len(lazy))] == load_shards(local_shards)["input_ids"]
 
 
+def test_the_whole_dataset_is_opened_only_once_its_small_files_are_local_too(relay):
+    """Every Arrow file local but ``dataset_info.json`` still held back (a throttled GET of it retried): the dataset is
+    not whole yet, so the check of the data's identity at train start reads the lengths, never a half entry (it
+    opened one and failed "neither a Dataset directory nor a DatasetDict directory")."""
+    from pf_trl.data.lazy_shards import open_lazy_shards
+    from pf_trl.trainer.resume import data_identity
+
+    lazy = open_lazy_shards(URI)  # its lengths local; nothing else downloaded, no thread started yet
+    relay.gate_control.open()
+    for name in lazy.files:
+        lazy._ahead.fetch_now(name)
+    rest = sorted(set(lazy._ahead.files) - set(lazy.files) - {"pf_lengths.npy"})
+    assert "dataset_info.json" in rest and all(not (_entry(lazy) / n).exists() for n in rest)
+    assert not lazy.is_local() and lazy.local_dataset() is None
+    partial = data_identity(lazy)
+    assert partial["content"] is None and partial["examples"] == len(lazy)
+    for name in rest:  # the control: with them in, the same calls open the whole dataset
+        lazy._ahead.fetch_now(name)
+    assert lazy.is_local() and len(lazy.local_dataset()) == len(lazy)
+    assert data_identity(lazy)["content"] is not None
+
+
 class CacheWatch:
     """The node cache's size (every file under it), sampled every few milliseconds from a thread while a run goes."""
 

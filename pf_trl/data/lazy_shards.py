@@ -163,8 +163,10 @@ class LazyShards:
         return bool(self._ahead.streaming)
 
     def is_local(self) -> bool:
-        """Whether every Arrow file is in the node cache."""
-        return all(self._ahead.is_local(name) for name in self._files)
+        """Whether every file of the dataset is in the node cache: its Arrow files and the small files
+        ``datasets.load_from_disk`` opens them with (``dataset_info.json``, ``state.json``), which arrive on their own
+        (a throttled request can hold one back after every Arrow file is in)."""
+        return all(self._ahead.is_local(name) for name in self._ahead.files)
 
     def follow(self, rows) -> None:
         """Download the files of ``rows`` (the sampler's planned rows, in order) first, then the others."""
