@@ -236,7 +236,8 @@ def test_a_bucket_run_interrupted_resumes_from_committed_parts_loses_no_row_and_
     uri, prefix, fs = f"s3://{BUCKET}/ds", f"{BUCKET}/ds", s3.filesystem()
     argv = ["pretokenize", str(source / "rows.jsonl"), uri, *FLAGS, "--engine", "ray", "--rows_per_part",
             str(PER_PART), "--ray_workers", "1"]  # one actor (re)started
-    proc = subprocess.Popen([sys.executable, "-m", "pf_trl.cli.main", *argv],
+    with_progress = [a for a in argv if a != "--no_progress"]  # the first submission shows Ray Data's progress
+    proc = subprocess.Popen([sys.executable, "-m", "pf_trl.cli.main", *with_progress],
                             env={**os.environ, "RAY_ADDRESS": cluster.address_info["gcs_address"]},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
@@ -254,7 +255,8 @@ def test_a_bucket_run_interrupted_resumes_from_committed_parts_loses_no_row_and_
         os.kill(pid, signal.SIGSTOP)  # frozen: no part is committed from here on
     assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the job's driver, its process group only
-    proc.communicate()
+    first_err = proc.communicate()[1].decode()
+    assert "Starting execution of Dataset" in first_err  # Ray Data's execution lines, without --no_progress
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     done = committed()
@@ -277,8 +279,11 @@ def test_a_bucket_run_interrupted_resumes_from_committed_parts_loses_no_row_and_
     rc, _ = _run_killing_the_workers_mid_part(argv, Path(os.environ["PF_TRL_CACHE"]) / "staging")
     assert rc == 0
     manifest = json.loads(fs.cat(f"{prefix}/pf_manifest.json"))
-    # stdout is the summary alone: Ray's message about the dead worker went to stderr
-    assert json.loads(capsys.readouterr().out)["counts"] == manifest["counts"]
+    # stdout is the summary alone: Ray's message about the dead worker went to stderr; --no_progress: none of Ray
+    # Data's execution lines
+    said = capsys.readouterr()
+    assert json.loads(said.out)["counts"] == manifest["counts"]
+    assert "Starting execution of Dataset" not in said.err and "Execution plan" not in said.err
     names = [p["name"] for p in manifest["parts"]]
     assert _part_rows(manifest) == EVERY_PART and manifest["storage_files_prefix"] == plan["writer"]
     assert set(done) <= set(names)  # the committed attempts are the parts: none written again

@@ -132,8 +132,7 @@ def _pretokenize(source: Any, output_dir: str | Path, config: PretokenizeConfig 
         return pretokenize_local(source, output_dir, config, **options)
     from pf_trl.data.ray_engine import pretokenize_ray
 
-    options.pop("progress", None)  # Ray Data reports its own progress
-    unknown = sorted(k for k in options if k not in ("tokenizer", "overwrite", "source_fingerprint_value"))
+    unknown = sorted(k for k in options if k not in ("tokenizer", "overwrite", "progress", "source_fingerprint_value"))
     if unknown:
         raise PretokenizeError(f"engine='ray' does not take {', '.join(unknown)}; use engine='local' for them")
     if "tokenizer" not in options:

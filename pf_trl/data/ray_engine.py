@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,35 @@ def _connect(ray, num_workers: int | None) -> None:
         ray.init(num_cpus=num_workers, include_dashboard=False, log_to_driver=False)
 
 
+@contextmanager
+def _ray_data_progress(on: bool) -> Iterator[None]:
+    """Ray Data's progress bars and its "Starting execution" / "Execution plan" lines, off while this run executes
+    when ``on`` is False (this process's DataContext and ``ray.data`` logger, restored after)."""
+    if on:
+        yield
+        return
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    fields = ("enable_progress_bars", "enable_operator_progress_bars", "print_on_execution_start")
+    saved = {name: getattr(context, name) for name in fields}
+    # its console only: Ray Data's log file in the session folder keeps every line for debugging
+    consoles = [h for h in logging.getLogger("ray.data").handlers
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    levels = [h.level for h in consoles]
+    for name in fields:
+        setattr(context, name, False)
+    for handler in consoles:
+        handler.setLevel(max(handler.level, logging.WARNING))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(context, name, value)
+        for handler, level in zip(consoles, levels):
+            handler.setLevel(level)
+
+
 def _open_and_plan(source, dest: FolderParts | BucketParts, config: PretokenizeConfig, tokenizer,
                    rows_per_part: int | None, source_fingerprint_value: str | None):
     """The source opened as the single-process engine opens it, its format, checksum, the tokenizer's fingerprint, and
@@ -174,7 +205,8 @@ def _open_and_plan(source, dest: FolderParts | BucketParts, config: PretokenizeC
 
 def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConfig | None = None, *,
                     tokenizer: Any, overwrite: bool = False, num_workers: int | None = None,
-                    rows_per_part: int | None = None, source_fingerprint_value: str | None = None) -> dict[str, Any]:
+                    rows_per_part: int | None = None, source_fingerprint_value: str | None = None,
+                    progress: bool = True) -> dict[str, Any]:
     """Tokenize ``source`` on a Ray cluster into the multi-part dataset ``output_dir``; returns its manifest.
 
     Args:
@@ -185,6 +217,8 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
             there resumes.
         num_workers: Ray workers (each one CPU); default: every CPU of the cluster.
         rows_per_part: source rows per part (default ~4 parts per worker, 1,000 to 100,000 rows each).
+        progress: Ray Data's progress bars and its execution lines at INFO (False: only its warnings and errors,
+            as ``pf-trl pretokenize --no_progress``).
 
     Raises:
         PretokenizeError: Ray not installed, images, or what the single-process engine refuses (the first part's
@@ -241,7 +275,7 @@ def pretokenize_ray(source: Any, output_dir: str | Path, config: PretokenizeConf
         items = ray.data.from_items([{"start": a, "stop": b} for a, b in pending], override_num_blocks=len(pending))
         # Ray prints the cluster's error messages (a worker that died: the faults this engine rides out) on the
         # driver's stdout; they go to stderr, so that stdout holds only what pf-trl prints (the CLI's JSON summary)
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), _ray_data_progress(progress):
             results = items.map_batches(
                 PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers, len(pending))),
                 num_cpus=1, fn_constructor_kwargs={"source": given_source, "dest": dest, "tokenizer": tokenizer,
