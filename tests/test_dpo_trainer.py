@@ -4,6 +4,8 @@ budgets; each claim beside a negative control that must fail the same check."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -362,6 +364,21 @@ def test_token_budget_resume_equals_the_uninterrupted_run(tmp_path):
     # ... and so it is when Trainer finds the checkpoint itself (resume_from_checkpoint=True: the last one)
     with pytest.raises(ResumeError, match=r"cannot resume from .*/checkpoint-\d+: .*now 2"):
         _budget_trainer(tmp_path / "whole", **kw, gradient_accumulation_steps=2).train(resume_from_checkpoint=True)
+    # "auto" (a restarted Job): the latest checkpoint its completion marker commits, resumed exactly; the final
+    # checkpoint's marker removed (its save cut short), so that is the one of step `saved`
+    marker = "pf_trl_checkpoint_complete.json"
+    final = tmp_path / "whole" / "PaddingFreeDPOTrainer" / f"checkpoint-{steps}"
+    (final / marker).unlink()
+    auto = _budget_trainer(tmp_path / "whole", **kw)
+    auto.train(resume_from_checkpoint="auto")
+    np.testing.assert_allclose([h["loss"] for h in auto.state.log_history if "loss" in h and h["step"] > saved],
+                               losses[saved:], rtol=1e-5, atol=1e-6)
+    # control: no checkpoint with its marker: "auto" starts from step 0
+    for folder in (Path(checkpoint), final):
+        (folder / marker).unlink()
+    fresh = _budget_trainer(tmp_path / "whole", **{**kw, "max_steps": 1})
+    fresh.train(resume_from_checkpoint="auto")
+    assert [h["step"] for h in fresh.state.log_history if "loss" in h] == [1]
 
 
 @pytest.mark.slow

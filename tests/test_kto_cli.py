@@ -43,9 +43,12 @@ def test_kto_cli_trains_what_trl_kto_trains(folders, tmp_path, capsys):
 
     model, data = folders
     common = ["--model_name_or_path", model, "--dataset_name", data, "--precompute_ref_log_probs", "true", *FLAGS]
-    code, out, err = _run(["kto", *common, "--output_dir", str(tmp_path / "pf")], capsys)
+    # as a restartable Job runs it: checkpoints committed by their marker, "auto" starting from step 0 on a first run
+    code, out, err = _run(["kto", *common, "--output_dir", str(tmp_path / "pf"), "--save_strategy", "steps",
+                           "--save_steps", "2", "--resume_from_checkpoint", "auto"], capsys)
     assert code == 0, err[-2000:]
-    assert "pf-trl kto: model saved to" in out
+    assert "pf-trl kto: model saved to" in out and "no complete checkpoint" in out
+    assert (tmp_path / "pf" / "checkpoint-2" / "pf_trl_checkpoint_complete.json").is_file()
     trl_main(*make_parser().parse_args_and_config(args=[*common, "--output_dir", str(tmp_path / "trl")]))
     S.assert_same_trained_weights(tmp_path / "pf", tmp_path / "trl", model)
 

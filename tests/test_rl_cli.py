@@ -49,6 +49,31 @@ def test_grpo_trains_a_step_from_jsonl(workdir, capsys, tmp_path_factory):
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_grpo_resumes_auto_from_its_committed_checkpoint(workdir, capsys, tmp_path_factory):
+    """`--resume_from_checkpoint auto` as a restarted Job passes it: the first run starts from step 0, the second
+    resumes from the checkpoint the first committed (its completion marker) and trains the step after it."""
+    folder = S.model_folder(tmp_path_factory.mktemp("cli-model"))
+    out = workdir / "out"
+    pairs = dict(zip(FLAGS[::2], FLAGS[1::2]))
+    pairs.update({"--save_strategy": "steps", "--save_steps": "1", "--resume_from_checkpoint": "auto"})
+    del pairs["--max_steps"]
+    flags = [x for pair in pairs.items() for x in pair]
+    argv = ["grpo", "--model_name_or_path", folder, "--dataset_name", "prompts", "--reward_funcs",
+            "my_rewards.short_answers", "--output_dir", str(out), *flags]
+    with S.gc_frozen():
+        code, stdout, err = _run([*argv, "--max_steps", "1"], capsys)
+        assert code == 0, err
+        assert "no complete checkpoint" in stdout
+        assert (out / "checkpoint-1" / "pf_trl_checkpoint_complete.json").is_file()
+        code, stdout, err = _run([*argv, "--max_steps", "2"], capsys)
+    assert code == 0, err
+    assert f"resuming from {out / 'checkpoint-1'}" in stdout
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2]
+    assert (out / "checkpoint-2" / "pf_trl_checkpoint_complete.json").is_file()
+
+
 def test_refusals_are_one_line(workdir, capsys):
     code, _, err = _run(["grpo", "--model_name_or_path", "pf-trl/tiny-llama", "--dataset_name", "prompts",
                          "--reward_funcs", "no_such_reward", "--output_dir", "o", *FLAGS], capsys)

@@ -33,8 +33,8 @@ from transformers import TrainerCallback
 from pf_trl.data.inputs import rank_and_world
 from pf_trl.errors import ResumeError
 
-__all__ = ["SAMPLER_STATE_NAME", "CheckpointCompleteCallback", "SamplerStateCallback", "data_identity",
-           "describe_change", "load_stream_state", "resume_dir_for_call",
+__all__ = ["SAMPLER_STATE_NAME", "CheckpointCompleteCallback", "ResumableTrainerMixin", "SamplerStateCallback",
+           "data_identity", "describe_change", "load_stream_state", "resolve_resume", "resume_dir_for_call",
            "restore_sampler", "sampler_position", "write_sampler_state", "write_stream_state"]
 
 logger = logging.getLogger("pf_trl.trainer")
@@ -205,6 +205,46 @@ def resume_dir_for_call(trainer, resume_from_checkpoint: Any) -> Iterator[None]:
         yield
     finally:
         trainer._pf_resume_dir = None
+
+
+def resolve_resume(trainer, resume_from_checkpoint: Any) -> Any:
+    """``resume_from_checkpoint`` as Trainer takes it, for a local ``output_dir``: ``"auto"`` made the latest checkpoint
+    its completion marker commits (None: a fresh start), the same for every rank (rank 0's reading, after checking
+    that every rank sees the folder); ``True`` / ``"true"`` the last checkpoint.
+
+    Raises:
+        ResumeError: ``True`` and no checkpoint in ``output_dir``.
+        SharedOutputError: a rank does not see rank 0's ``output_dir``.
+    """
+    from pf_trl.trainer.shared_output import agree_on_output_dir
+
+    args = trainer.args
+    resume_from_checkpoint = agree_on_output_dir(args.output_dir, resume_from_checkpoint,
+                                                 save_on_each_node=args.save_on_each_node,
+                                                 save_total_limit=args.save_total_limit)
+    if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str)
+                                          and resume_from_checkpoint.lower() == "true"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume_from_checkpoint = get_last_checkpoint(args.output_dir)
+        if resume_from_checkpoint is None:
+            raise ResumeError(f"resume_from_checkpoint=True but no checkpoint found in {args.output_dir}")
+    return resume_from_checkpoint
+
+
+class ResumableTrainerMixin:
+    """Mixed into pf-trl's TRL trainers (before the TRL class; each adds :class:`CheckpointCompleteCallback` last):
+    ``train(resume_from_checkpoint=...)`` takes what ``pf-trl train`` takes (``"auto"``, ``True``, a path;
+    :func:`resolve_resume`), and the checkpoint resumed from is recorded for :func:`restore_sampler` for that call."""
+
+    _pf_resume_dir: str | None = None
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if trial is None:  # a hyperparameter search trains each trial in its own folder
+            resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)
+        with resume_dir_for_call(self, resume_from_checkpoint):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
 
 def restore_sampler(trainer, sampler) -> None:

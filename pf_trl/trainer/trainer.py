@@ -40,7 +40,7 @@ from trl import SFTTrainer
 from pf_trl.batching.collator import PaddingFreeCollator, mark_dynamic_lengths
 from pf_trl.data.prepare import is_tokenized, prepare_dataset, prepare_train_and_eval, resolve_processing_class
 from pf_trl.data.vision import text_tokenizer
-from pf_trl.errors import ConfigError, ResumeError, TrainingDataError
+from pf_trl.errors import ConfigError, TrainingDataError
 from pf_trl.batching.packing import count_targets
 from pf_trl.parallel import check_parallelism
 from pf_trl.batching.sampler import TokenBudgetBatchSampler
@@ -66,7 +66,13 @@ from pf_trl.trainer.loss import (
 )
 from pf_trl.trainer.metrics import REAL_TOKENS_KEY
 from pf_trl.trainer.predict import EXAMPLES_KEY
-from pf_trl.trainer.resume import CheckpointCompleteCallback, SamplerStateCallback, restore_sampler, resume_dir_for_call
+from pf_trl.trainer.resume import (
+    CheckpointCompleteCallback,
+    SamplerStateCallback,
+    resolve_resume,
+    restore_sampler,
+    resume_dir_for_call,
+)
 
 logger = logging.getLogger("pf_trl.trainer")
 
@@ -439,18 +445,8 @@ class PaddingFreeSFTTrainer(TokenAccountingMixin, SFTTrainer):
                 remove_checkpoints(stale)
                 print(f"pf-trl: overwrite_output_dir: removed {len(stale)} checkpoint(s) of an earlier run from "
                       f"{self.args.output_dir}", flush=True)
-            from pf_trl.trainer.shared_output import agree_on_output_dir
-
-            # every rank sees output_dir (else one line naming the volume), and "auto" is rank 0's reading for all
-            resume_from_checkpoint = agree_on_output_dir(self.args.output_dir, resume_from_checkpoint,
-                                                         save_on_each_node=self.args.save_on_each_node,
-                                                         save_total_limit=self.args.save_total_limit)
-        if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true"):
-            from transformers.trainer_utils import get_last_checkpoint
-
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ResumeError(f"resume_from_checkpoint=True but no checkpoint found in {self.args.output_dir}")
+            # every rank sees output_dir (else one line naming the volume), "auto" is rank 0's reading for all
+            resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)
         with resume_dir_for_call(self, resume_from_checkpoint):
             try:
                 return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,

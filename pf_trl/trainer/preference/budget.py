@@ -15,6 +15,7 @@ import torch
 
 from pf_trl.batching.sampler import TokenBudgetBatchSampler
 from pf_trl.errors import ConfigError
+from pf_trl.trainer.resume import ResumableTrainerMixin
 
 __all__ = ["PairBudgetMixin", "refuse_over_budget_pairs", "refuse_streamed_under_budget"]
 
@@ -39,21 +40,14 @@ def refuse_over_budget_pairs(lengths: np.ndarray, budget: int, dataset_name: str
                           f"max_tokens_per_batch to {longest}")
 
 
-class PairBudgetMixin:
+class PairBudgetMixin(ResumableTrainerMixin):
     """Mix into a TRL preference trainer before it. The trainer provides ``pf_token_budget`` (``None``: TRL's
     batches), ``_pf_pair_lengths(dataset)`` and ``_pf_batch_pairs(batch)``; :meth:`_pf_weight_loss` is called on
-    TRL's per-micro-batch mean."""
+    TRL's per-micro-batch mean. Resuming (``"auto"`` too) restores the sampler from the checkpoint's state
+    (:class:`~pf_trl.trainer.resume.ResumableTrainerMixin`)."""
 
     pf_token_budget: int | None = None
     _pf_train_sampler: TokenBudgetBatchSampler | None = None
-    _pf_resume_dir: str | None = None
-
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        from pf_trl.trainer.resume import resume_dir_for_call
-
-        with resume_dir_for_call(self, resume_from_checkpoint):  # the folder restore_sampler reads, for this call
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _pf_pair_lengths(self, dataset) -> np.ndarray:
         raise NotImplementedError

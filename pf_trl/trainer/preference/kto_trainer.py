@@ -31,6 +31,7 @@ from pf_trl.trainer.dpo_forward import check_head_against_trl
 from pf_trl.trainer.packed import pack_padded
 from pf_trl.trainer.preference.kto_config import check_kto_fields
 from pf_trl.trainer.preference.self_packed_forward import install_self_packed_forward
+from pf_trl.trainer.resume import CheckpointCompleteCallback, ResumableTrainerMixin
 
 __all__ = ["PaddingFreeKTOTrainer"]
 
@@ -48,7 +49,7 @@ def _refuse_unsupported(model, data_collator, train_dataset, peft_config) -> Non
     refuse_prompt_learning(model, peft_config)
 
 
-class PaddingFreeKTOTrainer(TokenAccountingMixin, KTOTrainer):
+class PaddingFreeKTOTrainer(ResumableTrainerMixin, TokenAccountingMixin, KTOTrainer):
     """``trl.KTOTrainer`` on packed rows (see the module docstring). Arguments are KTOTrainer's; ``args`` is a
     :class:`~pf_trl.trainer.preference.kto_config.PaddingFreeKTOConfig` or a plain ``KTOConfig``."""
 
@@ -67,6 +68,7 @@ class PaddingFreeKTOTrainer(TokenAccountingMixin, KTOTrainer):
                          **kwargs)
         self._pf_enable_models()  # (already done if the reference log-probs were precomputed in __init__)
         self._pf_init_metrics()
+        self.add_callback(CheckpointCompleteCallback(self))  # each checkpoint committed: resume_from_checkpoint="auto"
 
     def _pf_enable_models(self) -> None:
         """Packed forwards on the policy and the reference model (each once)."""

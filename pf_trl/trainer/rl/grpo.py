@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig, GRPOTrainer
 
+from pf_trl.trainer.resume import CheckpointCompleteCallback, ResumableTrainerMixin
 from pf_trl.trainer.rl.mixin import PackedLogProbsMixin
 
 __all__ = ["PaddingFreeGRPOConfig", "PaddingFreeGRPOTrainer"]
@@ -30,10 +31,11 @@ class PaddingFreeGRPOConfig(GRPOConfig):
                 "per micro-batch."})
 
 
-class PaddingFreeGRPOTrainer(PackedLogProbsMixin, GRPOTrainer):
+class PaddingFreeGRPOTrainer(ResumableTrainerMixin, PackedLogProbsMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` on packed rows (see the module docstring); arguments are GRPOTrainer's, ``args`` a
     ``GRPOConfig`` or :class:`PaddingFreeGRPOConfig`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pf_setup()
+        self.add_callback(CheckpointCompleteCallback(self))  # each checkpoint committed: resume_from_checkpoint="auto"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import RLOOConfig, RLOOTrainer
 
+from pf_trl.trainer.resume import CheckpointCompleteCallback, ResumableTrainerMixin
 from pf_trl.trainer.rl.mixin import PackedLogProbsMixin
 
 __all__ = ["PaddingFreeRLOOConfig", "PaddingFreeRLOOTrainer"]
@@ -26,10 +27,11 @@ class PaddingFreeRLOOConfig(RLOOConfig):
                 "per micro-batch."})
 
 
-class PaddingFreeRLOOTrainer(PackedLogProbsMixin, RLOOTrainer):
+class PaddingFreeRLOOTrainer(ResumableTrainerMixin, PackedLogProbsMixin, RLOOTrainer):
     """``trl.RLOOTrainer`` on packed rows; arguments are RLOOTrainer's, ``args`` an ``RLOOConfig`` or
     :class:`PaddingFreeRLOOConfig`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pf_setup()
+        self.add_callback(CheckpointCompleteCallback(self))  # each checkpoint committed: resume_from_checkpoint="auto"
