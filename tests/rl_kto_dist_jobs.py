@@ -8,8 +8,8 @@ A ``JOB`` (:func:`run_job`) is ``{"name", "kind"}`` plus:
   weights) or ``"local"`` (``dapo``'s pieces normalised by their rank's own completion tokens). PaddingFreeGRPOTrainer
   (PaddingFreeRLOOTrainer) trains one step (plain SGD) on a tiny Llama whose policy differs from its reference model
   (the KL term and the loss are not zero);
-- ``kind="kto"``: ``trainer`` (``"trl"`` or ``"pf"``): TRL's KTOTrainer or PaddingFreeKTOTrainer trains two steps on
-  tests/test_kto_trainer.py's rows and reference model.
+- ``kind="kto"``: ``trainer`` (``"trl"`` or ``"pf"``) and ``precompute`` (``precompute_ref_log_probs``): TRL's
+  KTOTrainer or PaddingFreeKTOTrainer trains two steps on tests/test_kto_trainer.py's rows and reference model.
 
 Each returns the logged history, the gradient of the first optimizer step after the ranks' reduction, and what the
 job's checks need (RL: each training micro-batch's completions and its number of packed forwards after the ranks
@@ -101,18 +101,22 @@ def rl_job(job: dict, folder: str, out: Path) -> dict:
             "world": t.args.world_size}
 
 
-def kto_job(job: dict, out: Path) -> dict:
+def kto_job(job: dict, out: Path, rows: str) -> dict:
+    """``rows``: tests/test_kto_trainer.py's rows as a JSONL file both ranks load (a dataset with cache files in the
+    shared datasets cache: TRL's reference precompute writes its column there on rank 0 and every rank reads it; an
+    in-memory dataset's cache folder is a temporary folder of each process)."""
     import datasets
     from trl import KTOConfig, KTOTrainer
 
     from pf_trl.trainer.preference import PaddingFreeKTOTrainer
     from tests import dpo_support as D
-    from tests.test_kto_trainer import ROWS, reference_model
+    from tests.test_kto_trainer import reference_model
 
     cls = PaddingFreeKTOTrainer if job["trainer"] == "pf" else KTOTrainer
-    args = KTOConfig(**D.fields(out, per_device_train_batch_size=2, max_steps=2))
-    t = cls(D.model(), ref_model=reference_model(), args=args, train_dataset=datasets.Dataset.from_list(ROWS),
-            processing_class=D.tokenizer())
+    args = KTOConfig(**D.fields(out, per_device_train_batch_size=2, max_steps=2,
+                                precompute_ref_log_probs=bool(job.get("precompute"))))
+    train = datasets.load_dataset("json", data_files=rows, split="train")
+    t = cls(D.model(), ref_model=reference_model(), args=args, train_dataset=train, processing_class=D.tokenizer())
     grads: dict = {}
     t.add_callback(_FirstGradient(t.model, grads))
     kl_logps = []  # TRL scores each batch's KL completions on the policy, then on the reference
@@ -125,7 +129,9 @@ def kto_job(job: dict, out: Path) -> dict:
 
     t._compute_kl_logps = recorded
     t.train()
-    local_kl = [float((kl_logps[i] - kl_logps[i + 1]).mean()) for i in range(0, len(kl_logps), 2)]
+    # each step's policy and reference KL scores in turn (precomputed: the reference's come from the dataset)
+    local_kl = [] if job.get("precompute") else [float((kl_logps[i] - kl_logps[i + 1]).mean())
+                                                 for i in range(0, len(kl_logps), 2)]
     return {"history": [{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second", "tflops"))
                          and not k.startswith("train_")} for h in t.state.log_history],
             "grad": grads, "local_kl": local_kl, "world": t.args.world_size}
@@ -133,9 +139,9 @@ def kto_job(job: dict, out: Path) -> dict:
 
 def run_job(job: dict, spec: dict) -> dict:
     """``job`` (see the module docstring) in this process; ``spec``'s ``out`` holds its folder, ``folder`` the tiny
-    model the RL jobs load."""
+    model the RL jobs load, ``kto_rows`` the KTO jobs' rows."""
     import torch.distributed as dist
 
     out = Path(spec["out"]) / job["name"]
-    result = rl_job(job, spec["folder"], out) if job["kind"] == "rl" else kto_job(job, out)
+    result = rl_job(job, spec["folder"], out) if job["kind"] == "rl" else kto_job(job, out, spec["kto_rows"])
     return dict(result, name=job["name"], rank=dist.get_rank() if dist.is_initialized() else 0)

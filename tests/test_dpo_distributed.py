@@ -13,7 +13,8 @@ One ``torchrun --nproc_per_node 2`` launch (tests/dpo_dist_harness.py) trains, i
 and, in the same launch (tests/rl_kto_dist_jobs.py: their imports added, not a second launch's):
 
 - GRPO's ``max_tokens_per_forward``, one step, for ``grpo`` (a per-sequence mean of each rank's micro-batch),
-  ``dapo`` (a sum over tokens divided by ``num_items_in_batch``, the completion tokens of every rank) and RLOO's loss
+  ``dapo`` (a sum over tokens divided by ``num_items_in_batch``, the completion tokens of every rank), ``bnpo`` (a
+  token mean of each rank's micro-batch) and RLOO's loss
   (a per-sequence mean, which the Trainer scales for accumulation): without a budget
   and with one that splits every micro-batch of both ranks into several packed forwards (the ranks holding different
   numbers of completion tokens). The split step's loss, every logged metric and the gradient after DDP's reduction
@@ -21,8 +22,9 @@ and, in the same launch (tests/rl_kto_dist_jobs.py: their imports added, not a s
   differently and everything is a sum over them); control: ``dapo``'s pieces normalised by their rank's own completion
   tokens instead of by ``num_items_in_batch`` give another gradient;
 - KTO, two steps, TRL's KTOTrainer and PaddingFreeKTOTrainer on the same rows: the loss, the gradient norm, every KTO
-  metric (tests/test_kto_trainer.py's tolerance) and the first step's reduced gradient equal; the KL term is the mean
-  of both ranks' estimates (TRL gathers it); control: each rank's own estimate differs from it;
+  metric (tests/test_kto_trainer.py's tolerance) and the first step's reduced gradient equal, with a reference model
+  and with its log-probabilities precomputed (each rank's share, packed); the KL term is the mean of both ranks'
+  estimates (TRL gathers it); control: each rank's own estimate differs from it;
 - the reward model, two steps, TRL's RewardTrainer and PaddingFreeRewardTrainer on the same pairs (the ranks'
   micro-batches of different lengths; margins, ``center_rewards_coefficient``): the loss, every logged metric and the
   first step's reduced gradient equal within ``sum_rtol`` of the step's real tokens; the logged accuracy and margin
@@ -41,6 +43,7 @@ from test_distributed import _env, _failure, _torchrun  # the project's torchrun
 
 from tests import dpo_support as S
 from tests import rl_support as R
+from tests.test_kto_trainer import ROWS as KTO_ROWS
 from tests.test_kto_trainer import RTOL as KTO_RTOL
 from tests.test_kto_trainer import assert_same_metrics
 from tests.tolerances import assert_other_math, assert_same_math, sum_rtol
@@ -61,11 +64,14 @@ BUDGET_KW = dict(max_steps=1, per_device_train_batch_size=1, max_tokens_per_batc
 # GRPO: a budget under every micro-batch of 2 groups (each rank's 4 sequences) that still holds several sequences:
 # forwards of uneven sizes, a group's prompt held once in each
 RL_BUDGET = 24
-RL_LOSS_TYPES = ("grpo", "dapo", "rloo")  # rloo: PaddingFreeRLOOTrainer (its loss left to the Trainer to scale)
+# one loss type of each normalisation a piece keeps (rl/budget.py): per sequence, per generation batch, per token of
+# the micro-batch; rloo: PaddingFreeRLOOTrainer (its loss left to the Trainer to scale)
+RL_LOSS_TYPES = ("grpo", "dapo", "bnpo", "rloo")
 RL_JOBS = [*(dict(name=f"{loss}_{how}", kind="rl", loss_type=loss, budget=budget, control=None)
              for loss in RL_LOSS_TYPES for how, budget in (("whole", None), ("split", RL_BUDGET))),
            dict(name="dapo_local", kind="rl", loss_type="dapo", budget=RL_BUDGET, control="local"),
-           dict(name="kto_trl", kind="kto", trainer="trl"), dict(name="kto_pf", kind="kto", trainer="pf")]
+           *(dict(name=f"kto_{trainer}{suffix}", kind="kto", trainer=trainer, precompute=bool(suffix))
+             for trainer in ("trl", "pf") for suffix in ("", "_pre"))]
 REWARD_JOBS = [dict(name=f"reward_{trainer}", kind="reward", trainer=trainer) for trainer in ("trl", "pf")]
 
 
@@ -75,7 +81,10 @@ def _two_ranks(out) -> dict[str, list[dict]]:
             dict(name="budget_unweighted", trainer="pf", rows=BUDGET_ROWS, kw=BUDGET_KW, unweighted=True), *RL_JOBS,
             *REWARD_JOBS]
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "folder": R.model_folder(out), "jobs": jobs}))
+    kto_rows = out / "kto_rows.jsonl"  # one file, written before the launch: the same dataset cache for both ranks
+    kto_rows.write_text("".join(json.dumps(r) + "\n" for r in KTO_ROWS))
+    spec.write_text(json.dumps({"out": str(out), "folder": R.model_folder(out), "jobs": jobs,
+                                "kto_rows": str(kto_rows)}))
     proc = subprocess.run(_torchrun(HARNESS, str(spec)), env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, _failure(proc)
     return {job["name"]: [torch.load(out / job["name"] / f"result_{r}.pt") for r in (0, 1)] for job in jobs}
@@ -191,9 +200,11 @@ def test_two_ranks_grpo_budget_control_local_normaliser_differs(runs):
                       what="dapo gradient norm under the local normaliser", rtol=rtol)
 
 
-def test_two_ranks_kto_equals_trl(runs):
+@pytest.mark.parametrize("precompute", [False, True], ids=["reference", "precomputed"])
+def test_two_ranks_kto_equals_trl(runs, precompute):
     two, _ = runs
-    trl, pf = two["kto_trl"], two["kto_pf"]
+    suffix = "_pre" if precompute else ""
+    trl, pf = two[f"kto_trl{suffix}"], two[f"kto_pf{suffix}"]
     assert [r["world"] for r in trl + pf] == [2] * 4
     expected, got = trl[0]["history"], pf[0]["history"]
     keys = {k for h in expected for k in h}
@@ -202,6 +213,8 @@ def test_two_ranks_kto_equals_trl(runs):
     for step, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
         assert_same_metrics(mine, {k: v for k, v in theirs.items() if k in keys}, f"log {step}")
     assert_same_math(pf[0]["grad"], trl[0]["grad"], what="first step's reduced gradient", rtol=S.GRAD_RTOL)
+    if precompute:  # the reference's KL scores precomputed per rank, gathered by TRL with the dataset's
+        return
     # the KL term is both ranks' (TRL gathers it): the mean of their own estimates, which differ from it
     for step, logged in enumerate(h["kl"] for h in got if "kl" in h):
         own = [r["local_kl"][step] for r in pf]
