@@ -11,6 +11,9 @@ A ``JOB`` (:func:`run_job`) is ``{"name", "kind"}`` plus:
 - ``kind="kto"``: ``trainer`` (``"trl"`` or ``"pf"``) and ``precompute`` (``precompute_ref_log_probs``): TRL's
   KTOTrainer or PaddingFreeKTOTrainer trains two steps on tests/test_kto_trainer.py's rows and reference model.
 
+- ``kind="precompute_refusal"``: PaddingFreeKTOTrainer and PaddingFreeDPOTrainer built with
+  ``precompute_ref_log_probs=True`` on an in-memory dataset: each one-line refusal (nothing trained).
+
 Each returns the logged history, the gradient of the first optimizer step after the ranks' reduction, and what the
 job's checks need (RL: each training micro-batch's completions and its number of packed forwards after the ranks
 agreed; KTO: each rank's own KL estimate of each step, before TRL gathers it).
@@ -137,11 +140,35 @@ def kto_job(job: dict, out: Path, rows: str) -> dict:
             "grad": grads, "local_kl": local_kl, "world": t.args.world_size}
 
 
+def precompute_refusal_job(out: Path) -> dict:
+    import datasets
+    from trl import DPOConfig, KTOConfig
+
+    from pf_trl.errors import ConfigError
+    from pf_trl.trainer.dpo_trainer import PaddingFreeDPOTrainer
+    from pf_trl.trainer.preference import PaddingFreeKTOTrainer
+    from tests import dpo_support as D
+    from tests.test_kto_trainer import ROWS
+
+    refused = {}
+    for name, cls, config, rows in (("kto", PaddingFreeKTOTrainer, KTOConfig, ROWS),
+                                    ("dpo", PaddingFreeDPOTrainer, DPOConfig, D.pairs(4))):
+        args = config(**D.fields(out / name, precompute_ref_log_probs=True))
+        try:
+            cls(D.model(), args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=D.tokenizer())
+        except ConfigError as exc:
+            refused[name] = str(exc)
+    return {"refused": refused, "world": int(DPOConfig(**D.fields(out)).world_size)}
+
+
 def run_job(job: dict, spec: dict) -> dict:
     """``job`` (see the module docstring) in this process; ``spec``'s ``out`` holds its folder, ``folder`` the tiny
     model the RL jobs load, ``kto_rows`` the KTO jobs' rows."""
     import torch.distributed as dist
 
     out = Path(spec["out"]) / job["name"]
-    result = rl_job(job, spec["folder"], out) if job["kind"] == "rl" else kto_job(job, out, spec["kto_rows"])
+    if job["kind"] == "precompute_refusal":
+        result = precompute_refusal_job(out)
+    else:
+        result = rl_job(job, spec["folder"], out) if job["kind"] == "rl" else kto_job(job, out, spec["kto_rows"])
     return dict(result, name=job["name"], rank=dist.get_rank() if dist.is_initialized() else 0)

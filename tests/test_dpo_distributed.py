@@ -71,7 +71,8 @@ RL_JOBS = [*(dict(name=f"{loss}_{how}", kind="rl", loss_type=loss, budget=budget
              for loss in RL_LOSS_TYPES for how, budget in (("whole", None), ("split", RL_BUDGET))),
            dict(name="dapo_local", kind="rl", loss_type="dapo", budget=RL_BUDGET, control="local"),
            *(dict(name=f"kto_{trainer}{suffix}", kind="kto", trainer=trainer, precompute=bool(suffix))
-             for trainer in ("trl", "pf") for suffix in ("", "_pre"))]
+             for trainer in ("trl", "pf") for suffix in ("", "_pre")),
+           dict(name="precompute_refusal", kind="precompute_refusal")]
 REWARD_JOBS = [dict(name=f"reward_{trainer}", kind="reward", trainer=trainer) for trainer in ("trl", "pf")]
 
 
@@ -222,6 +223,19 @@ def test_two_ranks_kto_equals_trl(runs, precompute):
         assert_same_math(logged, sum(own) / 2, what=f"step {step} kl", rtol=KTO_RTOL)
         for value in own:
             assert_other_math(value, logged, what=f"step {step}: one rank's own kl", rtol=KTO_RTOL)
+
+
+def test_two_ranks_refuse_a_precompute_into_an_in_memory_dataset_in_one_line(runs):
+    """TRL's reference precompute writes into the dataset's cache folder on rank 0 and every rank reads it: an in-memory
+    dataset's folder is each process's own (TRL fails with FileNotFoundError on rank 1). The same trainers with the
+    rows loaded from a JSONL train (``kto_pf_pre``, above): the control."""
+    two, _ = runs
+    for rank in two["precompute_refusal"]:
+        assert rank["world"] == 2 and set(rank["refused"]) == {"kto", "dpo"}
+        for message in rank["refused"].values():
+            assert message.startswith("precompute_ref_log_probs=True on 2 processes") and "\n" not in message
+            assert "load_dataset or load_from_disk" in message
+    assert two["kto_pf_pre"][0]["history"]
 
 
 # ------------------------------------------------------------------------------------- reward model (same launch)

@@ -42,6 +42,7 @@ from pf_trl.trainer.ga_scaling import declare_loss_scaled_for_ga
 from pf_trl.trainer.gather import gather_uneven_first_dim
 from pf_trl.trainer.preference.budget import PairBudgetMixin, refuse_over_budget_pairs, refuse_streamed_under_budget
 from pf_trl.trainer.preference.collate import PACKED_ROW_KEY, PackedRowCollator
+from pf_trl.trainer.preference.precompute import refuse_in_memory_precompute
 
 __all__ = ["PaddingFreeDPOTrainer", "gather_uneven_first_dim"]
 
@@ -82,6 +83,7 @@ class PaddingFreeDPOTrainer(PairBudgetMixin, TokenAccountingMixin, DPOTrainer):
         check_pf_fields(args)
         budget = getattr(args, "max_tokens_per_batch", None)
         _refuse_unsupported(model, data_collator, train_dataset, peft_config, budget)
+        refuse_in_memory_precompute(args, train_dataset, eval_dataset)
         if args.padding_free:  # TRL would warn that its padding_free is disabled; here every batch is packed
             args.padding_free = False
         self.pf_mode = getattr(args, "padding_free_mode", "huggingface")

@@ -30,6 +30,7 @@ from pf_trl.trainer.adapters import refuse_prompt_learning, transformers_model
 from pf_trl.trainer.dpo_forward import check_head_against_trl
 from pf_trl.trainer.packed import pack_padded
 from pf_trl.trainer.preference.kto_config import check_kto_fields
+from pf_trl.trainer.preference.precompute import refuse_in_memory_precompute
 from pf_trl.trainer.preference.self_packed_forward import install_self_packed_forward
 from pf_trl.trainer.resume import CheckpointCompleteCallback, ResumableTrainerMixin
 
@@ -61,6 +62,7 @@ class PaddingFreeKTOTrainer(ResumableTrainerMixin, TokenAccountingMixin, KTOTrai
             args = PaddingFreeKTOConfig(output_dir="pf-trl-kto")
         check_kto_fields(args)
         _refuse_unsupported(model, data_collator, train_dataset, peft_config)
+        refuse_in_memory_precompute(args, train_dataset, eval_dataset)
         self.pf_mode = getattr(args, "padding_free_mode", "huggingface")
         self._pf_packed_models: set[int] = set()
         super().__init__(model, ref_model=ref_model, args=args, train_dataset=train_dataset,
