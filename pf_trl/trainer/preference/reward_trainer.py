@@ -55,6 +55,11 @@ def _refuse_unsupported(model, data_collator, peft_config) -> None:
     if data_collator is not None:
         raise ConfigError("PaddingFreeRewardTrainer builds its own packed collator from TRL's; pass no data_collator")
     refuse_prompt_learning(model, peft_config)  # a peft_config, or a PeftModel passed in
+    task = str(getattr(peft_config, "task_type", None) or "").split(".")[-1]  # a TaskType or its string
+    if task in ("CAUSAL_LM", "SEQ_2_SEQ_LM"):  # TRL's own trainer fails deep inside PEFT on it (AttributeError)
+        raise ConfigError(f"peft_config task_type={task} wraps a language model, but a reward model is a sequence "
+                          "classifier; use task_type='SEQ_CLS' (`--lora_task_type SEQ_CLS`), which also trains its "
+                          "score head")
 
 
 class PaddingFreeRewardTrainer(PairBudgetMixin, TokenAccountingMixin, RewardTrainer):
