@@ -153,7 +153,8 @@ def _record_scoring_forwards(t) -> list[dict]:
                               shared="pf_shared_prefix" in kwargs))
 
     for model in (t.model, t.ref_model):
-        model.base_model.register_forward_pre_hook(record, with_kwargs=True)
+        if model is not None:  # (a LoRA policy's reference is the policy with its adapter disabled)
+            model.base_model.register_forward_pre_hook(record, with_kwargs=True)
     generate = t._generate
 
     def tracked(prompts):
@@ -210,6 +211,37 @@ def test_rloo_matches_trl_on_equal_prompts(folder, tmp_path):
     assert sum(c["grad"] for c in calls) == 8  # the 2 training micro-batches: one forward per sequence
     assert logs[0][0]["grad_norm"] > 0
     assert S.compare_logs(*logs) == []
+
+
+def test_grpo_with_lora_matches_trl(folder, tmp_path):
+    """A LoRA policy (TRL's peft_config path) whose reference is the same model with its adapter disabled (beta > 0,
+    no reference model loaded): two steps, every logged metric and the trained adapter as TRL's. LoRA dropout 0: its
+    masks are drawn over each forward's shape, so a packed row and a padded batch draw different ones."""
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pf_trl.trainer.rl import PaddingFreeGRPOConfig, PaddingFreeGRPOTrainer
+
+    data = S.prompts(4, equal=True)
+    runs = {}
+    for name, cls, config_cls in (("trl", GRPOTrainer, GRPOConfig), ("pf", PaddingFreeGRPOTrainer,
+                                                                       PaddingFreeGRPOConfig)):
+        args = config_cls(**S.config_fields(tmp_path / name, optim="sgd", learning_rate=1.0))
+        t = cls(model=folder, reward_funcs=S.reward_length, args=args, train_dataset=data,
+                processing_class=S.tokenizer(folder),
+                peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM"))
+        calls = _record_scoring_forwards(t)
+        t.train()
+        runs[name] = (S.logged(t.state.log_history), {n: p for n, p in S.parameters(t).items() if "lora_" in n})
+    (trl_logs, trl_lora), (logs, lora) = runs["trl"], runs["pf"]
+    # pf-trl's scoring forwards (policy, old policy, the adapter-disabled reference) are packed rows, shared prefixes
+    assert calls and all(c["rows"] == 1 and not c["mask"] and c["shared"] for c in calls)
+    # the adapter moved at step 1, so step 2's reference (the adapter disabled) differs from the policy
+    assert trl_logs[1]["kl"] > 0 and trl_logs[0]["grad_norm"] > 0
+    assert S.compare_logs(trl_logs, logs) == []
+    assert trl_lora and trl_lora.keys() == lora.keys()
+    for key, value in trl_lora.items():
+        assert _close(value, lora[key], 1e-5), key
 
 
 # ------------------------------------------------------------------------------- prompts of different lengths
