@@ -65,6 +65,18 @@ def test_dpo_trains_from_jsonl(form, tmp_path, capsys, tiny_folder):
     assert state is None or state["global_step"] == 1  # the command line wins over the YAML's max_steps
 
 
+@pytest.mark.slow
+def test_dpo_trains_the_embedded_model_under_bf16_autocast(tmp_path, capsys):
+    """`--bf16 true` (TRL's default on a GPU): accelerate runs the reference model's forward under bfloat16 autocast,
+    so TRL's head projects in bfloat16 there; the check of pf-trl's head against TRL's compares them in that dtype
+    (it compared float32 against bfloat16 and refused the embedded tiny Llama: 1.5e-4 > 1e-4)."""
+    data = _write(tmp_path / "pairs.jsonl", S.pairs(4))
+    code, out, err = _run(["dpo", "--dataset_name", data, "--output_dir", str(tmp_path / "out"), *TINY_FLAGS,
+                           "--bf16", "true", "--max_steps", "1", "--per_device_train_batch_size", "2"], capsys)
+    assert code == 0, err[-2000:]
+    assert "model saved to" in out
+
+
 def test_dpo_refuses_in_one_line(tmp_path, capsys):
     data = _write(tmp_path / "bad.jsonl", [{"text": "no pairs here"}])
     code, _, err = _run(["dpo", "--dataset_name", data, "--output_dir", str(tmp_path / "o"), *TINY_FLAGS], capsys)
@@ -84,6 +96,7 @@ def test_dpo_push_to_hub_offline_is_refused_before_any_work(tmp_path, capsys, mo
                            "--push_to_hub", "True"], capsys)
     assert code == 2 and "--push_to_hub True needs the Hugging Face Hub" in _last_line(err)
     assert not (tmp_path / "o").exists()  # refused before the model or the data were touched
+
 
 
 def test_ignore_bias_buffers_lists_the_boolean_buffers():

@@ -241,7 +241,11 @@ def check_head_against_trl(model: torch.nn.Module, *, positions: int = 8, seed: 
     captured: dict[str, torch.Tensor] = {}
 
     def keep(module, args, output):
-        captured["hidden"] = output.last_hidden_state
+        hidden = output.last_hidden_state
+        captured["hidden"] = hidden
+        # the dtype TRL's head projects in here: autocast's where the model's forward runs under it (accelerate wraps
+        # a prepared reference model's forward in the run's mixed precision), else the hidden states'
+        captured["matmul_dtype"] = autocast_dtype(hidden.device.type) or hidden.dtype
 
     handle = _trl_backbone(model).register_forward_hook(keep)
     was_training = model.training
@@ -251,11 +255,12 @@ def check_head_against_trl(model: torch.nn.Module, *, positions: int = 8, seed: 
             trl = model(input_ids=ids, labels=ids, fused_lm_head=True)  # no packed row: TRL's own forward and head
             scale, softcap = head_transform_from_config(model.config)
             mine = preference_head(head, captured["hidden"][0, :-1].to(head.weight.device), ids[0, 1:].to(
-                head.weight.device), scale=scale, softcap=softcap, fields=getattr(model, _FIELDS_ATTR, ("log_probs",)))
+                head.weight.device), scale=scale, softcap=softcap, fields=getattr(model, _FIELDS_ATTR, ("log_probs",)),
+                matmul_dtype=captured["matmul_dtype"])
     finally:
         handle.remove()
         model.train(was_training)
-    rtol = _CHECK_RTOL.get(captured["hidden"].dtype, 2e-2)
+    rtol = _CHECK_RTOL.get(captured["matmul_dtype"], 2e-2)
     worst, field = 0.0, "log_probs"
     for name, value in mine.items():
         theirs = getattr(trl, name, None)
