@@ -98,6 +98,34 @@ def test_dpo_push_to_hub_offline_is_refused_before_any_work(tmp_path, capsys, mo
     assert not (tmp_path / "o").exists()  # refused before the model or the data were touched
 
 
+def test_a_bucket_output_dir_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """These commands save into a local folder: `s3://...` would become a local folder `s3:/...` (as TRL's trainers
+    make it); refused in one line, nothing created. The trainers refuse it at construction alike."""
+    import datasets
+    from trl import GRPOConfig, KTOConfig
+
+    from pf_trl.trainer.output_dir import OutputDirError
+    from pf_trl.trainer.preference import PaddingFreeKTOTrainer
+    from pf_trl.trainer.rl import PaddingFreeGRPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    good = _write(tmp_path / "pairs.jsonl", S.pairs(2))
+    for command in ("dpo", "kto", "reward", "grpo", "rloo"):
+        code, _, err = _run([command, "--dataset_name", good, "--output_dir", "s3://bucket/run", *TINY_FLAGS], capsys)
+        assert code == 2 and _last_line(err).startswith(f"pf-trl {command}: error: output_dir s3://bucket/run: ")
+        assert "`pf-trl train`" in _last_line(err) and len(err.strip().splitlines()) == 1
+    rows = datasets.Dataset.from_list([{"prompt": "a", "completion": "b", "label": True}])
+    with pytest.raises(OutputDirError, match="PaddingFreeKTOTrainer saves"):
+        PaddingFreeKTOTrainer(S.model(), args=KTOConfig(**S.fields(tmp_path, output_dir="gs://bucket/kto")),
+                              train_dataset=rows, processing_class=S.tokenizer())
+    with pytest.raises(OutputDirError, match="PaddingFreeGRPOTrainer saves"):
+        PaddingFreeGRPOTrainer("unused", reward_funcs=[], args=GRPOConfig(**S.fields(tmp_path, output_dir="s3://b/g")))
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "gs:").exists()
+    # control: a local folder goes past this check (to the next one: here the missing rows)
+    code, _, err = _run(["dpo", "--dataset_name", str(tmp_path / "none.jsonl"), "--output_dir", "o", *TINY_FLAGS],
+                        capsys)
+    assert code == 2 and "none.jsonl" in _last_line(err) and "saves its checkpoints" not in _last_line(err)
+
 
 def test_ignore_bias_buffers_lists_the_boolean_buffers():
     import torch

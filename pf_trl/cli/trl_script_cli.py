@@ -49,6 +49,9 @@ def run_trl_script(argv: list[str] | None, prog: str, config_cls: Callable[[], t
         from pf_trl.cli.upstream import check_push_to_hub
 
         check_push_to_hub(parsed[1].push_to_hub, parsed[1].hub_token)  # offline / no token: before any work
+        from pf_trl.trainer.output_dir import refuse_uri_output_dir
+
+        refuse_uri_output_dir(parsed[1].output_dir, prog)  # before a model or dataset is loaded
         run()(*parsed)
     except PfTrlError as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -30,6 +30,16 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def refuse_uri_output_dir(output_dir, what: str) -> None:
+    """One line when ``output_dir`` is a URI (``s3://``, ``gs://``, ...) and ``what`` (a trainer or a command) saves
+    into a local folder only: Trainer would create a local folder named after it (``s3:/bucket/...``) and write
+    there."""
+    if isinstance(output_dir, str) and "://" in output_dir:
+        raise OutputDirError(f"output_dir {output_dir}: {what} saves its checkpoints and model into a local folder; a "
+                             "bucket output_dir is taken by `pf-trl train` (PaddingFreeSFTTrainer) only: give a local "
+                             "or mounted folder (one volume every rank sees) and copy it to the bucket after training")
+
+
 def wants_resume(resume_from_checkpoint) -> bool:
     """True when ``resume_from_checkpoint`` asks for a resume (``True``, ``"true"``, ``"auto"`` or a checkpoint path):
     ``"auto"`` is a job that restarts itself, whose output directory holds its own checkpoints

@@ -235,9 +235,20 @@ def resolve_resume(trainer, resume_from_checkpoint: Any) -> Any:
 class ResumableTrainerMixin:
     """Mixed into pf-trl's TRL trainers (before the TRL class; each adds :class:`CheckpointCompleteCallback` last):
     ``train(resume_from_checkpoint=...)`` takes what ``pf-trl train`` takes (``"auto"``, ``True``, a path;
-    :func:`resolve_resume`), and the checkpoint resumed from is recorded for :func:`restore_sampler` for that call."""
+    :func:`resolve_resume`), and the checkpoint resumed from is recorded for :func:`restore_sampler` for that call. A
+    URI as ``output_dir`` is refused at construction (these trainers save into a local folder)."""
 
     _pf_resume_dir: str | None = None
+
+    def __init__(self, *args, **kwargs):
+        from transformers import TrainingArguments
+
+        from pf_trl.trainer.output_dir import refuse_uri_output_dir
+
+        config = next((v for v in (*args, *kwargs.values()) if isinstance(v, TrainingArguments)), None)
+        if config is not None:  # before Trainer creates it as a local folder
+            refuse_uri_output_dir(config.output_dir, type(self).__name__)
+        super().__init__(*args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if trial is None:  # a hyperparameter search trains each trial in its own folder
